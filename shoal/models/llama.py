@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
+
+The model sees one flat batch of tokens (no padding) and delegates attention to a callable
+supplied per forward, so it knows nothing about KV blocks or scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.models.config import ModelConfig
+from shoal.models.rope import RotaryEmbedding
+
+
+class AttentionFn(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] for this step's tokens; returns [T, Hq, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionFn):
+        cfg = self.cfg
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = attn(self.index, q, k, v).reshape(t, cfg.q_size)
+        x = x + self.o_proj(o)
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim,
+            max_positions or cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            cfg.rope_freq_factors,
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] (before the last norm)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.lm_head_weight)
+
+    # --- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named tensors, fusing q/k/v and gate/up into their packed parameters."""
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        fused = {
+            "q_proj": ("qkv_proj", 0, cfg.q_size),
+            "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
+            "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        loaded: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
+                continue
+            name = name.replace("self_attn.", "").replace("mlp.", "")
+            target, start, size = name, 0, None
+            for part, (packed, off, length) in fused.items():
+                if f".{part}." in name:
+                    target, start, size = name.replace(part, packed), off, length
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} model")
+            param = params[target]
+            dst = param.data if size is None else param.data.narrow(0, start, size)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.setdefault(target, set()).add(start)
+        shards = {"qkv_proj": 3, "gate_up_proj": 2}
+        missing = [
+            p for p in params
+            if len(loaded.get(p, ())) < next((n for k, n in shards.items() if k in p), 1)
+        ]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}")
