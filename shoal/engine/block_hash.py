@@ -1,0 +1,34 @@
+"""Chained block hashes: a full block's hash covers its parent's hash, its tokens and extra keys.
+
+Pure Python and stable across processes, so a router can hash a prompt exactly as the engine does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+NONE_HASH = 0
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+    h = hashlib.sha256((parent or NONE_HASH).to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple = (),
+    known: list[int] | None = None,
+) -> list[int]:
+    """Hashes every full block of `token_ids`, reusing (and extending) the `known` prefix of hashes."""
+    hashes = known if known is not None else []
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys))
+    return hashes

@@ -1,0 +1,38 @@
+"""Engine configuration: cache, scheduler and top-level engine options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # The KV pool is sized from this budget (bytes); num_blocks overrides it when set.
+    kv_cache_memory: int = 2 * GiB
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    # None: the model's context length, clamped to what the KV pool can hold.
+    max_model_len: int | None = None
+    # Fraction of blocks kept free when admitting new requests, so decodes do not preempt at once.
+    admission_watermark: float = 0.01
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,17 @@
+"""Executors run the model for the scheduler; this one runs it in the calling process."""
+
+from __future__ import annotations
+
+from shoal.engine.model_runner import ModelRunner, ModelRunnerOutput
+from shoal.engine.scheduler import SchedulerOutput
+
+
+class UniprocExecutor:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(so)
+
+    def shutdown(self) -> None:
+        pass

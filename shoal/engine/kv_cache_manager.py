@@ -1,0 +1,112 @@
+"""Per-request block tables on top of the block pool: prefix lookup, allocation, caching, fork."""
+
+from __future__ import annotations
+
+from shoal.engine.block_hash import hash_blocks
+from shoal.engine.block_pool import BlockPool, KVBlock
+from shoal.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.tables: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request have been offered to the prefix cache.
+        self.num_committed: dict[str, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, found cached
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _hashes(self, req: Request, num_tokens: int) -> list[int]:
+        return hash_blocks(req.token_ids[:num_tokens], self.block_size, req.extra_keys, req.block_hashes)
+
+    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
+        """Longest run of cached full blocks at the start of the request (never its last token)."""
+        if not self.pool.enable_caching:
+            return []
+        hits = []
+        for h in self._hashes(req, req.num_tokens - 1):
+            block = self.pool.get_cached(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] | tuple = (), reserve: int = 0) -> bool:
+        table = self.tables.get(req.request_id, [])
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        need = self.num_blocks_for(total) - len(table) - len(cached)
+        # Touching a cached block that sits in the free list takes it out of the free count.
+        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
+        return need <= self.pool.num_free_blocks - reclaimed - reserve
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] | tuple = ()) -> None:
+        """Grows the request's table to hold its computed tokens plus `num_new_tokens` more."""
+        table = self.tables.setdefault(req.request_id, [])
+        if cached:
+            assert not table, "cached prefix blocks only attach to an empty table"
+            self.pool.touch(cached)
+            table.extend(cached)
+            self.num_committed[req.request_id] = len(cached)
+        total = req.num_computed_tokens + num_new_tokens
+        need = self.num_blocks_for(total) - len(table)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+
+    def commit(self, req: Request) -> None:
+        """Offers the request's newly full, computed blocks to the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        table = self.tables.get(req.request_id)
+        if table is None:
+            return
+        start = self.num_committed.get(req.request_id, 0)
+        full = min(req.num_computed_tokens // self.block_size, len(table))
+        if full <= start:
+            return
+        hashes = self._hashes(req, full * self.block_size)
+        bs = self.block_size
+        for i in range(start, full):
+            parent = hashes[i - 1] if i else None
+            self.pool.cache_block(table[i], hashes[i], parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+        self.num_committed[req.request_id] = full
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Shares the parent's full computed blocks with the child; returns tokens shared."""
+        table = self.tables[parent.request_id]
+        shared = table[: min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size]
+        self.pool.touch(shared)
+        self.tables[child.request_id] = list(shared)
+        self.num_committed[child.request_id] = len(shared)
+        return len(shared) * self.block_size
+
+    def free(self, req: Request) -> None:
+        table = self.tables.pop(req.request_id, None)
+        self.num_committed.pop(req.request_id, None)
+        if table:
+            # Tail blocks first: they are the least likely to be shared, so they are evicted first.
+            self.pool.free(reversed(table))
+
+    def used_slots(self, requests) -> tuple[int, int]:
+        """(slots holding tokens, slots allocated) over the given requests."""
+        used = alloc = 0
+        for req in requests:
+            table = self.tables.get(req.request_id)
+            if table:
+                alloc += len(table) * self.block_size
+                used += min(req.num_computed_tokens, len(table) * self.block_size)
+        return used, alloc

@@ -1,0 +1,169 @@
+"""The synchronous engine: validate and add requests, step, abort."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from shoal.engine.block_pool import BlockPool, KVEvent
+from shoal.engine.config import EngineConfig
+from shoal.engine.executor import UniprocExecutor
+from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.model_runner import ModelRunner, kv_bytes_per_block
+from shoal.engine.output_processor import OutputProcessor
+from shoal.engine.outputs import RequestOutput
+from shoal.engine.request import Request
+from shoal.engine.sampling_params import InvalidParamError, SamplingParams
+from shoal.engine.scheduler import Scheduler
+from shoal.models.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestRejectedError(InvalidParamError):
+    """A request that can never be served (too long, bad tokens, duplicate id)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message, param)
+        self.code = code
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    num_evictions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = _DTYPES[config.dtype]
+        cache = config.cache
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=config.device)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        mcfg = loaded.config
+        num_blocks = cache.num_blocks or cache.kv_cache_memory // kv_bytes_per_block(mcfg, cache.block_size, dtype)
+        if num_blocks < 2:
+            raise ValueError("the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory")
+        model_len = config.scheduler.max_model_len or mcfg.max_position_embeddings
+        self.max_model_len = min(model_len, num_blocks * cache.block_size, mcfg.max_position_embeddings)
+        if self.max_model_len < model_len:
+            log.warning("max_model_len lowered to %d: the KV pool holds no more", self.max_model_len)
+        pool = BlockPool(num_blocks, cache.enable_prefix_caching, cache.enable_kv_events)
+        self.kv = KVCacheManager(pool, cache.block_size)
+        eos = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos)
+        runner = ModelRunner(loaded.model, num_blocks, cache.block_size, eos, config.device)
+        self.executor = UniprocExecutor(runner)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(config.seed)
+        self.num_steps = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    # --- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.scheduler.groups or request_id in self.output_processor.groups:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.loaded.config.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestRejectedError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        if not ids:
+            raise RequestRejectedError("the prompt is empty", "prompt")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise RequestRejectedError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} tokens "
+                "including at least one generated token",
+                "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise RequestRejectedError(
+                f"this model's maximum context length is {limit} tokens; you requested {len(ids) + max_tokens} "
+                f"tokens ({len(ids)} in the prompt, {max_tokens} for the completion)",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Request(
+            request_id, ids, params, max_tokens=max_tokens, seed=seed, priority=priority, arrival_time=arrival_time
+        )
+        self.scheduler.add_request(req)
+        self.output_processor.add(req, text)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort(request_id)
+        self.output_processor.drop(request_id)
+        return bool(aborted)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # --- stepping ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        result = self.executor.execute_model(so)
+        if so.empty:
+            return []
+        self.num_steps += 1
+        changed = self.scheduler.update_from_output(so, result.sampled)
+        return self.output_processor.process(changed, result.logprobs, self.scheduler.finish_by_stop_string)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=pool.usage,
+            num_free_blocks=pool.num_free_blocks,
+            num_blocks=pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            num_evictions=pool.num_evictions,
+        )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.pool.take_events()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+

@@ -1,0 +1,127 @@
+"""Runs one scheduled step: builds the flattened batch and attention metadata, runs the model,
+computes logits only for rows that sample, and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.engine.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention, prefill_mask
+from shoal.engine.outputs import TokenLogprob
+from shoal.engine.sampler import Sampler, SamplingState
+from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
+from shoal.models.config import ModelConfig
+from shoal.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: frozenset[int],
+        device: torch.device | str = "cpu",
+    ):
+        self.model = model
+        self.cfg = model.cfg
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        dtype = model.embed_tokens.weight.dtype
+        shape = (num_blocks * block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.cfg.num_layers)
+        ]
+        self.attention = TorchPagedAttention(self.kv_caches, scale=self.cfg.head_dim**-0.5)
+        self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size)
+        self.states: dict[str, SamplingState] = {}
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_ids:
+            self.states.pop(rid, None)
+        for new in so.new_requests:
+            gen = torch.Generator(device="cpu").manual_seed(new.seed)
+            self.states[new.request_id] = SamplingState(new.params, gen, new.prompt_token_ids)
+        if not so.chunks:
+            return ModelRunnerOutput()
+
+        # Single-token rows first: they share one batched attention call.
+        chunks = sorted(so.chunks, key=lambda c: len(c.token_ids) > 1)
+        input_ids, positions, md = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md))
+
+        sample_rows, sample_chunks, row = [], [], 0
+        for c in chunks:
+            row += len(c.token_ids)
+            if c.sample:
+                sample_rows.append(row - 1)
+                sample_chunks.append(c)
+        out = ModelRunnerOutput()
+        if not sample_rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        states = [self.states[c.request_id] for c in sample_chunks]
+        tokens = self.sampler(logits, states)
+        logprobs = self.sampler.logprobs(logits, tokens, states)
+        for c, s, tok, lp in zip(sample_chunks, states, tokens, logprobs):
+            s.output_token_ids.append(tok)
+            out.sampled[c.request_id] = tok
+            if lp is not None:
+                out.logprobs[c.request_id] = lp
+        return out
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for c in chunks:
+            ids.extend(c.token_ids)
+            for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
+                pos.append(p)
+                slots.append(c.block_ids[p // bs] * bs + p % bs)
+        dev = self.device
+        window = self.cfg.sliding_window
+        decode = [c for c in chunks if len(c.token_ids) == 1]
+        decode_slots = decode_mask = None
+        if decode:
+            ctx = torch.tensor([c.start_pos + 1 for c in decode])
+            width = max(len(c.block_ids) for c in decode)
+            table = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in decode])
+            length = int(ctx.max())
+            decode_slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).view(len(decode), -1)[:, :length]
+            key_pos = torch.arange(length).unsqueeze(0)
+            mask = key_pos < ctx.unsqueeze(1)
+            if window is not None:
+                mask &= key_pos > (ctx.unsqueeze(1) - 1 - window)
+            decode_slots = decode_slots.to(dev)
+            decode_mask = mask.view(len(decode), 1, 1, length).to(dev)
+        prefills, row = [], len(decode)
+        slot_tensor = torch.tensor(slots, device=dev)
+        for c in chunks[len(decode) :]:
+            n = len(c.token_ids)
+            context = c.start_pos + n
+            if c.start_pos == 0:
+                span_slots = None
+            else:
+                p = torch.arange(context)
+                table = torch.tensor(c.block_ids)
+                span_slots = (table[p // bs] * bs + p % bs).to(dev)
+            prefills.append(PrefillSpan(row, row + n, context, span_slots, prefill_mask(n, context, window, dev)))
+            row += n
+        md = AttentionMetadata(slot_tensor, len(decode), decode_slots, decode_mask, prefills)
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md

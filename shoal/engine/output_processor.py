@@ -1,0 +1,93 @@
+"""Turns per-step token results into RequestOutputs: text, logprobs, finish reasons, n choices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.engine.detokenizer import IncrementalDetokenizer
+from shoal.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from shoal.engine.request import Request
+from shoal.models.tokenizer import Tokenizer
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    detokenizers: list[IncrementalDetokenizer]
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, _Group] = {}
+
+    def add(self, req: Request, prompt: str | None) -> None:
+        p = req.params
+        self.groups[req.group_id] = _Group(
+            req.group_id,
+            prompt,
+            req.prompt_token_ids,
+            [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)],
+            [
+                IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+                )
+                for _ in range(p.n)
+            ],
+        )
+
+    def drop(self, group_id: str) -> None:
+        self.groups.pop(group_id, None)
+
+    def process(
+        self, changed: list[Request], logprobs: dict[str, TokenLogprob], on_stop_string
+    ) -> list[RequestOutput]:
+        """`on_stop_string(req, stop)` finishes a request whose text hit a stop string."""
+        touched: dict[str, _Group] = {}
+        for req in changed:
+            group = self.groups.get(req.group_id)
+            if group is None:
+                continue
+            if group.request_id not in touched:
+                touched[group.request_id] = group
+                for o in group.outputs:
+                    o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
+            if req.index == 0 and req.num_cached_tokens > 0:
+                group.num_cached_tokens = req.num_cached_tokens
+            comp = group.outputs[req.index]
+            detok = group.detokenizers[req.index]
+            token = req.token_ids[-1]
+            comp.token_ids = req.output_token_ids
+            comp.delta_token_ids = [token]
+            lp = logprobs.get(req.request_id)
+            comp.delta_logprobs = [lp] if lp is not None else []
+            if comp.logprobs is not None and lp is not None:
+                comp.logprobs.append(lp)
+            stop = detok.add_token(token)
+            if stop is not None and not req.is_finished:
+                on_stop_string(req, stop)
+            if req.is_finished:
+                comp.finish_reason = req.status.value
+                comp.stop_reason = req.stop_reason
+            comp.delta_text = detok.take_delta(req.is_finished)
+            comp.text = detok.text[: detok.emitted]
+        results = []
+        for gid, group in touched.items():
+            finished = all(o.finished for o in group.outputs)
+            results.append(
+                RequestOutput(
+                    gid,
+                    group.prompt,
+                    group.prompt_token_ids,
+                    group.outputs,
+                    finished=finished,
+                    num_cached_tokens=group.num_cached_tokens,
+                )
+            )
+            if finished:
+                del self.groups[gid]
+        return results

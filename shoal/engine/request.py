@@ -1,0 +1,91 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from shoal.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence. An n>1 request is a parent (index 0) that forks n-1 children after its prefill."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        seed: int,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        extra_keys: tuple = (),
+        group_id: str | None = None,
+        index: int = 0,
+    ):
+        self.request_id = request_id
+        self.group_id = group_id or request_id
+        self.index = index
+        self.params = params
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.extra_keys = extra_keys
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_hashes: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
+        self.num_preemptions = 0
+        self.pending_children = params.n - 1 if index == 0 else 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Smaller runs first: better priority (lower value), then older."""
+        return (self.priority, self.arrival_time)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.value}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens})"
+        )

@@ -1,0 +1,119 @@
+"""Turns logits into tokens, row by row with each request's own options and RNG.
+
+Every request carries its own torch.Generator, so a seeded request draws the same tokens whatever
+else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.engine.outputs import TokenLogprob
+from shoal.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """Runner-side state of one request."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: frozenset[int], vocab_size: int):
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
+        logits = logits.float()
+        if all(s.params.greedy and not s.params.has_penalties and s.params.min_tokens == 0 for s in states):
+            return logits.argmax(dim=-1).tolist()
+        logits = logits.clone()
+        self._mask_early_stop(logits, states)
+        self._apply_penalties(logits, states)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            probs = self._filtered_probs(logits[rows], [states[i].params for i in random_rows])
+            for j, i in enumerate(random_rows):
+                # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
+                noise = torch.empty_like(probs[j]).exponential_(generator=states[i].generator)
+                tokens[i] = (probs[j] / noise).argmax()
+        return tokens.tolist()
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: list[int], states: list[SamplingState]) -> list[TokenLogprob | None]:
+        """Log-probabilities under the model's raw distribution (before penalties and temperature)."""
+        out: list[TokenLogprob | None] = [None] * len(states)
+        rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if not rows:
+            return out
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)
+        k = max(states[i].params.logprobs for i in rows)
+        top_vals, top_ids = (lp.topk(k, dim=-1) if k else (None, None))
+        for j, i in enumerate(rows):
+            tok = tokens[i]
+            chosen = lp[j, tok]
+            rank = int((lp[j] > chosen).sum()) + 1
+            n = states[i].params.logprobs
+            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
+            out[i] = TokenLogprob(tok, float(chosen), rank, top)
+        return out
+
+    def _mask_early_stop(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        for i, s in enumerate(states):
+            p = s.params
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                banned = [t for t in banned if t < logits.shape[1]]
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        vocab = logits.shape[1]
+        for i, s in enumerate(states):
+            p = s.params
+            if not p.has_penalties:
+                continue
+            out_ids = torch.tensor(s.output_token_ids, dtype=torch.long)
+            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].float() if len(out_ids) else None
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[torch.tensor(s.prompt_token_ids, dtype=torch.long)] = True
+                if counts is not None:
+                    seen |= counts > 0
+                row = logits[i]
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                logits[i] = torch.where(seen, penalised, row)
+            if counts is not None:
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        logits = logits / temps
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(tp < 1 for tp in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            vocab = logits.shape[1]
+            ks = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+            positions = torch.arange(vocab).unsqueeze(0)
+            sorted_logits = sorted_logits.masked_fill(positions >= ks, float("-inf"))
+            probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            before = probs.cumsum(dim=-1) - probs
+            sorted_logits = sorted_logits.masked_fill(before >= torch.tensor(top_p).unsqueeze(1), float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        if (min_p > 0).any():
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs

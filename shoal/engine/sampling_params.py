@@ -1,0 +1,75 @@
+"""Per-request sampling options, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class InvalidParamError(ValueError):
+    """Bad user input; `param` names the offending field for API error bodies."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-N alternatives per generated token; 0 = only the sampled one
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        checks = [
+            (self.n >= 1, "n", "n must be at least 1"),
+            (self.temperature >= 0, "temperature", "temperature must be non-negative"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "top_k must be -1, 0 (disabled) or positive"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be positive"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "min_tokens must not exceed max_tokens",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be non-negative"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidParamError(message, param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
