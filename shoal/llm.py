@@ -46,11 +46,15 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        params = (
+            sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        )
         order = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p or SamplingParams(), priority=priorities[i] if priorities else 0)
+            self.engine.add_request(
+                rid, prompt, p or SamplingParams(), priority=priorities[i] if priorities else 0
+            )
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

@@ -118,7 +118,9 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
-    def cache_block(self, block: KVBlock, block_hash: int, parent: int | None, token_ids: tuple[int, ...]) -> bool:
+    def cache_block(
+        self, block: KVBlock, block_hash: int, parent: int | None, token_ids: tuple[int, ...]
+    ) -> bool:
         """Registers a full block under its hash; False when that hash is already cached elsewhere."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return False

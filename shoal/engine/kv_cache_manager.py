@@ -46,7 +46,9 @@ class KVCacheManager:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] | tuple = (), reserve: int = 0) -> bool:
+    def can_allocate(
+        self, req: Request, num_new_tokens: int, cached: list[KVBlock] | tuple = (), reserve: int = 0
+    ) -> bool:
         table = self.tables.get(req.request_id, [])
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         need = self.num_blocks_for(total) - len(table) - len(cached)
@@ -101,12 +103,11 @@ class KVCacheManager:
             # Tail blocks first: they are the least likely to be shared, so they are evicted first.
             self.pool.free(reversed(table))
 
-    def used_slots(self, requests) -> tuple[int, int]:
-        """(slots holding tokens, slots allocated) over the given requests."""
+    def occupancy(self, requests, pending: dict[str, int]) -> tuple[int, int]:
+        """(slots holding tokens, slots allocated) over `requests`, counting `pending` tokens as held."""
         used = alloc = 0
         for req in requests:
-            table = self.tables.get(req.request_id)
-            if table:
-                alloc += len(table) * self.block_size
-                used += min(req.num_computed_tokens, len(table) * self.block_size)
+            capacity = len(self.tables.get(req.request_id, ())) * self.block_size
+            alloc += capacity
+            used += min(req.num_computed_tokens + pending.get(req.request_id, 0), capacity)
         return used, alloc

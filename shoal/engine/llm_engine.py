@@ -22,7 +22,7 @@ from shoal.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RequestRejectedError(InvalidParamError):
@@ -51,14 +51,16 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = _DTYPES[config.dtype]
+        dtype = DTYPES[config.dtype]
         cache = config.cache
         if loaded is None:
             loaded = load_model(config.model, dtype=dtype, device=config.device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
-        num_blocks = cache.num_blocks or cache.kv_cache_memory // kv_bytes_per_block(mcfg, cache.block_size, dtype)
+        num_blocks = cache.num_blocks or cache.kv_cache_memory // kv_bytes_per_block(
+            mcfg, cache.block_size, dtype
+        )
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory")
         model_len = config.scheduler.max_model_len or mcfg.max_position_embeddings
@@ -74,6 +76,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         self.num_steps = 0
+        self.last_kv_occupancy = (0, 0)
 
     @property
     def model_name(self) -> str:
@@ -100,7 +103,9 @@ class LLMEngine:
             vocab = self.loaded.config.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
-                raise RequestRejectedError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+                raise RequestRejectedError(
+                    f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
+                )
         if not ids:
             raise RequestRejectedError("the prompt is empty", "prompt")
         limit = self.max_model_len
@@ -114,14 +119,20 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
             raise RequestRejectedError(
-                f"this model's maximum context length is {limit} tokens; you requested {len(ids) + max_tokens} "
-                f"tokens ({len(ids)} in the prompt, {max_tokens} for the completion)",
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion)",
                 "max_tokens",
                 "context_length_exceeded",
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(
-            request_id, ids, params, max_tokens=max_tokens, seed=seed, priority=priority, arrival_time=arrival_time
+            request_id,
+            ids,
+            params,
+            max_tokens=max_tokens,
+            seed=seed,
+            priority=priority,
+            arrival_time=arrival_time,
         )
         self.scheduler.add_request(req)
         self.output_processor.add(req, text)
@@ -143,8 +154,14 @@ class LLMEngine:
         if so.empty:
             return []
         self.num_steps += 1
+        self.last_kv_occupancy = self._occupancy(so)
         changed = self.scheduler.update_from_output(so, result.sampled)
         return self.output_processor.process(changed, result.logprobs, self.scheduler.finish_by_stop_string)
+
+    def _occupancy(self, so) -> tuple[int, int]:
+        """(slots holding K/V, slots allocated) right after the forward, before anything is freed."""
+        step_tokens = {c.request_id: len(c.token_ids) for c in so.chunks}
+        return self.kv.occupancy(self.scheduler.running, step_tokens)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -165,5 +182,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-

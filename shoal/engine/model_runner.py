@@ -42,7 +42,10 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         shape = (num_blocks * block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(self.cfg.num_layers)
         ]
         self.attention = TorchPagedAttention(self.kv_caches, scale=self.cfg.head_dim**-0.5)
@@ -62,7 +65,9 @@ class ModelRunner:
         # Single-token rows first: they share one batched attention call.
         chunks = sorted(so.chunks, key=lambda c: len(c.token_ids) > 1)
         input_ids, positions, md = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md))
+        hidden = self.model(
+            input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md)
+        )
 
         sample_rows, sample_chunks, row = [], [], 0
         for c in chunks:
@@ -121,7 +126,9 @@ class ModelRunner:
                 p = torch.arange(context)
                 table = torch.tensor(c.block_ids)
                 span_slots = (table[p // bs] * bs + p % bs).to(dev)
-            prefills.append(PrefillSpan(row, row + n, context, span_slots, prefill_mask(n, context, window, dev)))
+            prefills.append(
+                PrefillSpan(row, row + n, context, span_slots, prefill_mask(n, context, window, dev))
+            )
             row += n
         md = AttentionMetadata(slot_tensor, len(decode), decode_slots, decode_mask, prefills)
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md

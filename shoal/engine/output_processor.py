@@ -34,7 +34,11 @@ class OutputProcessor:
             [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)],
             [
                 IncrementalDetokenizer(
-                    self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+                    self.tokenizer,
+                    req.prompt_token_ids,
+                    p.stop,
+                    p.include_stop_str_in_output,
+                    p.skip_special_tokens,
                 )
                 for _ in range(p.n)
             ],

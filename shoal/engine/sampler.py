@@ -48,7 +48,9 @@ class Sampler:
         return tokens.tolist()
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, tokens: list[int], states: list[SamplingState]) -> list[TokenLogprob | None]:
+    def logprobs(
+        logits: torch.Tensor, tokens: list[int], states: list[SamplingState]
+    ) -> list[TokenLogprob | None]:
         """Log-probabilities under the model's raw distribution (before penalties and temperature)."""
         out: list[TokenLogprob | None] = [None] * len(states)
         rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
@@ -56,7 +58,7 @@ class Sampler:
             return out
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
         k = max(states[i].params.logprobs for i in rows)
-        top_vals, top_ids = (lp.topk(k, dim=-1) if k else (None, None))
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
         for j, i in enumerate(rows):
             tok = tokens[i]
             chosen = lp[j, tok]
@@ -109,7 +111,9 @@ class Sampler:
             probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(before >= torch.tensor(top_p).unsqueeze(1), float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(
+                before >= torch.tensor(top_p).unsqueeze(1), float("-inf")
+            )
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)

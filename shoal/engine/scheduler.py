@@ -100,7 +100,11 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         group = self.groups.get(req.group_id)
-        if group is not None and all(r.is_finished for r in group) and not any(r.pending_children for r in group):
+        if (
+            group is not None
+            and all(r.is_finished for r in group)
+            and not any(r.pending_children for r in group)
+        ):
             del self.groups[req.group_id]
         if req.request_id in self._unseen:
             self._unseen.discard(req.request_id)

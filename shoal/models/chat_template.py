@@ -21,7 +21,9 @@ def _raise(message: str):
 
 @lru_cache(maxsize=16)
 def _compile(source: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
         x, indent=indent, ensure_ascii=ensure_ascii
     )

@@ -131,8 +131,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.setdefault(target, set()).add(start)
         shards = {"qkv_proj": 3, "gate_up_proj": 2}
         missing = [
-            p for p in params
-            if len(loaded.get(p, ())) < next((n for k, n in shards.items() if k in p), 1)
+            p for p in params if len(loaded.get(p, ())) < next((n for k, n in shards.items() if k in p), 1)
         ]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}")

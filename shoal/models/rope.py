@@ -18,7 +18,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
     high_wavelen = old_ctx / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
-    smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)

@@ -51,9 +51,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -118,7 +118,9 @@ class Tokenizer:
     def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
         kind = field_value(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (only byte-level BPE 'gpt2')")
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported yet (only byte-level BPE 'gpt2')"
+            )
         tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
         types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
@@ -130,7 +132,11 @@ class Tokenizer:
             [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
         )
         backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, types)
+                if ty == USER_DEFINED
+            ]
         )
 
         def tid(key):
@@ -155,7 +161,10 @@ class Tokenizer:
 def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre in _DIGIT_THEN_GPT2:
-        split = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Split(Regex(_GPT2_SPLIT), "isolated")]
+        split = [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Split(Regex(_GPT2_SPLIT), "isolated"),
+        ]
     else:
         split = [pre_tokenizers.Split(Regex(_SPLIT_BY_PRE.get(pre, _GPT2_SPLIT)), "isolated")]
     return pre_tokenizers.Sequence([*split, byte_level])

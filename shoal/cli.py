@@ -1,0 +1,203 @@
+"""The `shoal` command."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512M', '1073741824' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 512MiB)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", "-m", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool budget, e.g. 2GiB")
+    g.add_argument(
+        "--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the budget)"
+    )
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None)
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    names = [
+        "kv_cache_memory",
+        "num_blocks",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "dtype",
+        "device",
+    ]
+    opts = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if args.no_prefix_caching:
+        opts["enable_prefix_caching"] = False
+    if args.threads:
+        opts["num_threads"] = args.threads
+    return opts
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from shoal.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _make_llm(args):
+    from shoal.llm import LLM
+
+    return LLM(args.model, **engine_options(args))
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    for prompt in args.prompt:
+        sys.stdout.write(prompt)
+        for piece in llm.stream(prompt, sampling_params(args)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _make_llm(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+
+    def answer(user_text: str) -> None:
+        messages.append({"role": "user", "content": user_text})
+        ids = llm.tokenizer.encode_chat(messages)
+        reply = []
+        for piece in llm.stream(ids, sampling_params(args)):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+    if args.prompt:
+        answer(args.prompt)
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip():
+            answer(line)
+
+
+def cmd_bench_offline(args) -> int:
+    from shoal.bench.offline import OfflineBenchConfig, run_offline_bench
+
+    cfg = OfflineBenchConfig(
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        input_len_range=tuple(args.input_len_range) if args.input_len_range else None,
+        output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
+        seed=args.seed,
+        compare_hf=args.compare_hf,
+        hf_batch_size=args.hf_batch_size,
+        json_path=args.json,
+    )
+    run_offline_bench(cfg, args.model, engine_options(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="Serve large language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
+    p.add_argument("prompt", nargs="+")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the model (one answer with PROMPT, else interactive)")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--system", default=None)
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("offline", help="offline engine throughput, optionally against HF transformers")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len-range", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compare-hf", action="store_true", help="also run HF transformers generate, same prompts"
+    )
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--json", default=None, help="write the results here")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from shoal.models.loader import ModelNotFoundError
+
+    try:
+        return args.func(args)
+    except ModelNotFoundError as e:
+        print(f"shoal: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
