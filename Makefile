@@ -20,7 +20,7 @@ setup-test: setup
 	$(BIN)/pip install -q -e '.[test]'
 
 run: setup
-	$(BIN)/shoal generate "$(PROMPT)"
+	$(BIN)/shoal chat "$(PROMPT)"
 
 test: setup-test
 	$(BIN)/ruff check shoal tests benchmarks

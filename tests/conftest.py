@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.models.loader import bundled_model_path, load_model
+from tests.helpers import PROMPTS, hf_greedy
+
+REF_TOKENS = 24
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """shoal's load of the bundled GGUF, shared by every engine built in the session."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def hf_bundled():
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def reference(bundled, hf_bundled):
+    """HF fp32 greedy continuations of PROMPTS, computed once: {prompt: (prompt ids, tokens, logprobs)}."""
+    ref = {}
+    for p in PROMPTS:
+        ids = bundled.tokenizer.encode(p)
+        tokens, logprobs = hf_greedy(hf_bundled, ids, REF_TOKENS)
+        ref[p] = (ids, tokens, logprobs)
+    return ref

@@ -1,0 +1,83 @@
+"""Shared checks and builders for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shoal.engine.llm_engine import LLMEngine
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The three primary colors are red, yellow and blue. When you mix red and yellow you get",
+    "Q: What is the largest planet in our solar system?\nA:",
+    "Photosynthesis is the process by which plants convert sunlight, water and carbon dioxide into "
+    "glucose and oxygen. It takes place mainly in the leaves, inside organelles called chloroplasts, which "
+    "contain the green pigment chlorophyll. The overall reaction can be summarised as",
+    "Hello",
+]
+
+
+def assert_pool_whole(engine: LLMEngine) -> None:
+    """No request holds a block, every ref count is zero, and the free list holds every block once."""
+    pool = engine.kv.pool
+    assert not engine.kv.tables, f"block tables left: {list(engine.kv.tables)}"
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    free = list(pool.free_queue)
+    assert len(free) == pool.num_free_blocks == pool.num_blocks
+    assert len({b.block_id for b in free}) == pool.num_blocks
+    for h, b in pool.cached.items():
+        assert b.block_hash == h
+    assert not engine.has_unfinished_requests()
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
+    """Steps until idle; returns the final RequestOutput per request id."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    raise AssertionError("engine did not finish")
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A small byte-level BPE tokenizer.json, so random checkpoints load like real ones."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy continuation of one unpadded prompt, EOS treated as any other token.
+
+    Returns (tokens, log-probs per step [n, V]). A plain loop over HF's own KV cache: generate()
+    would ban EOS under min_new_tokens, which ignore_eos does not do.
+    """
+    tokens, logprobs = [], []
+    ids = torch.tensor([prompt_ids])
+    past = None
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp)
+            ids = torch.tensor([[token]])
+    return tokens, torch.stack(logprobs)
