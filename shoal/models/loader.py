@@ -35,7 +35,10 @@ class LoadedModel:
 
 def bundled_model_path() -> Path:
     # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    try:
+        spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    except (ImportError, ValueError):  # a broken or half-removed install
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
             f"the bundled model {BUNDLED_NAME} is not installed; install it with: {BUNDLED_INSTALL}"

@@ -123,7 +123,7 @@ class Tokenizer:
             )
         tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
         types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges") or []]
         vocab = {tok: i for i, tok in enumerate(tokens)}
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre", "default"))

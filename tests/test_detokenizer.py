@@ -1,0 +1,65 @@
+"""Incremental detokenization on the bundled tokenizer: multi-byte text, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.engine.detokenizer import IncrementalDetokenizer
+from shoal.models.gguf_loader import open_gguf
+from shoal.models.loader import bundled_model_path
+from shoal.models.tokenizer import Tokenizer
+
+TEXTS = [
+    "Plain English text, with punctuation!",
+    "naïve café — déjà vu 日本語のテキスト 🌊🐟 emoji 👩‍👩‍👧",
+    "  leading spaces and\nnew lines\n\n\ttabs",
+    "def f(x):\n    return x ** 2  # ünïcödé",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf(open_gguf(bundled_model_path()))
+
+
+def stream(tok, prompt, text, stop=(), include=False):
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, tok.encode(prompt), list(stop), include)
+    deltas = []
+    hit = None
+    for i, t in enumerate(ids):
+        hit = d.add_token(t)
+        deltas.append(d.take_delta(finished=hit is not None or i == len(ids) - 1))
+        if hit:
+            break
+    return deltas, hit, ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_join_to_the_full_decode_and_never_split_a_character(tok, text):
+    deltas, _, ids = stream(tok, "Say:", text)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+    multibyte_tokens = [t for t in ids if "\ufffd" in tok.decode([t])]
+    if "🌊" in text:
+        assert multibyte_tokens  # the test really covers characters split across tokens
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_emitted(tok):
+    text = "The answer is forty two. Then more text follows here."
+    deltas, hit, _ = stream(tok, "Q:", text, stop=["forty two"])
+    assert hit == "forty two"
+    assert "".join(deltas) == "The answer is "
+    assert not any("forty" in d for d in deltas)
+
+
+def test_stop_string_can_be_included(tok):
+    deltas, hit, _ = stream(tok, "Q:", "alpha beta gamma delta", stop=["gamma"], include=True)
+    assert hit == "gamma"
+    assert "".join(deltas) == "alpha beta gamma"
+
+
+def test_stop_string_inside_a_multibyte_run(tok):
+    deltas, hit, _ = stream(tok, "Q:", "fish 🐟 and waves 🌊 end", stop=["🌊"])
+    assert hit == "🌊"
+    assert "".join(deltas) == "fish 🐟 and waves "

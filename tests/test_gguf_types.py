@@ -1,0 +1,115 @@
+"""GGUF files of every supported tensor type load to the same model transformers reads from them.
+
+The tests write a random Llama as GGUF the way llama.cpp's converter does (q/k rows permuted), in
+each type; transformers reading the same file is the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import quantize
+
+from shoal import LLM, SamplingParams
+from shoal.models.loader import load_model
+from tests.helpers import assert_pool_whole, hf_greedy
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
+
+# K-quant blocks (256 values): byte offsets of their f16 scale fields, and block size in bytes.
+K_QUANTS = {Q.Q4_K: ((0, 2), 144), Q.Q5_K: ((0, 2), 176), Q.Q6_K: ((208,), 210)}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    if qtype == Q.F32:
+        return w.astype(np.float32)
+    if qtype == Q.F16:
+        return w.astype(np.float16)
+    if qtype in K_QUANTS:
+        # gguf-py cannot quantize K types: random payload with small, finite f16 scales.
+        offsets, size = K_QUANTS[qtype]
+        blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
+        for off in offsets:
+            scale = np.float16(rng.uniform(2e-4, 6e-4))
+            blocks[:, :, off : off + 2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+        return blocks.reshape(w.shape[0], -1)
+    return quantize(w.astype(np.float32), qtype)
+
+
+def write_gguf(path, qtype: Q) -> None:
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    def mat(rows, cols):
+        return rng.normal(0, 0.08, (rows, cols)).astype(np.float32)
+
+    def add(name, arr, raw_type):
+        w.add_tensor(name, arr, raw_dtype=raw_type if raw_type not in (Q.F32, Q.F16) else None)
+
+    head_dim = HIDDEN // HEADS
+    add("token_embd.weight", encode(mat(VOCAB, HIDDEN), qtype, rng), qtype)
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32), Q.F32)
+        add(f"blk.{i}.ffn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32), Q.F32)
+        add(
+            f"blk.{i}.attn_q.weight", encode(llama_cpp_permute(mat(HIDDEN, HIDDEN), HEADS), qtype, rng), qtype
+        )
+        k = llama_cpp_permute(mat(KV_HEADS * head_dim, HIDDEN), KV_HEADS)
+        add(f"blk.{i}.attn_k.weight", encode(k, qtype, rng), qtype)
+        add(f"blk.{i}.attn_v.weight", encode(mat(KV_HEADS * head_dim, HIDDEN), qtype, rng), qtype)
+        add(f"blk.{i}.attn_output.weight", encode(mat(HIDDEN, HIDDEN), qtype, rng), qtype)
+        add(f"blk.{i}.ffn_gate.weight", encode(mat(INTER, HIDDEN), qtype, rng), qtype)
+        add(f"blk.{i}.ffn_up.weight", encode(mat(INTER, HIDDEN), qtype, rng), qtype)
+        add(f"blk.{i}.ffn_down.weight", encode(mat(HIDDEN, INTER), qtype, rng), qtype)
+    add("output_norm.weight", np.ones(HIDDEN, dtype=np.float32), Q.F32)
+    add("output.weight", encode(mat(VOCAB, HIDDEN), qtype, rng), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_gguf_type_matches_transformers(qtype, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    write_gguf(tmp_path / "m.gguf", qtype)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    loaded = load_model(str(tmp_path / "m.gguf"))
+    ref_embed = hf.model.embed_tokens.weight
+    assert torch.equal(loaded.model.embed_tokens.weight, ref_embed)  # same dequantization
+    llm = LLM(loaded=loaded, num_blocks=32)
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 77))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        tokens, logprobs = hf_greedy(hf, prompt, 8)
+        assert out.outputs[0].token_ids == tokens
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for tid, value in lp.top:
+                assert abs(value - float(logprobs[step, tid])) < 2e-3
+    assert_pool_whole(llm.engine)

@@ -1,0 +1,120 @@
+"""Sampler behaviour on real logit tensors: filters, penalties, min_tokens, seeds, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.engine.sampler import Sampler, SamplingState
+from shoal.engine.sampling_params import InvalidParamError, SamplingParams
+
+VOCAB = 50
+EOS = 3
+
+
+def state(seed=0, prompt=(1, 2), outputs=(), **params):
+    return SamplingState(
+        SamplingParams(**params), torch.Generator().manual_seed(seed), list(prompt), list(outputs)
+    )
+
+
+def draws(logits, n=300, **params):
+    sampler = Sampler(frozenset({EOS}), VOCAB)
+    s = state(**params)
+    return {sampler(logits.unsqueeze(0), [s])[0] for _ in range(n)}
+
+
+LOGITS = torch.linspace(0, 4, VOCAB)  # token 49 is the most likely, then 48, ...
+
+
+def test_greedy_takes_the_argmax():
+    assert draws(LOGITS, n=5, temperature=0) == {49}
+
+
+def test_top_k_limits_to_k_best():
+    assert draws(LOGITS, top_k=3) == {47, 48, 49}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = LOGITS.softmax(-1)
+    ordered = probs.sort(descending=True)
+    need = int((ordered.values.cumsum(0) < 0.5).sum()) + 1  # tokens needed to reach 50 % mass
+    got = draws(LOGITS, top_p=0.5, n=600)
+    assert got <= set(ordered.indices[:need].tolist())
+    assert len(got) > 1
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = LOGITS.softmax(-1)
+    allowed = set(torch.nonzero(probs >= 0.5 * probs.max()).flatten().tolist())
+    assert draws(LOGITS, min_p=0.5, n=600) <= allowed
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    sampler = Sampler(frozenset({EOS}), VOCAB)
+    a, b, c = state(seed=5), state(seed=5), state(seed=6)
+    flat = torch.zeros(1, VOCAB)
+    seq_a = [sampler(flat, [a])[0] for _ in range(20)]
+    seq_b = [sampler(flat.repeat(2, 1), [b, state(seed=99)])[0] for _ in range(20)]  # batched with another
+    seq_c = [sampler(flat, [c])[0] for _ in range(20)]
+    assert seq_a == seq_b
+    assert seq_a != seq_c
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(VOCAB)
+    logits[EOS] = 100.0
+    logits[7] = 99.0
+    sampler = Sampler(frozenset({EOS}), VOCAB)
+    early = state(temperature=0, min_tokens=2, stop_token_ids=[7], outputs=[10])
+    assert sampler(logits.unsqueeze(0), [early])[0] not in (EOS, 7)
+    reached = state(temperature=0, min_tokens=2, stop_token_ids=[7], outputs=[10, 11])
+    assert sampler(logits.unsqueeze(0), [reached])[0] == EOS
+
+
+def test_repetition_penalty_follows_hf_convention():
+    logits = torch.zeros(VOCAB)
+    logits[10], logits[11], logits[12] = 2.0, -2.0, 1.9
+    sampler = Sampler(frozenset(), VOCAB)
+    # Token 10 appeared (prompt): 2.0 / 2 = 1.0 < 1.9, so 12 wins.
+    s = state(prompt=(10, 11), temperature=0, repetition_penalty=2.0)
+    assert sampler(logits.unsqueeze(0), [s])[0] == 12
+
+
+def test_frequency_and_presence_penalties_count_outputs():
+    logits = torch.zeros(VOCAB)
+    logits[20], logits[21] = 3.0, 2.0
+    sampler = Sampler(frozenset(), VOCAB)
+    # 20 was generated twice: 3.0 - 2 * 0.4 - 0.5 = 1.7 < 2.0
+    s = state(outputs=[20, 20], temperature=0, frequency_penalty=0.4, presence_penalty=0.5)
+    assert sampler(logits.unsqueeze(0), [s])[0] == 21
+
+
+def test_logprobs_are_raw_model_logprobs_with_rank():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    states = [state(temperature=0, logprobs=3), state(temperature=0)]
+    tokens = Sampler(frozenset(), VOCAB)(logits, states)
+    lps = Sampler.logprobs(logits, tokens, states)
+    ref = torch.log_softmax(logits[0], -1)
+    assert lps[1] is None
+    assert lps[0].token_id == tokens[0] and lps[0].rank == 1
+    assert lps[0].logprob == pytest.approx(float(ref.max()), abs=1e-6)
+    assert [t for t, _ in lps[0].top] == ref.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(presence_penalty=3), "presence_penalty"),
+    ],
+)
+def test_bad_params_name_the_field(kwargs, param):
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
