@@ -1,0 +1,23 @@
+"""Offline throughput, the issue's two workloads, each against HF transformers in the same run.
+
+    python benchmarks/offline_throughput.py            # both workloads
+    python benchmarks/offline_throughput.py uniform    # (a) 64 x 32 prompt / 128 output
+    python benchmarks/offline_throughput.py mixed      # (b) prompts 16-512, outputs 16-256
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shoal.cli import main
+
+WORKLOADS = {
+    "uniform": ["--num-requests", "64", "--input-len", "32", "--output-len", "128"],
+    "mixed": ["--num-requests", "64", "--input-len-range", "16", "512", "--output-len-range", "16", "256"],
+}
+
+if __name__ == "__main__":
+    chosen = sys.argv[1:] or list(WORKLOADS)
+    for name in chosen:
+        print(f"== {name}")
+        main(["bench", "offline", "--compare-hf", "--json", f"offline-{name}.json", *WORKLOADS[name]])
