@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.engine.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention, prefill_mask
+from shoal.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    TorchPagedAttention,
+    decode_mask,
+    group_by_length,
+    prefill_mask,
+)
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampler import Sampler, SamplingState
 from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -48,7 +56,7 @@ class ModelRunner:
             )
             for _ in range(self.cfg.num_layers)
         ]
-        self.attention = TorchPagedAttention(self.kv_caches, scale=self.cfg.head_dim**-0.5)
+        self.attention = TorchPagedAttention(self.kv_caches, block_size, scale=self.cfg.head_dim**-0.5)
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size)
         self.states: dict[str, SamplingState] = {}
 
@@ -62,8 +70,9 @@ class ModelRunner:
         if not so.chunks:
             return ModelRunnerOutput()
 
-        # Single-token rows first: they share one batched attention call.
-        chunks = sorted(so.chunks, key=lambda c: len(c.token_ids) > 1)
+        # Single-token rows first, shortest context first, so that rows of similar length share
+        # one batched attention call.
+        chunks = sorted(so.chunks, key=lambda c: (len(c.token_ids) > 1, c.start_pos))
         input_ids, positions, md = self._prepare(chunks)
         hidden = self.model(
             input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md)
@@ -101,34 +110,25 @@ class ModelRunner:
                 slots.append(c.block_ids[p // bs] * bs + p % bs)
         dev = self.device
         window = self.cfg.sliding_window
-        decode = [c for c in chunks if len(c.token_ids) == 1]
-        decode_slots = decode_mask = None
-        if decode:
-            ctx = torch.tensor([c.start_pos + 1 for c in decode])
-            width = max(len(c.block_ids) for c in decode)
-            table = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in decode])
-            length = int(ctx.max())
-            decode_slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).view(len(decode), -1)[:, :length]
-            key_pos = torch.arange(length).unsqueeze(0)
-            mask = key_pos < ctx.unsqueeze(1)
-            if window is not None:
-                mask &= key_pos > (ctx.unsqueeze(1) - 1 - window)
-            decode_slots = decode_slots.to(dev)
-            decode_mask = mask.view(len(decode), 1, 1, length).to(dev)
-        prefills, row = [], len(decode)
-        slot_tensor = torch.tensor(slots, device=dev)
-        for c in chunks[len(decode) :]:
+        num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)
+        ctx = [c.start_pos + 1 for c in chunks[:num_decode]]
+        groups = []
+        for start, end in group_by_length(ctx):
+            length = ctx[end - 1]
+            width = -(-length // bs)
+            table = torch.tensor(
+                [c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in chunks[start:end]],
+                device=dev,
+            )
+            groups.append(
+                DecodeGroup(start, end, length, table, decode_mask(ctx[start:end], length, window, dev))
+            )
+        prefills, row = [], num_decode
+        for c in chunks[num_decode:]:
             n = len(c.token_ids)
             context = c.start_pos + n
-            if c.start_pos == 0:
-                span_slots = None
-            else:
-                p = torch.arange(context)
-                table = torch.tensor(c.block_ids)
-                span_slots = (table[p // bs] * bs + p % bs).to(dev)
-            prefills.append(
-                PrefillSpan(row, row + n, context, span_slots, prefill_mask(n, context, window, dev))
-            )
+            table = None if c.start_pos == 0 else torch.tensor(c.block_ids[: -(-context // bs)], device=dev)
+            prefills.append(PrefillSpan(row, row + n, context, table, prefill_mask(n, context, window, dev)))
             row += n
-        md = AttentionMetadata(slot_tensor, len(decode), decode_slots, decode_mask, prefills)
+        md = AttentionMetadata(torch.tensor(slots, device=dev), groups, prefills)
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md

@@ -1,0 +1,99 @@
+"""Paged attention against plain dense attention, and the decode length grouping."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shoal.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    TorchPagedAttention,
+    decode_mask,
+    group_by_length,
+    prefill_mask,
+)
+
+BS, HK, HQ, D = 4, 2, 6, 8
+
+
+def split_cost(lengths, groups, cost):
+    return sum(cost + (end - start) * lengths[end - 1] for start, end in groups)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=7), st.integers(0, 500))
+def test_grouping_is_an_optimal_contiguous_partition(lengths, cost):
+    lengths.sort()
+    groups = group_by_length(lengths, cost)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    n = len(lengths)
+    best = min(
+        split_cost(lengths, list(zip((0, *cuts), (*cuts, n))), cost)
+        for k in range(n)
+        for cuts in itertools.combinations(range(1, n), k)
+    )
+    assert split_cost(lengths, groups, cost) == best
+
+
+def dense(q, keys, values, window=None):
+    """Attention of the last len(q) positions over `keys`, written out by hand."""
+    ctx, nq = keys.shape[0], q.shape[0]
+    k = keys.repeat_interleave(HQ // HK, dim=1)
+    v = values.repeat_interleave(HQ // HK, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
+    qpos = torch.arange(ctx - nq, ctx).unsqueeze(1)
+    kpos = torch.arange(ctx).unsqueeze(0)
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_paged_matches_dense_for_mixed_batches():
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    num_blocks = 64
+    caches = [(torch.randn(num_blocks * BS, HK, D), torch.randn(num_blocks * BS, HK, D))]
+    attn = TorchPagedAttention(caches, BS, D**-0.5)
+    for window in (None, 5):
+        free = list(range(num_blocks))
+        rng.shuffle(free)
+        # (context before this step, tokens this step): four decode rows of mixed length, then
+        # a fresh prefill and a prefill chunk continuing earlier context.
+        seqs = [(3, 1), (9, 1), (10, 1), (30, 1), (0, 7), (6, 5)]
+        tables = []
+        for before, n in seqs:
+            tables.append([free.pop() for _ in range(-(-(before + n) // BS))])
+        slot = [[t[p // BS] * BS + p % BS for p in range(b + n)] for t, (b, n) in zip(tables, seqs)]
+        q = torch.randn(sum(n for _, n in seqs), HQ, D)
+        k, v = torch.randn(q.shape[0], HK, D), torch.randn(q.shape[0], HK, D)
+        new_slots = [s for (b, n), sl in zip(seqs, slot) for s in sl[b:]]
+        ctx = [b + 1 for b, _ in seqs[:4]]
+        groups = []
+        for start, end in group_by_length(ctx, group_cost=8):
+            length = ctx[end - 1]
+            width = -(-length // BS)
+            table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables[start:end]])
+            groups.append(
+                DecodeGroup(start, end, length, table, decode_mask(ctx[start:end], length, window, "cpu"))
+            )
+        assert len(groups) > 1
+        prefills = [
+            PrefillSpan(4, 11, 7, None, prefill_mask(7, 7, window, "cpu")),
+            PrefillSpan(11, 16, 11, torch.tensor(tables[5]), prefill_mask(5, 11, window, "cpu")),
+        ]
+        out = attn.forward(0, q, k, v, AttentionMetadata(torch.tensor(new_slots), groups, prefills))
+        row = 0
+        for (_, n), sl in zip(seqs, slot):
+            idx = torch.tensor(sl)
+            ref = dense(q[row : row + n], caches[0][0][idx], caches[0][1][idx], window)
+            torch.testing.assert_close(out[row : row + n], ref, atol=1e-5, rtol=1e-5)
+            row += n
