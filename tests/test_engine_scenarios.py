@@ -211,3 +211,27 @@ def test_kv_events_report_stores_and_evictions(bundled, reference):
     removed = {e.block_hash for e in engine.take_kv_events() if e.kind == "removed"}
     assert removed & {e.block_hash for e in stored}  # the pool was small: old blocks were evicted
     assert_pool_whole(engine)
+
+
+def test_prompt_logprobs_match_hf_even_with_a_warm_prefix_cache(bundled, hf_bundled, reference):
+    import torch
+
+    prompt = max(PROMPTS, key=lambda p: len(reference[p][0]))
+    ids = reference[prompt][0]
+    with torch.inference_mode():
+        hf = torch.log_softmax(hf_bundled(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    engine = make_engine(bundled, budget=16)  # prompt rows arrive over several chunks
+    engine.add_request("warm", ids, GREEDY)  # fills the prefix cache with this prompt's blocks
+    run_to_completion(engine)
+    engine.add_request("p", ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    out = run_to_completion(engine)["p"]
+    assert out.num_cached_tokens == 0  # the cache was bypassed: every prompt row was computed
+    lps = out.prompt_logprobs
+    assert lps[0] is None and len(lps) == len(ids)
+    for pos in range(1, len(ids)):
+        lp = lps[pos]
+        assert lp.token_id == ids[pos]
+        assert abs(lp.logprob - float(hf[pos - 1, ids[pos]])) < 2e-3
+        assert lp.rank == int((hf[pos - 1] > hf[pos - 1, ids[pos]]).sum()) + 1
+        assert [t for t, _ in lp.top] == hf[pos - 1].topk(3).indices.tolist()
+    assert_pool_whole(engine)

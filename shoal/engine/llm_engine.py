@@ -156,6 +156,7 @@ class LLMEngine:
         self.num_steps += 1
         self.last_kv_occupancy = self._occupancy(so)
         changed = self.scheduler.update_from_output(so, result.sampled)
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         return self.output_processor.process(changed, result.logprobs, self.scheduler.finish_by_stop_string)
 
     def _occupancy(self, so) -> tuple[int, int]:

@@ -17,16 +17,20 @@ from shoal.engine.attention import (
     prefill_mask,
 )
 from shoal.engine.outputs import TokenLogprob
-from shoal.engine.sampler import Sampler, SamplingState
+from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
+
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request id -> (prompt position of the first entry, logprobs of the prompt tokens that follow)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -79,12 +83,13 @@ class ModelRunner:
         )
 
         sample_rows, sample_chunks, row = [], [], 0
+        out = ModelRunnerOutput()
         for c in chunks:
+            self._prompt_logprobs(c, hidden, row, out)
             row += len(c.token_ids)
             if c.sample:
                 sample_rows.append(row - 1)
                 sample_chunks.append(c)
-        out = ModelRunnerOutput()
         if not sample_rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -97,6 +102,24 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[c.request_id] = lp
         return out
+
+    def _prompt_logprobs(self, c: ScheduledChunk, hidden: torch.Tensor, row: int, out: ModelRunnerOutput):
+        """Logprobs of the prompt tokens that this chunk's rows predict, for requests that ask."""
+        state = self.states[c.request_id]
+        top_n = state.params.prompt_logprobs
+        prompt = state.prompt_token_ids
+        end = min(c.start_pos + len(c.token_ids), len(prompt) - 1)
+        if top_n is None or c.start_pos >= end:
+            return
+        found: list[TokenLogprob] = []
+        # Full-vocabulary logits for a long chunk are large; take them a slice at a time.
+        for lo in range(c.start_pos, end, PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+            rows = hidden[row + lo - c.start_pos : row + hi - c.start_pos]
+            found += token_logprobs(
+                self.model.compute_logits(rows), prompt[lo + 1 : hi + 1], [top_n] * (hi - lo)
+            )
+        out.prompt_logprobs[c.request_id] = (c.start_pos + 1, found)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs = self.block_size

@@ -18,6 +18,7 @@ class _Group:
     outputs: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [0] is always None: nothing predicts it
 
 
 class OutputProcessor:
@@ -42,7 +43,14 @@ class OutputProcessor:
                 )
                 for _ in range(p.n)
             ],
+            prompt_logprobs=[None] * len(req.prompt_token_ids) if p.prompt_logprobs is not None else None,
         )
+
+    def add_prompt_logprobs(self, found: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
+        for rid, (start, lps) in found.items():
+            group = self.groups.get(rid)
+            if group is not None and group.prompt_logprobs is not None:
+                group.prompt_logprobs[start : start + len(lps)] = lps
 
     def drop(self, group_id: str) -> None:
         self.groups.pop(group_id, None)
@@ -90,6 +98,7 @@ class OutputProcessor:
                     group.outputs,
                     finished=finished,
                     num_cached_tokens=group.num_cached_tokens,
+                    prompt_logprobs=group.prompt_logprobs,
                 )
             )
             if finished:

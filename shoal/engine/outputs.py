@@ -39,4 +39,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

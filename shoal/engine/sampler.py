@@ -54,18 +54,12 @@ class Sampler:
         """Log-probabilities under the model's raw distribution (before penalties and temperature)."""
         out: list[TokenLogprob | None] = [None] * len(states)
         rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        if not rows:
-            return out
-        lp = torch.log_softmax(logits[rows].float(), dim=-1)
-        k = max(states[i].params.logprobs for i in rows)
-        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
-        for j, i in enumerate(rows):
-            tok = tokens[i]
-            chosen = lp[j, tok]
-            rank = int((lp[j] > chosen).sum()) + 1
-            n = states[i].params.logprobs
-            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
-            out[i] = TokenLogprob(tok, float(chosen), rank, top)
+        if rows:
+            found = token_logprobs(
+                logits[rows], [tokens[i] for i in rows], [states[i].params.logprobs for i in rows]
+            )
+            for i, lp in zip(rows, found):
+                out[i] = lp
         return out
 
     def _mask_early_stop(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
@@ -121,3 +115,18 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], top_n: list[int]) -> list[TokenLogprob]:
+    """Each row's log-probability of its target, the target's rank, and the row's top-N."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    k = max(top_n)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+    idx = torch.tensor(targets, device=lp.device)
+    chosen = lp.gather(1, idx.unsqueeze(1))
+    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+    out = []
+    for j, (tok, n) in enumerate(zip(targets, top_n)):
+        top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
+        out.append(TokenLogprob(tok, float(chosen[j, 0]), ranks[j], top))
+    return out

@@ -33,6 +33,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token; 0 = only the sampled one
+    # Logprobs of the prompt's own tokens (and top-N alternatives); computing them bypasses the
+    # prefix cache, since cached tokens are never run through the model.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -59,6 +62,11 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
             ),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be non-negative"),
         ]

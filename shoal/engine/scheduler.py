@@ -150,7 +150,8 @@ class Scheduler:
         # After a preemption the pool is short: admitting new work now would only thrash.
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req)
+            wants_prompt_logprobs = req.params.prompt_logprobs is not None
+            cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.can_allocate(req, n, cached, reserve=self._reserve):
