@@ -133,6 +133,29 @@ def cmd_chat(args) -> int:
             answer(line)
 
 
+def cmd_serve(args) -> int:
+    from shoal.engine.async_engine import AsyncEngineConfig
+    from shoal.llm import build_engine_config
+    from shoal.server.launch import ServerConfig, serve
+
+    model = args.model_pos or args.model
+    front = AsyncEngineConfig(
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
+        stall_timeout_s=args.stall_timeout,
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        front=front,
+    )
+    serve(build_engine_config(model, **engine_options(args)), server)
+    return 0
+
+
 def cmd_bench_offline(args) -> int:
     from shoal.bench.offline import OfflineBenchConfig, run_offline_bench
 
@@ -154,6 +177,21 @@ def cmd_bench_offline(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve large language models.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    p.add_argument(
+        "model_pos", nargs="?", metavar="MODEL", help="GGUF file or HF directory (default: bundled)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: its name)")
+    p.add_argument("--max-waiting-requests", type=int, default=256, help="past this queue, answer 503")
+    p.add_argument("--max-waiting-tokens", type=int, default=262_144, help="prompt tokens queued before 503")
+    p.add_argument("--stall-timeout", type=float, default=60.0, help="a step longer than this is unhealthy")
+    p.add_argument("--log-level", default="warning")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
     p.add_argument("prompt", nargs="+")

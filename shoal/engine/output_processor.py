@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -19,6 +19,7 @@ class _Group:
     detokenizers: list[IncrementalDetokenizer]
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [0] is always None: nothing predicts it
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -70,6 +71,11 @@ class OutputProcessor:
                     o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
             if req.index == 0 and req.num_cached_tokens > 0:
                 group.num_cached_tokens = req.num_cached_tokens
+            if not group.metrics and req.first_scheduled_time is not None:
+                group.metrics = {
+                    "arrival_time": req.arrival_time,
+                    "first_scheduled_time": req.first_scheduled_time,
+                }
             comp = group.outputs[req.index]
             detok = group.detokenizers[req.index]
             token = req.token_ids[-1]
@@ -99,6 +105,7 @@ class OutputProcessor:
                     finished=finished,
                     num_cached_tokens=group.num_cached_tokens,
                     prompt_logprobs=group.prompt_logprobs,
+                    metrics=dict(group.metrics),
                 )
             )
             if finished:

@@ -1,0 +1,160 @@
+"""The replica's FastAPI app: OpenAI routes, tokenizer routes, health, readiness, metrics, load."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from shoal.server.chat import chat_prompt, create_chat_completion
+from shoal.server.common import ServingContext
+from shoal.server.completions import create_completion
+from shoal.server.errors import APIError, error_body, install_error_handlers
+from shoal.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+# Routes anyone may call even when an API key is set: probes and scrapes.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load", "/docs", "/openapi.json"})
+
+
+@dataclass
+class ServerState:
+    """What the routes read; `ctx` is set once the model has loaded."""
+
+    api_key: str | None = None
+    ctx: ServingContext | None = None
+    load_error: str | None = None
+    started: float = 0.0
+
+    def serving(self) -> ServingContext:
+        if self.ctx is None:
+            reason = (
+                f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            )
+            raise APIError(503, reason, code="not_ready", headers={"Retry-After": "2"})
+        return self.ctx
+
+
+class FrontMiddleware:
+    """Stamps arrival time and request id, checks the API key, counts errors. Pure ASGI, so it
+    neither buffers streams nor hides client disconnects from the handlers."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        scope.setdefault("state", {}).update(arrival=time.monotonic(), request_id=rid)
+        rid_header = (b"x-request-id", rid.encode("latin-1"))
+        key = self.state.api_key
+        if key and scope["path"] not in OPEN_PATHS:
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                body = json.dumps(
+                    error_body(401, "invalid or missing API key", code="invalid_api_key")
+                ).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [(b"content-type", b"application/json"), rid_header],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return None
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), rid_header]
+                ctx = self.state.ctx
+                if message["status"] >= 400 and ctx is not None:
+                    ctx.metrics.error(message["status"])
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
+def build_app(state: ServerState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="shoal", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(FrontMiddleware, state=state)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(body, raw, state.serving())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(body, raw, state.serving())
+
+    @app.get("/v1/models")
+    async def models():
+        ctx = state.serving()
+        card = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "shoal",
+            "max_model_len": ctx.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ctx = state.serving()
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            ids = chat_prompt(ctx, body.messages, body.add_generation_prompt)
+        else:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ctx = state.serving()
+        ctx.check_model(body.model)
+        vocab = ctx.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/health")
+    async def health():
+        if state.ctx is None:
+            if state.load_error:
+                return JSONResponse({"status": "failed", "reason": state.load_error}, status_code=503)
+            return {"status": "loading"}
+        ok, reason = state.ctx.engine.health()
+        return JSONResponse(
+            {"status": "ok" if ok else "unhealthy", "reason": reason}, status_code=200 if ok else 503
+        )
+
+    @app.get("/ready")
+    async def ready():
+        ctx = state.ctx
+        if ctx is None or not ctx.engine.health()[0]:
+            return JSONResponse({"ready": False}, status_code=503)
+        return {"ready": True, "model": ctx.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        body = state.ctx.metrics.render() if state.ctx is not None else b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/load")
+    async def load():
+        return state.serving().engine.load()
+
+    return app

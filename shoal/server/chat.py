@@ -1,0 +1,139 @@
+"""POST /v1/chat/completions: chat template, logprobs / top_logprobs, n, streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shoal.engine.outputs import TokenLogprob
+from shoal.models.chat_template import ChatTemplateError
+from shoal.server.common import (
+    SSE_DONE,
+    ServingContext,
+    close_all,
+    collect_unless_disconnected,
+    merged,
+    now_s,
+    open_streams,
+    params_or_400,
+    request_id,
+    sse,
+    stream_error,
+    usage,
+)
+from shoal.server.errors import APIError
+from shoal.server.protocol import ChatCompletionRequest
+
+
+def chat_prompt(ctx: ServingContext, messages, add_generation_prompt: bool) -> list[int]:
+    try:
+        return ctx.tokenizer.encode_chat(
+            [m.as_template_message() for m in messages], add_generation_prompt=add_generation_prompt
+        )
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), "messages") from None
+
+
+def _entry(ctx: ServingContext, token_id: int, logprob: float) -> dict:
+    text = ctx.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _content_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> list[dict]:
+    return [
+        {**_entry(ctx, lp.token_id, lp.logprob), "top_logprobs": [_entry(ctx, t, v) for t, v in lp.top]}
+        for lp in lps
+    ]
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: ServingContext):
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = params_or_400(lambda: req.sampling_params(req.token_limit, logprobs))
+    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    rid = request_id("chatcmpl")
+    streams = await open_streams(ctx, rid, [prompt], params, req.priority)
+    timer = ctx.metrics.timer(raw.state.arrival)
+    head = {"id": rid, "created": now_s(), "model": ctx.model_name}
+    texts = [""] * req.n
+    counts = [0] * req.n
+    finish: list[str | None] = [None] * req.n
+    content_lps: list[list[dict]] = [[] for _ in range(req.n)]
+
+    async def events() -> AsyncIterator[tuple[int, str, list[dict] | None, bool]]:
+        """(choice, new text, new logprobs, finished now) as outputs arrive."""
+        async for _, out in merged(streams):
+            timer.observe(out)
+            for o in out.outputs:
+                i = o.index
+                part = (
+                    _content_logprobs(ctx, o.delta_logprobs)
+                    if logprobs is not None and o.delta_logprobs
+                    else None
+                )
+                if part:
+                    content_lps[i].extend(part)
+                texts[i] += o.delta_text
+                counts[i] += len(o.delta_token_ids)
+                finished_now = o.finish_reason is not None and finish[i] is None
+                if finished_now:
+                    finish[i] = o.finish_reason
+                if o.delta_text or part or finished_now:
+                    yield i, o.delta_text, part, finished_now
+
+    if not req.stream:
+
+        async def run():
+            try:
+                async for _ in events():
+                    pass
+            finally:
+                close_all(streams)
+
+        await collect_unless_disconnected(raw, run())
+        body = {
+            **head,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": None if logprobs is None else {"content": content_lps[i]},
+                    "finish_reason": finish[i],
+                }
+                for i in range(req.n)
+            ],
+            "usage": usage(len(prompt), sum(counts)),
+        }
+        return JSONResponse(body)
+
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(i: int, delta: dict, part, finish_reason) -> str:
+        choice = {
+            "index": i,
+            "delta": delta,
+            "logprobs": None if part is None else {"content": part},
+            "finish_reason": finish_reason,
+        }
+        return sse({**chunk_head, "choices": [choice]})
+
+    async def stream():
+        try:
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+            async for i, text, part, finished_now in events():
+                yield chunk(i, {"content": text} if text else {}, part, finish[i] if finished_now else None)
+            if req.include_usage:
+                yield sse({**chunk_head, "choices": [], "usage": usage(len(prompt), sum(counts))})
+        except Exception as exc:
+            yield sse(stream_error(exc))
+        finally:
+            close_all(streams)
+        yield SSE_DONE
+
+    return StreamingResponse(stream(), media_type="text/event-stream")

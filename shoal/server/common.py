@@ -1,0 +1,173 @@
+"""What the completion and chat handlers share: the serving context, admission, streaming helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from shoal.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from shoal.engine.llm_engine import RequestRejectedError
+from shoal.engine.outputs import RequestOutput
+from shoal.engine.sampling_params import InvalidParamError, SamplingParams
+from shoal.models.tokenizer import Tokenizer
+from shoal.server.errors import APIError, overloaded
+from shoal.server.metrics import ServerMetrics
+
+# How often a non-streaming handler checks that its client is still there.
+DISCONNECT_POLL_S = 0.05
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                "model_not_found",
+            )
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def request_id(prefix: str) -> str:
+    # Not the client's x-request-id: that one is echoed back, but two clients may reuse it.
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def params_or_400(build) -> SamplingParams:
+    try:
+        return build()
+    except InvalidParamError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+
+
+async def open_streams(
+    ctx: ServingContext, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int
+) -> list[RequestStream]:
+    """Admits one engine request per prompt, all or none."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            name = rid if len(prompts) == 1 else f"{rid}-{i}"
+            streams.append(await ctx.engine.add_request(name, ids, params, priority))
+    except BaseException as exc:
+        for s in streams:
+            s.abort()
+        raise engine_error(exc) from exc
+    return streams
+
+
+def engine_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, RequestRejectedError):
+        return APIError(400, str(exc), exc.param, exc.code)
+    if isinstance(exc, EngineOverloadedError):
+        return overloaded(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead", headers={"Retry-After": "5"})
+    return exc
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream):
+        try:
+            async for out in s:
+                await queue.put((i, out, None))
+        except BaseException as exc:
+            await queue.put((i, None, exc))
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                live -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def collect_unless_disconnected(raw: Request, work) -> object:
+    """Runs `work` (a coroutine) but cancels it if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def stream_error(exc: BaseException) -> dict:
+    """An error that happens after the stream started is sent in-band, then the stream ends."""
+    err = engine_error(exc)
+    if isinstance(err, APIError):
+        return err.body()
+    return {
+        "error": {
+            "message": f"internal error: {type(exc).__name__}",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one replica, named as the field names them (`shoal:` prefix)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shoal.engine.llm_engine import EngineStats
+from shoal.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's own counts at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        if s is None:
+            return
+        label = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        yield gauge("shoal:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("shoal:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("shoal:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_usage)
+        yield gauge("shoal:kv_cache_free_blocks", "KV cache blocks free or evictable.", s.num_free_blocks)
+        yield counter(
+            "shoal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries
+        )
+        yield counter("shoal:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
+        yield counter("shoal:num_preemptions", "Requests preempted to free KV blocks.", s.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def hist(name, doc):
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = hist("shoal:time_to_first_token_seconds", "Time from arrival to the first output token.")
+        self.itl = hist("shoal:inter_token_latency_seconds", "Time between successive output tokens.")
+        self.e2e = hist("shoal:e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = hist("shoal:request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self.prompt_tokens = Counter(
+            "shoal:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "shoal:generation_tokens", "Output tokens generated.", labels, registry=self.registry
+        )
+        self.request_success = Counter(
+            "shoal:request_success",
+            "Finished requests by reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_errors = Counter(
+            "shoal:request_errors",
+            "Requests refused or failed, by HTTP status.",
+            [*labels, "status"],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(model_name, stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def error(self, status: int) -> None:
+        self.request_errors.labels(self.model_name, str(status)).inc()
+
+    def timer(self, start: float) -> RequestTimer:
+        return RequestTimer(self, start)
+
+
+class RequestTimer:
+    """Observes one engine request's latencies from the step times stamped on its outputs."""
+
+    def __init__(self, metrics: ServerMetrics, start: float):
+        self.m = metrics
+        self.start = start
+        self.last: float | None = None
+
+    def observe(self, out: RequestOutput) -> None:
+        m, name = self.m, self.m.model_name
+        now = out.metrics.get("time", self.start)
+        tokens = sum(len(o.delta_token_ids) for o in out.outputs)
+        if tokens:
+            if self.last is None:
+                m.ttft.labels(name).observe(now - self.start)
+                scheduled = out.metrics.get("first_scheduled_time")
+                if scheduled is not None:
+                    m.queue_time.labels(name).observe(max(0.0, scheduled - out.metrics["arrival_time"]))
+            else:
+                m.itl.labels(name).observe(now - self.last)
+            self.last = now
+            m.generation_tokens.labels(name).inc(tokens)
+        if out.finished:
+            m.e2e.labels(name).observe(now - self.start)
+            m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+            for o in out.outputs:
+                m.request_success.labels(name, o.finish_reason or "abort").inc()
