@@ -174,6 +174,32 @@ def cmd_bench_offline(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+
+    cfg = ServeBenchConfig(
+        base_url=args.base_url.rstrip("/").removesuffix("/v1"),
+        model=args.model,
+        tokenizer=args.tokenizer,
+        endpoint=args.endpoint,
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        dataset=args.dataset,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=not args.respect_eos,
+        seed=args.seed,
+        api_key=args.api_key,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        json_path=args.json,
+        plot_path=args.plot,
+    )
+    summary = run_serve_bench(cfg)
+    return 0 if summary["completed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve large language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,6 +247,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the results here")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench_offline)
+
+    p = bench.add_parser("serve", help="load an OpenAI-compatible endpoint; latency and throughput")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model id to request (default: the server's first)")
+    p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer sizes the prompts")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", default=None, help="JSON or JSONL of conversations")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a PNG of latency over time and CDFs")
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -93,3 +93,11 @@ def load_model(
     net.load_weights((n, t.to(device)) for n, t in weights)
     net.eval().requires_grad_(False)
     return LoadedModel(name=name, path=path, config=cfg, model=net, tokenizer=tokenizer)
+
+
+def load_tokenizer(model: str | None = None) -> Tokenizer:
+    """The checkpoint's tokenizer alone, without its weights (for clients such as load generators)."""
+    _, path = resolve_model(model)
+    if path.suffix == ".gguf":
+        return Tokenizer.from_gguf(open_gguf(path))
+    return Tokenizer.from_hf_dir(path)
