@@ -1,0 +1,79 @@
+"""Real `shoal serve` processes on 127.0.0.1 for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=60, **kw)
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Waits until no request runs or waits and every KV block is free again; returns /load."""
+        deadline = time.monotonic() + timeout
+        while True:
+            load = self.get("/load").json()
+            if load["running"] == 0 and load["waiting"] == 0 and load["free_blocks"] == load["num_blocks"]:
+                return load
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle: {load}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(*args: str, timeout: float = 180.0) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    fd, log_path = tempfile.mkstemp(prefix="shoal-serve-", suffix=".log")
+    with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shoal serve exited with {proc.returncode}: {server.log()}")
+        try:
+            if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError("shoal serve did not become ready")
