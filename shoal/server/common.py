@@ -125,7 +125,10 @@ async def collect_unless_disconnected(raw: Request, work) -> object:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                return task.result()
+                try:
+                    return task.result()
+                except Exception as exc:
+                    raise engine_error(exc) from exc
             if await raw.is_disconnected():
                 task.cancel()
                 raise APIError(499, "client disconnected")
