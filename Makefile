@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PROMPT ?= Write a short poem about the sea.
+PORT ?= 8000
 
 .PHONY: setup setup-test run test lint bench
 
@@ -20,7 +20,7 @@ setup-test: setup
 	$(BIN)/pip install -q -e '.[test]'
 
 run: setup
-	$(BIN)/shoal chat "$(PROMPT)"
+	$(BIN)/shoal serve --port $(PORT)
 
 test: setup-test
 	$(BIN)/ruff check shoal tests benchmarks

@@ -1,8 +1,8 @@
 """Offline throughput, the issue's two workloads, each against HF transformers in the same run.
 
-    python benchmarks/offline_throughput.py            # both workloads
-    python benchmarks/offline_throughput.py uniform    # (a) 64 x 32 prompt / 128 output
-    python benchmarks/offline_throughput.py mixed      # (b) prompts 16-512, outputs 16-256
+python benchmarks/offline_throughput.py            # both workloads
+python benchmarks/offline_throughput.py uniform    # (a) 64 x 32 prompt / 128 output
+python benchmarks/offline_throughput.py mixed      # (b) prompts 16-512, outputs 16-256
 """
 
 from __future__ import annotations
