@@ -329,3 +329,88 @@ def test_metrics_count_what_was_served(server, model):
     for gauge in ("shoal:num_requests_running", "shoal:num_requests_waiting", "shoal:kv_cache_usage_perc"):
         assert gauge + label in after
     assert "shoal:num_preemptions_total" + label in after
+
+
+def test_non_streaming_request_is_aborted_when_its_client_leaves(server, model):
+    import socket
+
+    body = json.dumps(
+        {"model": model, "prompt": "A long tale:", "max_tokens": 2000, "ignore_eos": True}
+    ).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 30
+        while server.get("/load").json()["running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    steps_at_close = server.get("/load").json()["num_steps"]
+    load = server.wait_idle(timeout=10)
+    assert load["num_steps"] - steps_at_close <= 2
+
+
+def test_tokenize_and_detokenize(server, model, bundled):
+    text = "Hello, tokenizer!"
+    r = server.post("/tokenize", json={"model": model, "prompt": text}).json()
+    assert r["tokens"] == bundled.tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    messages = [{"role": "user", "content": "Hi"}]
+    r2 = server.post("/tokenize", json={"messages": messages}).json()
+    assert r2["tokens"] == bundled.tokenizer.encode_chat(messages)
+    assert server.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == text
+    bad = server.post("/detokenize", json={"tokens": [10**8]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_bench_serve_against_the_server(server, model, tmp_path, bundled):
+    import random
+
+    from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+    from shoal.bench.workload import exact_length_text
+
+    rng = random.Random(3)
+    for n in (1, 7, 32, 100):
+        assert len(bundled.tokenizer.encode(exact_length_text(bundled.tokenizer, n, rng))) == n
+    s = run_serve_bench(
+        ServeBenchConfig(
+            base_url=server.url,
+            num_requests=6,
+            max_concurrency=3,
+            input_len=24,
+            output_len=8,
+            json_path=str(tmp_path / "r.json"),
+        )
+    )
+    assert s["completed"] == 6 and s["total_output_tokens"] == 48 and s["total_input_tokens"] == 6 * 24
+    assert 0 < s["ttft_s"]["p50"] <= s["e2e_s"]["p50"]
+    dataset = tmp_path / "chats.jsonl"
+    dataset.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "conversations": [
+                        {"from": "human", "value": f"Question {i}?"},
+                        {"from": "gpt", "value": "A"},
+                    ]
+                }
+            )
+            for i in range(4)
+        )
+    )
+    s = run_serve_bench(
+        ServeBenchConfig(
+            base_url=server.url,
+            endpoint="chat",
+            dataset=str(dataset),
+            num_requests=4,
+            output_len=5,
+            request_rate=50.0,
+            slo_ttft_ms=60_000,
+            slo_tpot_ms=60_000,
+        )
+    )
+    assert s["completed"] == 4 and s["total_output_tokens"] == 20 and s["goodput"] > 0
+    assert (tmp_path / "r.json").exists()
