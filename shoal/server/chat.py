@@ -13,12 +13,12 @@ from shoal.server.common import (
     SSE_DONE,
     ServingContext,
     close_all,
-    collect_unless_disconnected,
     merged,
     now_s,
     open_streams,
     params_or_400,
     request_id,
+    run_to_end,
     sse,
     stream_error,
     usage,
@@ -86,15 +86,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                     yield i, o.delta_text, part, finished_now
 
     if not req.stream:
-
-        async def run():
-            try:
-                async for _ in events():
-                    pass
-            finally:
-                close_all(streams)
-
-        await collect_unless_disconnected(raw, run())
+        await run_to_end(raw, events(), streams)
         body = {
             **head,
             "object": "chat.completion",

@@ -137,6 +137,19 @@ async def collect_unless_disconnected(raw: Request, work) -> object:
             task.cancel()
 
 
+async def run_to_end(raw: Request, events: AsyncIterator, streams: list[RequestStream]) -> None:
+    """Consumes a non-streaming response's events, aborting everything if the client leaves."""
+
+    async def run():
+        try:
+            async for _ in events:
+                pass
+        finally:
+            close_all(streams)
+
+    await collect_unless_disconnected(raw, run())
+
+
 def close_all(streams: list[RequestStream]) -> None:
     for s in streams:
         s.abort()

@@ -13,12 +13,12 @@ from shoal.server.common import (
     SSE_DONE,
     ServingContext,
     close_all,
-    collect_unless_disconnected,
     merged,
     now_s,
     open_streams,
     params_or_400,
     request_id,
+    run_to_end,
     sse,
     stream_error,
     usage,
@@ -126,15 +126,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
 
     num_prompt = sum(len(p) for p in prompts)
     if not req.stream:
-
-        async def run():
-            try:
-                async for _ in events():
-                    pass
-            finally:
-                close_all(streams)
-
-        await collect_unless_disconnected(raw, run())
+        await run_to_end(raw, events(), streams)
         body = {
             **head,
             "choices": [
