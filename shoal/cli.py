@@ -152,7 +152,8 @@ def cmd_serve(args) -> int:
         log_level=args.log_level,
         front=front,
     )
-    serve(build_engine_config(model, **engine_options(args)), server)
+    options = {"enable_kv_events": True, **engine_options(args)}  # a fleet router may subscribe
+    serve(build_engine_config(model, **options), server)
     return 0
 
 

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shoal.engine.block_hash import hash_blocks
+from shoal.block_hash import hash_blocks
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
 import time
+import uuid
+from collections import deque
 from dataclasses import dataclass
 
 from shoal.engine.llm_engine import EngineStats, LLMEngine
@@ -38,6 +41,8 @@ class AsyncEngineConfig:
     max_waiting_tokens: int = 262_144
     # A step longer than this, with work pending, marks the engine unhealthy.
     stall_timeout_s: float = 60.0
+    # KV events kept for routers that poll; one that falls further behind is told to resync.
+    kv_event_log_size: int = 200_000
 
 
 @dataclass
@@ -108,6 +113,10 @@ class AsyncEngine:
         self._step_started: float | None = None
         self._last_step_end = time.monotonic()
         self._stop = threading.Event()
+        # (sequence number, event): the fleet router polls this to learn which blocks are cached here.
+        self._kv_log: deque = deque(maxlen=self.config.kv_event_log_size)
+        self._kv_seq = 0
+        self.instance_id = uuid.uuid4().hex  # a restarted replica has a new one: routers drop its old index
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
 
@@ -213,6 +222,7 @@ class AsyncEngine:
                 now = self._last_step_end = time.monotonic()
                 self._step_started = None
                 self._publish_stats()
+                self._log_kv_events()
                 self._deliver([(o.request_id, _snapshot(o, now)) for o in outputs])
         except BaseException as exc:  # the loop is dead: every waiter must hear of it
             log.exception("engine loop failed")
@@ -251,6 +261,34 @@ class AsyncEngine:
             return
         self._streams[cmd.request_id] = (cmd.stream.accepted.get_loop(), cmd.stream.queue)
         accepted.append((cmd.stream.accepted, None))
+
+    def _log_kv_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if not events:
+            return
+        with self._lock:
+            for ev in events:
+                self._kv_seq += 1
+                self._kv_log.append((self._kv_seq, ev))
+
+    def kv_events(self, after: int, limit: int = 20_000) -> dict:
+        """Events with sequence numbers above `after`; `reset` when some were already dropped."""
+        with self._lock:
+            oldest = self._kv_log[0][0] if self._kv_log else self._kv_seq + 1
+            reset = after < oldest - 1
+            skip = max(0, after + 1 - oldest)
+            picked = list(itertools.islice(self._kv_log, skip, skip + limit))
+            last = picked[-1][0] if picked else max(after, self._kv_seq)
+        return {
+            "instance": self.instance_id,
+            "block_size": self.engine.kv.block_size,
+            "reset": reset,
+            "next": last,
+            "events": [
+                {"kind": ev.kind, "block_hash": ev.block_hash, "parent_hash": ev.parent_hash}
+                for _, ev in picked
+            ],
+        }
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()

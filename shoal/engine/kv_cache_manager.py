@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shoal.engine.block_hash import hash_blocks
+from shoal.block_hash import hash_blocks
 from shoal.engine.block_pool import BlockPool, KVBlock
 from shoal.engine.request import Request
 

@@ -18,7 +18,7 @@ from shoal.server.errors import APIError, error_body, install_error_handlers
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 # Routes anyone may call even when an API key is set: probes and scrapes.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load", "/docs", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load", "/kv_events", "/docs", "/openapi.json"})
 
 
 @dataclass
@@ -128,7 +128,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)}
 
     @app.get("/health")
     async def health():
@@ -156,5 +156,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/load")
     async def load():
         return state.serving().engine.load()
+
+    @app.get("/kv_events")
+    async def kv_events(after: int = 0):
+        """Blocks stored in and evicted from this replica's prefix cache, for the fleet router."""
+        return state.serving().engine.kv_events(after)
 
     return app

@@ -64,8 +64,10 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     finish: list[str | None] = [None] * req.n
     content_lps: list[list[dict]] = [[] for _ in range(req.n)]
 
-    async def events() -> AsyncIterator[tuple[int, str, list[dict] | None, bool]]:
-        """(choice, new text, new logprobs, finished now) as outputs arrive."""
+    token_ids: list[list[int]] = [[] for _ in range(req.n)]
+
+    async def events() -> AsyncIterator[tuple[int, str, list[dict] | None, bool, list[int]]]:
+        """(choice, new text, new logprobs, finished now, new token ids) as outputs arrive."""
         async for _, out in merged(streams):
             timer.observe(out)
             for o in out.outputs:
@@ -79,11 +81,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                     content_lps[i].extend(part)
                 texts[i] += o.delta_text
                 counts[i] += len(o.delta_token_ids)
+                token_ids[i] += o.delta_token_ids
                 finished_now = o.finish_reason is not None and finish[i] is None
                 if finished_now:
                     finish[i] = o.finish_reason
-                if o.delta_text or part or finished_now:
-                    yield i, o.delta_text, part, finished_now
+                ids = o.delta_token_ids if req.return_token_ids else []
+                if o.delta_text or part or finished_now or ids:
+                    yield i, o.delta_text, part, finished_now, ids
 
     if not req.stream:
         await run_to_end(raw, events(), streams)
@@ -96,6 +100,11 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                     "message": {"role": "assistant", "content": texts[i]},
                     "logprobs": None if logprobs is None else {"content": content_lps[i]},
                     "finish_reason": finish[i],
+                    **(
+                        {"token_ids": token_ids[i], "prompt_token_ids": prompt}
+                        if req.return_token_ids
+                        else {}
+                    ),
                 }
                 for i in range(req.n)
             ],
@@ -105,21 +114,27 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
 
     chunk_head = {**head, "object": "chat.completion.chunk"}
 
-    def chunk(i: int, delta: dict, part, finish_reason) -> str:
+    def chunk(i: int, delta: dict, part, finish_reason, ids: list[int] | None = None, **top) -> str:
         choice = {
             "index": i,
             "delta": delta,
             "logprobs": None if part is None else {"content": part},
             "finish_reason": finish_reason,
         }
-        return sse({**chunk_head, "choices": [choice]})
+        if ids is not None:
+            choice["token_ids"] = ids
+        return sse({**chunk_head, "choices": [choice], **top})
 
     async def stream():
         try:
             for i in range(req.n):
-                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
-            async for i, text, part, finished_now in events():
-                yield chunk(i, {"content": text} if text else {}, part, finish[i] if finished_now else None)
+                top = {"prompt_token_ids": prompt} if req.return_token_ids else {}
+                yield chunk(i, {"role": "assistant", "content": ""}, None, None, **top)
+            async for i, text, part, finished_now, ids in events():
+                delta = {"content": text} if text else {}
+                yield chunk(
+                    i, delta, part, finish[i] if finished_now else None, ids if req.return_token_ids else None
+                )
             if req.include_usage:
                 yield sse({**chunk_head, "choices": [], "usage": usage(len(prompt), sum(counts))})
         except Exception as exc:

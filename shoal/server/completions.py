@@ -37,6 +37,8 @@ class _Choice:
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    prompt: int = 0  # which prompt of the request it continues
 
 
 class _Logprobs:
@@ -87,7 +89,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
     start = raw.state.arrival
     timers = [ctx.metrics.timer(start) for _ in streams]
     lp = _Logprobs(ctx) if req.logprobs is not None else None
-    choices = [_Choice(i) for i in range(len(prompts) * req.n)]
+    choices = [_Choice(i, prompt=i // req.n) for i in range(len(prompts) * req.n)]
     head = {"id": rid, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
 
     def echo_prefix(p: int, c: _Choice, out) -> dict | None:
@@ -97,8 +99,8 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
             return None
         return lp.add(c, out.prompt_logprobs or [None] * len(prompts[p]), prompts[p], 0)
 
-    async def events() -> AsyncIterator[tuple[_Choice, str, dict | None, bool]]:
-        """(choice, new text, new logprobs, finished now) as outputs arrive."""
+    async def events() -> AsyncIterator[tuple[_Choice, str, dict | None, bool, list[int]]]:
+        """(choice, new text, new logprobs, finished now, new token ids) as outputs arrive."""
         started: set[int] = set()
         async for p, out in merged(streams):
             timers[p].observe(out)
@@ -115,11 +117,13 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
                 c.text += o.delta_text
                 text += o.delta_text
                 c.num_tokens += len(o.delta_token_ids)
+                c.token_ids += o.delta_token_ids
                 finished_now = o.finish_reason is not None and c.finish_reason is None
                 if finished_now:
                     c.finish_reason = o.finish_reason
-                if text or part is not None or finished_now:
-                    yield c, text, part, finished_now
+                ids = o.delta_token_ids if req.return_token_ids else []
+                if text or part is not None or finished_now or ids:
+                    yield c, text, part, finished_now, ids
 
     def num_completion() -> int:
         return sum(c.num_tokens for c in choices)
@@ -139,6 +143,11 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
                         k: getattr(c, k) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
                     },
                     "finish_reason": c.finish_reason,
+                    **(
+                        {"token_ids": c.token_ids, "prompt_token_ids": prompts[c.prompt]}
+                        if req.return_token_ids
+                        else {}
+                    ),
                 }
                 for c in choices
             ],
@@ -148,13 +157,19 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
 
     async def stream():
         try:
-            async for c, text, part, finished_now in events():
+            announced: set[int] = set()
+            async for c, text, part, finished_now, ids in events():
                 choice = {
                     "index": c.index,
                     "text": text,
                     "logprobs": part,
                     "finish_reason": c.finish_reason if finished_now else None,
                 }
+                if req.return_token_ids:
+                    choice["token_ids"] = ids
+                    if c.index not in announced:
+                        announced.add(c.index)
+                        choice["prompt_token_ids"] = prompts[c.prompt]
                 yield sse({**head, "choices": [choice]})
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(num_prompt, num_completion())})

@@ -40,6 +40,9 @@ class _SamplingFields(_Request):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     priority: StrictInt = 0
+    # shoal's extension (vLLM has the same): token ids of the prompt and of every delta, which a
+    # gateway needs to continue a stream on another replica token for token.
+    return_token_ids: StrictBool = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         return SamplingParams(
@@ -130,3 +133,4 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: StrictStr | None = None
     tokens: list[Annotated[StrictInt, Field(ge=0)]]
+    skip_special_tokens: StrictBool = False

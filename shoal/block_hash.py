@@ -1,6 +1,7 @@
 """Chained block hashes: a full block's hash covers its parent's hash, its tokens and extra keys.
 
-Pure Python and stable across processes, so a router can hash a prompt exactly as the engine does.
+Pure Python and stable across processes. It lives outside the engine because the fleet router
+hashes prompts exactly as the engine does, and the router must not import the engine.
 """
 
 from __future__ import annotations
