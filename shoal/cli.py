@@ -157,6 +157,66 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _gateway_config(args):
+    from shoal.fleet.config import FleetConfig, load_fleet_config
+
+    fleet = load_fleet_config(args.config) if args.config else FleetConfig()
+    gw = fleet.gateway
+    for flag, attr in (
+        ("host", "host"),
+        ("port", "port"),
+        ("policy", "policy"),
+        ("api_key", "api_key"),
+        ("tokenizer", "tokenizer"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(gw, attr, value)
+    return fleet
+
+
+def _run_gateway(gateway, what: str) -> int:
+    import uvicorn
+
+    cfg = gateway.config
+    print(f"shoal: {what}; the API is at http://{cfg.host}:{cfg.port}/v1 (policy {cfg.policy})", flush=True)
+    uvicorn.run(gateway.build_app(), host=cfg.host, port=cfg.port, log_level="warning")
+    return 0
+
+
+def cmd_fleet_up(args) -> int:
+    import shlex
+
+    from shoal.fleet.gateway import Gateway
+    from shoal.fleet.launcher import LocalLauncher
+
+    fleet = _gateway_config(args)
+    if args.replicas is not None:
+        fleet.replicas = args.replicas
+    fleet.model = args.model_pos or args.model or fleet.model
+    if args.base_port is not None:
+        fleet.base_port = args.base_port
+    if args.replica_args:
+        fleet.replica_args = shlex.split(args.replica_args)
+    fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model
+    launcher = LocalLauncher(fleet)
+    names = ", ".join(f"{r.name} :{r.port}" for r in launcher.replicas)
+    print(f"shoal: starting {fleet.replicas} replicas ({names}); logs in {launcher.log_dir}", flush=True)
+    return _run_gateway(Gateway(fleet.gateway, launcher), "fleet gateway up")
+
+
+def cmd_gateway(args) -> int:
+    from shoal.fleet.gateway import Gateway
+
+    fleet = _gateway_config(args)
+    if args.backend:
+        fleet.gateway.backends = args.backend
+    if not fleet.gateway.backends:
+        print("shoal: give at least one --backend URL (or backends in --config)", file=sys.stderr)
+        return 2
+    return _run_gateway(Gateway(fleet.gateway), f"gateway over {len(fleet.gateway.backends)} backends")
+
+
 def cmd_bench_offline(args) -> int:
     from shoal.bench.offline import OfflineBenchConfig, run_offline_bench
 
@@ -219,6 +279,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    def gateway_args(p):
+        p.add_argument(
+            "--config", default=None, help="TOML file: replicas, model, [gateway] policy and limits"
+        )
+        p.add_argument("--host", default=None)
+        p.add_argument("--port", type=int, default=None)
+        p.add_argument(
+            "--policy",
+            default=None,
+            choices=["kv_aware", "round_robin", "least_load", "power_of_two", "session"],
+        )
+        p.add_argument("--api-key", default=None)
+        p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer hashes prompts")
+
+    fleet = sub.add_parser("fleet", help="a gateway and local replicas").add_subparsers(
+        dest="fleet", required=True
+    )
+    p = fleet.add_parser("up", help="start N local replicas behind one gateway, restarting any that die")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL")
+    p.add_argument("--model", "-m", default=None)
+    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--base-port", type=int, default=None, help="replica ports from here (0: any free ports)")
+    p.add_argument(
+        "--replica-args", default=None, help="extra `shoal serve` flags, e.g. '--kv-cache-memory 1GiB'"
+    )
+    gateway_args(p)
+    p.set_defaults(func=cmd_fleet_up)
+
+    p = sub.add_parser("gateway", help="front replicas that already run (shoal, vLLM, SGLang, llama.cpp)")
+    p.add_argument("--backend", action="append", default=[], help="a replica's base URL (repeat)")
+    gateway_args(p)
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
     p.add_argument("prompt", nargs="+")

@@ -1,0 +1,59 @@
+"""The gateway's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shoal.server.metrics import LATENCY_BUCKETS
+
+
+class GatewayMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "shoal:gateway_requests", "Requests sent to each replica.", ["replica"], registry=r
+        )
+        self.responses = Counter(
+            "shoal:gateway_responses", "Responses to clients by status.", ["status"], registry=r
+        )
+        self.decisions = Counter(
+            "shoal:gateway_routing_decisions",
+            "Routing decisions by policy and reason.",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "shoal:gateway_retries", "Requests retried on another replica.", ["reason"], registry=r
+        )
+        self.failovers = Counter(
+            "shoal:gateway_failovers",
+            "Streams continued on another replica after a failure mid-stream.",
+            registry=r,
+        )
+        self.ejections = Counter(
+            "shoal:gateway_ejections", "Circuit breaker openings.", ["replica"], registry=r
+        )
+        self.rejections = Counter(
+            "shoal:gateway_rejections", "Requests refused with 503 (queue full).", registry=r
+        )
+        self.inflight = Gauge(
+            "shoal:gateway_inflight_requests", "Requests in flight.", ["replica"], registry=r
+        )
+        self.replica_up = Gauge(
+            "shoal:gateway_replica_ready", "1 when the replica takes traffic.", ["replica"], registry=r
+        )
+        self.ttft = Histogram(
+            "shoal:gateway_time_to_first_token_seconds",
+            "Gateway-side time to the first streamed byte.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "shoal:gateway_e2e_request_latency_seconds",
+            "Gateway-side request latency.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,117 @@
+"""Routing policies: each picks one replica from the routable candidates and says why."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+from shoal.fleet.prefix_index import PrefixIndex
+from shoal.fleet.replica import Replica
+
+
+@dataclass
+class RouteRequest:
+    hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, if known
+    session: str | None = None
+
+
+class Policy:
+    name = "policy"
+
+    def choose(self, candidates: list[Replica], req: RouteRequest) -> tuple[Replica, str]:
+        raise NotImplementedError
+
+
+def least_loaded(candidates: list[Replica]) -> Replica:
+    return min(candidates, key=lambda r: (r.outstanding, r.requests_total))
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._next = 0
+
+    def choose(self, candidates, req):
+        r = candidates[self._next % len(candidates)]
+        self._next += 1
+        return r, "round_robin"
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def choose(self, candidates, req):
+        return least_loaded(candidates), "least_load"
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None):
+        self.rng = random.Random(seed)
+
+    def choose(self, candidates, req):
+        if len(candidates) == 1:
+            return candidates[0], "only_choice"
+        a, b = self.rng.sample(candidates, 2)
+        return (a if a.outstanding <= b.outstanding else b), "power_of_two"
+
+
+def _affinity(session: str, replica: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{session}|{replica}".encode()).digest()[:8], "little")
+
+
+class Session(Policy):
+    """Sticky by session key with rendezvous hashing: a session keeps its replica while that one is
+    routable, and only the sessions of a lost replica move."""
+
+    name = "session"
+
+    def choose(self, candidates, req):
+        if not req.session:
+            return least_loaded(candidates), "no_session"
+        best = max(candidates, key=lambda r: _affinity(req.session, r.name))
+        return best, "session"
+
+
+class KVAware(Policy):
+    """Lowest cost = prompt blocks the replica lacks + load_weight x its outstanding requests; when
+    load is too uneven, the least loaded replica wins whatever it holds."""
+
+    name = "kv_aware"
+
+    def __init__(self, index: PrefixIndex, load_weight: float, imbalance_limit: int):
+        self.index = index
+        self.load_weight = load_weight
+        self.imbalance_limit = imbalance_limit
+
+    def choose(self, candidates, req):
+        loads = [r.outstanding for r in candidates]
+        if max(loads) - min(loads) > self.imbalance_limit:
+            return least_loaded(candidates), "imbalance_fallback"
+        if not req.hashes:
+            return least_loaded(candidates), "no_prefix"
+        matched = self.index.matched_blocks(req.hashes, [r.name for r in candidates])
+        total = len(req.hashes)
+
+        def cost(r: Replica) -> tuple[float, float]:
+            return (total - matched[r.name] + self.load_weight * r.outstanding, r.outstanding)
+
+        best = min(candidates, key=cost)
+        return best, "prefix_hit" if matched[best.name] else "no_prefix"
+
+
+def make_policy(name: str, index: PrefixIndex, load_weight: float = 2.0, imbalance_limit: int = 16) -> Policy:
+    if name == "kv_aware":
+        return KVAware(index, load_weight, imbalance_limit)
+    table = {
+        "round_robin": RoundRobin,
+        "least_load": LeastLoad,
+        "power_of_two": PowerOfTwo,
+        "session": Session,
+    }
+    if name not in table:
+        raise ValueError(f"unknown routing policy {name!r}; choose from kv_aware, {', '.join(table)}")
+    return table[name]()

@@ -1,0 +1,87 @@
+"""One replica as the gateway sees it: health, circuit breaker, load, in-flight requests."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class ReplicaState(StrEnum):
+    LOADING = "loading"  # up but not /ready: never routed to
+    READY = "ready"
+    EJECTED = "ejected"  # circuit open after consecutive failures
+    HALF_OPEN = "half_open"  # one trial request decides
+    DOWN = "down"  # unreachable or unhealthy by probe
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    state: ReplicaState = ReplicaState.LOADING
+    inflight: int = 0
+    load: dict = field(default_factory=dict)  # last /load answer (shoal replicas only)
+    consecutive_failures: int = 0
+    open_until: float = 0.0
+    trial_inflight: bool = False
+    recent_errors: deque = field(default_factory=lambda: deque(maxlen=10))
+    requests_total: int = 0
+    pid: int | None = None
+    kv_events: bool = False  # it answers /kv_events: the index is exact
+    kv_instance: str | None = None
+    kv_cursor: int = 0
+    block_size: int | None = None
+
+    @property
+    def outstanding(self) -> float:
+        """Requests this replica is working on or queueing, as best known."""
+        waiting = self.load.get("waiting", 0)
+        return max(self.inflight, self.load.get("running", 0) + waiting) + 0.5 * waiting
+
+    def routable(self, now: float) -> bool:
+        if self.state == ReplicaState.READY:
+            return True
+        if self.state == ReplicaState.EJECTED and now >= self.open_until:
+            self.state = ReplicaState.HALF_OPEN
+        return self.state == ReplicaState.HALF_OPEN and not self.trial_inflight
+
+    def on_dispatch(self) -> None:
+        self.inflight += 1
+        self.requests_total += 1
+        if self.state == ReplicaState.HALF_OPEN:
+            self.trial_inflight = True
+
+    def on_success(self) -> None:
+        self.consecutive_failures = 0
+        if self.state == ReplicaState.HALF_OPEN:
+            self.state = ReplicaState.READY
+        self.trial_inflight = False
+
+    def on_failure(self, reason: str, eject_after: int, eject_for: float) -> bool:
+        """Records a failed request; returns True when this failure opened the circuit."""
+        self.recent_errors.append((time.time(), reason))
+        self.consecutive_failures += 1
+        self.trial_inflight = False
+        if self.state == ReplicaState.HALF_OPEN or (
+            self.state == ReplicaState.READY and self.consecutive_failures >= eject_after
+        ):
+            self.state = ReplicaState.EJECTED
+            self.open_until = time.monotonic() + eject_for
+            return True
+        return False
+
+    def snapshot(self) -> dict:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "state": self.state.value,
+            "inflight": self.inflight,
+            "load": self.load,
+            "requests_total": self.requests_total,
+            "consecutive_failures": self.consecutive_failures,
+            "recent_errors": [{"time": t, "error": e} for t, e in self.recent_errors],
+            "pid": self.pid,
+            "kv_events": self.kv_events,
+        }
