@@ -1,0 +1,267 @@
+"""Three real replicas behind real gateways on 127.0.0.1: routing policies, passthrough,
+backpressure, passive ejection, and kill -9 mid-stream with no failed or altered answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from tests.fleet_helpers import metric, replicas, start_fleet, start_gateway, wait_replicas_ready
+from tests.server_helpers import free_port
+
+REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
+LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in range(14))
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    gw = start_fleet(3, "--replica-args", REPLICA_ARGS)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def urls(fleet):
+    return {name: r["url"] for name, r in replicas(fleet).items()}
+
+
+@pytest.fixture(scope="module")
+def gateways(urls):
+    """One gateway per non-default policy over the fleet's replicas (names backend-0.. in url order)."""
+    made = {p: start_gateway(list(urls.values()), "--policy", p) for p in ("round_robin", "session")}
+    yield made
+    for g in made.values():
+        g.stop()
+
+
+def post(gw, body, path="/v1/completions", **kw):
+    r = httpx.post(gw.url + path, json=body, timeout=120, **kw)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_openai_api_passes_through(fleet, urls):
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    via = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=8, temperature=0
+    )
+    direct = httpx.post(
+        next(iter(urls.values())) + "/v1/chat/completions",
+        json={"messages": msgs, "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    ).json()
+    assert via.choices[0].message.content == direct["choices"][0]["message"]["content"]
+    assert via.usage.completion_tokens == direct["usage"]["completion_tokens"]
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=8, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert text == via.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):  # a client error passes through, untouched and not retried
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", max_tokens=-1)
+    reps = fleet.get("/replicas").json()["replicas"]
+    assert len(reps) == 3 and all(r["pid"] and r["state"] == "ready" for r in reps)
+    assert metric(fleet.url, "shoal:gateway_retries_total") == 0
+
+
+def test_round_robin_spreads_and_session_sticks(gateways):
+    rr = gateways["round_robin"]
+    seen = Counter(post(rr, {"prompt": f"q{i}", "max_tokens": 1}).headers["x-replica"] for i in range(6))
+    assert sorted(seen.values()) == [2, 2, 2]
+    sess = gateways["session"]
+    for who in ("alice", "bob", "carol"):
+        placed = {
+            post(sess, {"prompt": f"{who} {i}", "max_tokens": 1}, headers={"x-session-id": who}).headers[
+                "x-replica"
+            ]
+            for i in range(4)
+        }
+        assert len(placed) == 1
+    by_user = {
+        post(sess, {"prompt": f"u {i}", "max_tokens": 1, "user": "dave"}).headers["x-replica"]
+        for i in range(3)
+    }
+    assert len(by_user) == 1
+
+
+def test_kv_aware_sends_shared_prefixes_where_they_are_cached(fleet, urls):
+    homes = {}
+    for k in range(3):
+        prefix = f"Document {k}. {LONG_PREFIX}"
+        homes[k] = post(fleet, {"prompt": prefix + " Question one?", "max_tokens": 1}).headers["x-replica"]
+    time.sleep(0.5)  # the gateway polls KV events every 100 ms
+    for k in range(3):
+        home = urls[homes[k]]
+        hits = metric(home, "shoal:prefix_cache_hits_total")
+        got = post(fleet, {"prompt": f"Document {k}. {LONG_PREFIX} Another question?", "max_tokens": 1})
+        assert got.headers["x-replica"] == homes[k]
+        assert metric(home, "shoal:prefix_cache_hits_total") - hits >= 160  # the shared prefix was reused
+    assert (
+        metric(fleet.url, 'shoal:gateway_routing_decisions_total{policy="kv_aware",reason="prefix_hit"}') >= 3
+    )
+
+
+def test_kv_aware_falls_back_to_least_load_when_load_is_uneven(urls, tmp_path):
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text('[gateway]\npolicy = "kv_aware"\nimbalance_limit = 2\n')
+    gw = start_gateway(list(urls.values()), "--config", str(cfg))
+    try:
+        prompt = f"Busy doc. {LONG_PREFIX}"
+        home = post(gw, {"prompt": prompt + " first", "max_tokens": 1}).headers["x-replica"]
+        home_url = dict(zip([f"backend-{i}" for i in range(3)], urls.values()))[home]
+
+        async def load_home_and_ask():
+            async with httpx.AsyncClient(timeout=120) as c:
+                busy = [
+                    asyncio.create_task(
+                        c.post(
+                            home_url + "/v1/completions",
+                            json={"prompt": f"filler {i}", "max_tokens": 64, "ignore_eos": True},
+                        )
+                    )
+                    for i in range(6)
+                ]
+                while replicas(gw)[home]["load"].get("running", 0) < 5:
+                    await asyncio.sleep(0.05)
+                r = await c.post(
+                    gw.url + "/v1/completions", json={"prompt": prompt + " second", "max_tokens": 1}
+                )
+                await asyncio.gather(*busy)
+                return r
+
+        r = asyncio.run(load_home_and_ask())
+        assert r.status_code == 200 and r.headers["x-replica"] != home
+        assert (
+            metric(
+                gw.url, 'shoal:gateway_routing_decisions_total{policy="kv_aware",reason="imbalance_fallback"}'
+            )
+            >= 1
+        )
+    finally:
+        gw.stop()
+
+
+def test_gateway_backpressure_gives_503_with_retry_after(urls, tmp_path):
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text('[gateway]\npolicy = "least_load"\nmax_inflight_per_replica = 1\nmax_queue = 1\n')
+    gw = start_gateway(list(urls.values())[:1], "--config", str(cfg))
+    try:
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"prompt": "Count:", "max_tokens": 24, "ignore_eos": True}
+                return await asyncio.gather(
+                    *(c.post(gw.url + "/v1/completions", json=body) for _ in range(6))
+                )
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+        assert metric(gw.url, "shoal:gateway_rejections_total") == codes.count(503)
+    finally:
+        gw.stop()
+
+
+def test_a_replica_answering_500_is_ejected_by_passive_checks(urls):
+    bad = FastAPI()
+
+    @bad.get("/health")
+    @bad.get("/ready")
+    async def fine():
+        return {"status": "ok"}
+
+    @bad.post("/v1/completions")
+    async def broken():
+        return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(bad, port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    gw = start_gateway([f"http://127.0.0.1:{port}", next(iter(urls.values()))], "--policy", "round_robin")
+    try:
+        for i in range(8):  # every request is answered: failures on the bad one are retried on the good one
+            post(gw, {"prompt": f"p{i}", "max_tokens": 1})
+        reps = replicas(gw)
+        assert reps["backend-0"]["state"] in ("ejected", "half_open")
+        assert (
+            reps["backend-0"]["recent_errors"]
+            and "HTTP 500" in reps["backend-0"]["recent_errors"][-1]["error"]
+        )
+        sent_to_bad = reps["backend-0"]["requests_total"]
+        assert sent_to_bad == 3  # ejected after three consecutive failures, then left alone
+        assert metric(gw.url, "shoal:gateway_ejections_total") >= 1
+    finally:
+        gw.stop()
+        server.should_exit = True
+        thread.join(5)
+
+
+def test_kill_9_mid_stream_loses_nothing(fleet, gateways):
+    prompts = [f"Tell me about planet number {i}." for i in range(6)]
+    body = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    expected = {p: post(fleet, {**body, "prompt": p}).json()["choices"][0]["text"] for p in prompts}
+    before = replicas(fleet)
+
+    async def stream(c, p, results):
+        text, finishes, usage, replica = "", [], None, None
+        async with c.stream(
+            "POST",
+            fleet.url + "/v1/completions",
+            json={**body, "prompt": p, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
+            assert r.status_code == 200
+            replica = r.headers["x-replica"]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                assert "error" not in obj, obj
+                usage = obj.get("usage") or usage
+                for ch in obj["choices"]:
+                    text += ch["text"]
+                    if ch["finish_reason"]:
+                        finishes.append(ch["finish_reason"])
+                results[p] = (replica, len(text))
+        return text, finishes, usage
+
+    async def run():
+        results: dict = {}
+        async with httpx.AsyncClient(timeout=180) as c:
+            tasks = [asyncio.create_task(stream(c, p, results)) for p in prompts]
+            while len(results) < len(prompts) or min(n for _, n in results.values()) < 20:
+                await asyncio.sleep(0.02)
+            victim = Counter(rep for rep, _ in results.values()).most_common(1)[0][0]
+            os.kill(before[victim]["pid"], signal.SIGKILL)
+            return victim, await asyncio.gather(*tasks)
+
+    victim, outs = asyncio.run(run())
+    for p, (text, finishes, usage) in zip(prompts, outs):
+        assert text == expected[p], p  # greedy: identical to the uninterrupted answer
+        assert finishes == ["length"]
+        assert usage["completion_tokens"] == 60
+    assert metric(fleet.url, "shoal:gateway_failovers_total") >= 1
+    # The supervisor restarts the victim, which takes traffic again.
+    reps = wait_replicas_ready(fleet, 3)
+    restarted = {r["name"]: r for r in reps}[victim]
+    assert restarted["pid"] != before[victim]["pid"]
+    served = restarted["requests_total"]
+    for i in range(9):
+        post(fleet, {"prompt": f"after {i}", "max_tokens": 1})
+    assert replicas(fleet)[victim]["requests_total"] > served
