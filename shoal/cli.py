@@ -261,6 +261,26 @@ def cmd_bench_serve(args) -> int:
     return 0 if summary["completed"] else 1
 
 
+def cmd_bench_multiturn(args) -> int:
+    from shoal.bench.multiturn import MultiTurnConfig, run_multiturn
+
+    cfg = MultiTurnConfig(
+        base_url=args.base_url.rstrip("/").removesuffix("/v1"),
+        model=args.model,
+        tokenizer=args.tokenizer,
+        conversations=args.conversations,
+        turns=args.turns,
+        system_len=args.system_len,
+        first_len=args.first_len,
+        followup_len=args.followup_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        api_key=args.api_key,
+        json_path=args.json,
+    )
+    return 0 if run_multiturn(cfg)["completed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve large language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -361,6 +381,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG of latency over time and CDFs")
     p.set_defaults(func=cmd_bench_serve)
+
+    p = bench.add_parser(
+        "multiturn", help="multi-turn chat load: shared system prompt, growing conversations"
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-len", type=int, default=200)
+    p.add_argument("--first-len", type=int, default=300, help="tokens in each conversation's opening message")
+    p.add_argument("--followup-len", type=int, default=40)
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_bench_multiturn)
     return parser
 
 

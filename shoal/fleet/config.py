@@ -36,7 +36,9 @@ class GatewayConfig:
     eject_for_s: float = 5.0  # open circuit, then half-open: one trial request
     # kv_aware: cost = uncached prompt blocks + load_weight * outstanding requests; when the busiest
     # candidate has more than imbalance_limit outstanding requests beyond the idlest, least load decides.
-    load_weight: float = 2.0
+    # A weight of a few blocks lets one shared system prompt herd every new conversation onto the
+    # replica that saw it first; 8 spreads them while a conversation's own history still holds it.
+    load_weight: float = 8.0
     imbalance_limit: int = 16
     block_size: int = 16  # until a replica reports its own
 

@@ -103,7 +103,7 @@ class KVAware(Policy):
         return best, "prefix_hit" if matched[best.name] else "no_prefix"
 
 
-def make_policy(name: str, index: PrefixIndex, load_weight: float = 2.0, imbalance_limit: int = 16) -> Policy:
+def make_policy(name: str, index: PrefixIndex, load_weight: float = 8.0, imbalance_limit: int = 16) -> Policy:
     if name == "kv_aware":
         return KVAware(index, load_weight, imbalance_limit)
     table = {
