@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from shoal.models.loader import ModelNotFoundError
+    from shoal.models.checkpoint import ModelNotFoundError
 
     try:
         return args.func(args)

@@ -18,7 +18,7 @@ import httpx
 
 from shoal.bench.report import RequestRecord, format_summary, summarize
 from shoal.bench.workload import exact_length_text
-from shoal.models.loader import load_tokenizer
+from shoal.models.checkpoint import load_tokenizer
 
 
 @dataclass

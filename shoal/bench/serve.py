@@ -16,7 +16,7 @@ import httpx
 
 from shoal.bench.report import RequestRecord, format_summary, plot, summarize
 from shoal.bench.workload import BenchRequest, from_dataset, synthetic
-from shoal.models.loader import load_tokenizer
+from shoal.models.checkpoint import load_tokenizer
 
 
 @dataclass

@@ -276,7 +276,7 @@ class AsyncEngine:
         with self._lock:
             oldest = self._kv_log[0][0] if self._kv_log else self._kv_seq + 1
             reset = after < oldest - 1
-            skip = max(0, after + 1 - oldest)
+            skip = min(max(0, after + 1 - oldest), len(self._kv_log))
             picked = list(itertools.islice(self._kv_log, skip, skip + limit))
             last = picked[-1][0] if picked else max(after, self._kv_seq)
         return {

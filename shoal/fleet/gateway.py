@@ -180,7 +180,7 @@ class Gateway:
             await self.launcher.start(self.registry)
         await self.registry.start()
         try:
-            from shoal.models.loader import load_tokenizer
+            from shoal.models.checkpoint import load_tokenizer
 
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
         except Exception as exc:  # a foreign model: route on text blocks instead

@@ -123,7 +123,9 @@ class Proxy:
                     continue
                 break
             if resp.status_code >= 500:
-                await self.registry.release(replica, False, f"HTTP {resp.status_code}")
+                # A 503 is a busy replica shedding load: try another, but it is not sick.
+                busy = resp.status_code == 503
+                await self.registry.release(replica, busy, f"HTTP {resp.status_code}")
                 last = self._passthrough(resp, content)
                 if attempt < self.config.max_retries and self._may_retry(f"http_{resp.status_code}"):
                     continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -12,6 +11,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from shoal.models.config import ModelConfig, RopeScaling
+from shoal.models.gguf_meta import field_value, open_gguf  # noqa: F401  (open_gguf re-exported)
 
 # GGUF architecture name -> ours. Mistral files are written with the llama architecture.
 _ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -35,11 +35,6 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-def field_value(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -125,7 +120,3 @@ def iter_gguf_weights(
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_rotary(arr, cfg.num_kv_heads)
         yield name, torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
-
-
-def open_gguf(path: Path) -> GGUFReader:
-    return GGUFReader(str(path), "r")

@@ -7,8 +7,9 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from shoal.server.chat import chat_prompt, create_chat_completion
@@ -158,7 +159,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return state.serving().engine.load()
 
     @app.get("/kv_events")
-    async def kv_events(after: int = 0):
+    async def kv_events(after: Annotated[int, Query(ge=0, le=2**62)] = 0):
         """Blocks stored in and evicted from this replica's prefix cache, for the fleet router."""
         return state.serving().engine.kv_events(after)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shoal.engine.llm_engine import EngineStats
-from shoal.engine.outputs import RequestOutput
+if TYPE_CHECKING:  # the gateway reuses the buckets and must not import the engine (or torch)
+    from shoal.engine.llm_engine import EngineStats
+    from shoal.engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 
