@@ -25,7 +25,8 @@ def test_no_input_breaks_the_server(fuzz_server):
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        # Derandomized: the same cases every run, so CI is reproducible; raise max_examples to explore.
+        @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
         def fuzz(case):
             response = case.call(base_url=fuzz_server.url)
             case.validate_response(response, checks=[not_a_server_error])

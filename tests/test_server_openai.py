@@ -414,3 +414,18 @@ def test_bench_serve_against_the_server(server, model, tmp_path, bundled):
     )
     assert s["completed"] == 4 and s["total_output_tokens"] == 20 and s["goodput"] > 0
     assert (tmp_path / "r.json").exists()
+
+
+def test_kv_events_feed_for_routers(server, model, bundled):
+    from shoal.block_hash import hash_blocks
+
+    start = server.get("/kv_events").json()
+    ids = list(range(2000, 2040))  # 40 tokens: two full blocks of 16
+    server.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 1})
+    feed = server.get("/kv_events", params={"after": start["next"]}).json()
+    assert feed["instance"] == start["instance"] and feed["block_size"] == 16
+    stored = [e["block_hash"] for e in feed["events"] if e["kind"] == "stored"]
+    assert hash_blocks(ids, 16)[:2] == stored[:2]  # the router's hashes are the engine's
+    assert feed["events"][1]["parent_hash"] == stored[0]
+    assert server.get("/kv_events", params={"after": feed["next"]}).json()["events"] == []
+    assert server.get("/kv_events", params={"after": 10**22}).status_code == 400
