@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,14 +23,9 @@ import httpx
 
 from shoal.bench.multiturn import MultiTurnConfig, run_multiturn
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.fleet.launcher import free_port
 
 REPLICA_ARGS = "--threads 1 --kv-cache-memory 1GiB"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(*args: str) -> tuple[str, subprocess.Popen]:
