@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,13 @@ REF_TOKENS = 24
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
     torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _converted_model_cache(tmp_path_factory):
+    """The session's own GGUF conversion cache: the first load fills it, the servers the tests
+    start read it (so they come up fast, and run the cached path the HF checks then verify)."""
+    os.environ["SHOAL_CACHE_DIR"] = str(tmp_path_factory.mktemp("shoal-cache"))
 
 
 @pytest.fixture(scope="session")

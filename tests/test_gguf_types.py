@@ -113,3 +113,36 @@ def test_gguf_type_matches_transformers(qtype, tmp_path):
             for tid, value in lp.top:
                 assert abs(value - float(logprobs[step, tid])) < 2e-3
     assert_pool_whole(llm.engine)
+
+
+def test_the_conversion_cache_loads_the_same_model(tmp_path, monkeypatch):
+    import json
+    import os
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(cache))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, Q.Q4_K)
+    cold = load_model(str(path))
+    assert len(list(cache.iterdir())) == 1
+    warm = load_model(str(path))  # read back from the cache
+    a, b = cold.model.state_dict(), warm.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cold.config == warm.config
+    text = "some text 42"
+    assert cold.tokenizer.encode(text) == warm.tokenizer.encode(text)
+    assert cold.tokenizer.eos_token_ids == warm.tokenizer.eos_token_ids
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file is a new entry
+    load_model(str(path))
+    assert len(list(cache.iterdir())) == 2
+    from shoal.models.gguf_cache import _entry
+
+    current = _entry(path, torch.float32)
+    (current / "config.json").write_text("{broken")  # a broken entry is dropped and rebuilt
+    assert load_model(str(path)).config == cold.config
+    assert json.loads((current / "config.json").read_text())["vocab_size"] == VOCAB
+    monkeypatch.setenv("SHOAL_NO_CACHE", "1")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    load_model(str(path))
+    assert len(list(cache.iterdir())) == 2

@@ -15,6 +15,7 @@ from shoal.models.checkpoint import (  # noqa: F401  (re-exported: the historica
     resolve_model,
 )
 from shoal.models.config import ModelConfig
+from shoal.models.gguf_cache import load_cached, store
 from shoal.models.gguf_loader import iter_gguf_weights, load_gguf_config
 from shoal.models.gguf_meta import open_gguf
 from shoal.models.hf_loader import iter_hf_weights, load_hf_config
@@ -39,10 +40,16 @@ def load_model(
 ) -> LoadedModel:
     name, path = resolve_model(model)
     if path.suffix == ".gguf":
-        reader = open_gguf(path)
-        cfg = load_gguf_config(reader)
-        tokenizer = Tokenizer.from_gguf(reader)
-        weights = iter_gguf_weights(reader, cfg, dtype)
+        cached = load_cached(path, dtype)
+        if cached is not None:
+            cfg, tokenizer, weights = cached
+        else:
+            reader = open_gguf(path)
+            cfg = load_gguf_config(reader)
+            tokenizer = Tokenizer.from_gguf(reader)
+            converted = dict(iter_gguf_weights(reader, cfg, dtype))
+            store(path, dtype, cfg, tokenizer, converted)
+            weights = iter(converted.items())
     else:
         cfg = load_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)

@@ -1,0 +1,106 @@
+"""A cache of GGUF checkpoints in the form shoal loads fastest: safetensors weights (already
+dequantised and un-permuted), config and tokenizer as JSON.
+
+Reading a GGUF costs seconds here: gguf-py walks every vocabulary string through numpy memmaps and
+dequantises in numpy. The first load of a file writes the cache; later loads read it back in a
+fraction of that. Keyed by path, size, mtime and dtype; set SHOAL_CACHE_DIR to move it, or
+SHOAL_NO_CACHE=1 to turn it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
+
+from shoal.models.config import ModelConfig, RopeScaling
+from shoal.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+
+
+def cache_root() -> Path | None:
+    if os.environ.get("SHOAL_NO_CACHE"):
+        return None
+    return Path(os.environ.get("SHOAL_CACHE_DIR") or Path.home() / ".cache" / "shoal")
+
+
+def _entry(path: Path, dtype: torch.dtype) -> Path | None:
+    root = cache_root()
+    if root is None:
+        return None
+    st = path.stat()
+    key = f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}"
+    return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
+
+
+def load_cached(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Tokenizer, Iterator] | None:
+    entry = _entry(path, dtype)
+    if entry is None or not (entry / "model.safetensors").exists():
+        return None
+    try:
+        raw = json.loads((entry / "config.json").read_text())
+        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+        if raw["rope_freq_factors"] is not None:
+            raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
+        cfg = ModelConfig(**raw)
+        meta = json.loads((entry / "tokenizer_meta.json").read_text())
+        tok = Tokenizer(
+            HFTokenizer.from_file(str(entry / "tokenizer.json")),
+            bos_token_id=meta["bos_token_id"],
+            eos_token_ids=frozenset(meta["eos_token_ids"]),
+            add_bos=meta["add_bos"],
+            chat_template=meta["chat_template"],
+            special_tokens=meta["special_tokens"],
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("dropping a broken cache entry %s: %s", entry, exc)
+        shutil.rmtree(entry, ignore_errors=True)  # so that this load can store a good one
+        return None
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        with safe_open(str(entry / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+    return cfg, tok, weights()
+
+
+def store(path: Path, dtype: torch.dtype, cfg: ModelConfig, tok: Tokenizer, weights: dict) -> None:
+    """Writes the entry atomically (a temporary folder renamed into place); failures only warn."""
+    entry = _entry(path, dtype)
+    if entry is None:
+        return
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".partial-"))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        tok.backend.save(str(tmp / "tokenizer.json"))
+        meta = {
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_ids": sorted(tok.eos_token_ids),
+            "add_bos": tok.add_bos,
+            "chat_template": tok.chat_template,
+            "special_tokens": tok.special_tokens,
+        }
+        (tmp / "tokenizer_meta.json").write_text(json.dumps(meta))
+        try:
+            tmp.rename(entry)
+        except OSError:  # another process stored it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        log.warning("could not cache %s: %s", path, exc)
