@@ -2,7 +2,7 @@
 128 output tokens, EOS ignored), then `shoal bench offline` on the same workload with the engine
 capped at 32 sequences: the ratio is what the HTTP API costs.
 
-    python benchmarks/serve_throughput.py [--port 8123]
+    python benchmarks/serve_throughput.py [--port 8123] [--compare-hf]
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import time
 
 import httpx
 
-from shoal.bench.offline import OfflineBenchConfig, run_offline_bench
+from shoal.bench.offline import OfflineBenchConfig, make_workload, run_hf, run_offline_bench
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 
 LEVELS = [(1, 8), (8, 32), (32, 64)]  # (concurrency, requests)
+VOCAB = 49152  # the bundled model's; prompts are random ids below it
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -37,12 +38,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--compare-hf", action="store_true", help="also HF static batches of 1, 8 and 32")
     args = ap.parse_args()
     url = f"http://127.0.0.1:{args.port}"
+    t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve", "--port", str(args.port)])
     rows = []
     try:
         wait_ready(url, proc)
+        ready_s = time.perf_counter() - t0
         for conc, n in LEVELS:
             print(f"== serve, concurrency {conc}")
             s = run_serve_bench(
@@ -68,6 +72,22 @@ def main() -> None:
     c32 = rows[-1][2]["output_token_throughput"]
     print(f"\noffline (max_num_seqs 32): {off['output_tok_s']:.1f} output tok/s")
     print(f"server at concurrency 32 / offline: {c32 / off['output_tok_s']:.3f}")
+    print(f"shoal serve start to ready: {ready_s:.2f} s")
+    if args.compare_hf:
+        hf = {}
+        for conc, n in LEVELS:
+            print(f"== HF transformers, static batches of {conc}")
+            work = make_workload(OfflineBenchConfig(num_requests=n, input_len=32, output_len=128), VOCAB)
+            hf[conc] = run_hf(None, work, conc)["output_tok_s"]
+        print("\n| system | c=1 | c=8 | c=32 | TTFT p50 at c=32 | start to ready |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        print(f"| HF transformers fp32, static batches | {hf[1]:.0f} | {hf[8]:.0f} | {hf[32]:.0f} | - | - |")
+        tput = {conc: s["output_token_throughput"] for conc, _, s in rows}
+        print(
+            f"| shoal serve fp32 | {tput[1]:.0f} | {tput[8]:.0f} | {tput[32]:.0f} | "
+            f"{rows[-1][2]['ttft_s']['p50']:.2f} s | {ready_s:.1f} s |"
+        )
+        print(f"shoal / HF at c=32: {tput[32] / hf[32]:.2f}x")
 
 
 if __name__ == "__main__":
