@@ -93,8 +93,9 @@ class RequestStream:
 
 
 def _snapshot(out: RequestOutput, now: float) -> RequestOutput:
-    """A copy the engine thread will not mutate; cumulative logprob lists are left out (use deltas)."""
-    outputs = [dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=None) for o in out.outputs]
+    """A copy the engine thread will not mutate. The cumulative token and logprob lists, which it
+    keeps growing, are left out: consumers build them from the deltas."""
+    outputs = [dataclasses.replace(o, token_ids=[], logprobs=None) for o in out.outputs]
     return dataclasses.replace(out, outputs=outputs, metrics={**out.metrics, "time": now})
 
 

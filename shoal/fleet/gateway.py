@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -21,7 +20,9 @@ from shoal.fleet.prefix_index import PrefixIndex
 from shoal.fleet.proxy import Forward, Proxy
 from shoal.fleet.registry import Registry
 from shoal.fleet.replica import ReplicaState
+from shoal.models.chat_template import template_message
 from shoal.models.tokenizer import Tokenizer
+from shoal.server.auth import bearer_matches
 from shoal.server.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -55,18 +56,9 @@ class Gateway:
             messages = body.get("messages")
             if tok is None or not isinstance(messages, list):
                 return None
-            flat = []
-            for m in messages:
-                content = m.get("content") if isinstance(m, dict) else None
-                if isinstance(content, list):
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-                flat.append(
-                    {
-                        "role": m.get("role", "user") if isinstance(m, dict) else "user",
-                        "content": content or "",
-                    }
-                )
-            return tok.encode_chat(flat)
+            # Rendered as the replica renders them (developer as system too), so the hashes agree.
+            flat = [m if isinstance(m, dict) else {} for m in messages]
+            return tok.encode_chat([template_message(m.get("role", "user"), m.get("content")) for m in flat])
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt:
             prompt = prompt[0]  # several prompts: route by the first
@@ -103,7 +95,8 @@ class Gateway:
         app = FastAPI(title="shoal gateway", lifespan=lifespan)
 
         async def forward(raw: Request, path: str):
-            if self.config.api_key and not self._authorized(raw):
+            key = self.config.api_key
+            if key and not bearer_matches(raw.headers.get("authorization", ""), key):
                 return _error(401, "invalid or missing API key", code="invalid_api_key")
             try:
                 body = json.loads(await raw.body())
@@ -168,11 +161,6 @@ class Gateway:
             }
 
         return app
-
-    def _authorized(self, raw: Request) -> bool:
-        auth = raw.headers.get("authorization", "")
-        given = auth[7:] if auth[:7].lower() == "bearer " else ""
-        return hmac.compare_digest(given.encode(), self.config.api_key.encode())
 
     async def start(self) -> None:
         self.proxy = Proxy(self.config, self.registry, self.metrics)

@@ -113,7 +113,7 @@ class Proxy:
                 body["return_token_ids"] = True
             try:
                 resp = await self._open(replica, fwd.path, body, fwd.headers, stream=True)
-                if resp.status_code >= 500 or not stream or resp.status_code != 200:
+                if not stream or resp.status_code != 200:  # a body to pass on or retry, never relayed
                     content = await resp.aread()
                     await resp.aclose()
             except httpx.HTTPError as exc:

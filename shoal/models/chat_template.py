@@ -11,6 +11,14 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
+def template_message(role: str, content: object) -> dict[str, str]:
+    """An OpenAI chat message as chat templates expect it: text parts joined, `developer` (the
+    newer name of the system role) as `system`."""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return {"role": "system" if role == "developer" else role, "content": content or ""}
+
+
 class ChatTemplateError(ValueError):
     pass
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 import uuid
@@ -12,6 +11,7 @@ from typing import Annotated
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from shoal.server.auth import bearer_matches
 from shoal.server.chat import chat_prompt, create_chat_completion
 from shoal.server.common import ServingContext
 from shoal.server.completions import create_completion
@@ -56,22 +56,18 @@ class FrontMiddleware:
         scope.setdefault("state", {}).update(arrival=time.monotonic(), request_id=rid)
         rid_header = (b"x-request-id", rid.encode("latin-1"))
         key = self.state.api_key
-        if key and scope["path"] not in OPEN_PATHS:
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                body = json.dumps(
-                    error_body(401, "invalid or missing API key", code="invalid_api_key")
-                ).encode()
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [(b"content-type", b"application/json"), rid_header],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
-                return None
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if key and scope["path"] not in OPEN_PATHS and not bearer_matches(auth, key):
+            body = json.dumps(error_body(401, "invalid or missing API key", code="invalid_api_key")).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [(b"content-type", b"application/json"), rid_header],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return None
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from shoal.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from shoal.models.chat_template import template_message
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
@@ -101,12 +102,9 @@ class ChatMessage(_Request):
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
 
-    def as_template_message(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+    def as_template_message(self) -> dict[str, str]:
+        parts = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
+        return template_message(self.role, parts)
 
 
 class ChatCompletionRequest(_SamplingFields):
