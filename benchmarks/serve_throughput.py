@@ -2,7 +2,7 @@
 128 output tokens, EOS ignored), then `shoal bench offline` on the same workload with the engine
 capped at 32 sequences: the ratio is what the HTTP API costs.
 
-    python benchmarks/serve_throughput.py [--port 8123] [--compare-hf]
+    python benchmarks/serve_throughput.py [--port 8123] [--compare-hf] [--quantization int8|int4]
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--compare-hf", action="store_true", help="also HF static batches of 1, 8 and 32")
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None)
     args = ap.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve", "--port", str(args.port)])
+    quant = ["--quantization", args.quantization] if args.quantization else []
+    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve", "--port", str(args.port), *quant])
     rows = []
     try:
         wait_ready(url, proc)
@@ -60,7 +62,9 @@ def main() -> None:
         proc.wait(30)
     print("== offline, same workload as concurrency 32, engine capped at 32 sequences")
     off = run_offline_bench(
-        OfflineBenchConfig(num_requests=64, input_len=32, output_len=128), None, {"max_num_seqs": 32}
+        OfflineBenchConfig(num_requests=64, input_len=32, output_len=128),
+        None,
+        {"max_num_seqs": 32, **({"quantization": args.quantization} if args.quantization else {})},
     )["shoal"]
     print("\n| concurrency | requests | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p99 ms | E2E p50 s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -84,7 +88,7 @@ def main() -> None:
         print(f"| HF transformers fp32, static batches | {hf[1]:.0f} | {hf[8]:.0f} | {hf[32]:.0f} | - | - |")
         tput = {conc: s["output_token_throughput"] for conc, _, s in rows}
         print(
-            f"| shoal serve fp32 | {tput[1]:.0f} | {tput[8]:.0f} | {tput[32]:.0f} | "
+            f"| shoal serve {args.quantization or 'fp32'} | {tput[1]:.0f} | {tput[8]:.0f} | {tput[32]:.0f} | "
             f"{rows[-1][2]['ttft_s']['p50']:.2f} s | {ready_s:.1f} s |"
         )
         print(f"shoal / HF at c=32: {tput[32] / hf[32]:.2f}x")

@@ -34,6 +34,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["int8", "int4"],
+        help="int8: per-channel weights, int8 matmuls (batched throughput); int4: 4-bit blocks, "
+        "a GGUF's own Q4/Q8 tensors as stored (single-stream latency)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -46,6 +54,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len",
         "dtype",
         "device",
+        "quantization",
     ]
     opts = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if args.no_prefix_caching:

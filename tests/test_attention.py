@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.engine.attention import (
     AttentionMetadata,
+    CpuPagedAttention,
+    DecodeBatch,
     DecodeGroup,
     PrefillSpan,
     TorchPagedAttention,
@@ -18,6 +21,8 @@ from shoal.engine.attention import (
     group_by_length,
     prefill_mask,
 )
+from shoal.kernels.build import cpu_supports_kernels
+from shoal.kernels.cpu import cpu_kernels
 
 BS, HK, HQ, D = 4, 2, 6, 8
 
@@ -57,13 +62,26 @@ def dense(q, keys, values, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_paged_matches_dense_for_mixed_batches():
+def test_the_cpu_kernels_build_where_the_cpu_supports_them():
+    # The C kernel tests below skip without them; on an AVX2 machine with a compiler that would
+    # hide a broken build, so it fails here instead.
+    if cpu_supports_kernels():
+        assert cpu_kernels() is not None
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
+def test_paged_matches_dense_for_mixed_batches(backend):
+    if backend == "cpu_kernel" and cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
     rng = random.Random(0)
     torch.manual_seed(0)
     num_blocks = 64
     caches = [(torch.randn(num_blocks * BS, HK, D), torch.randn(num_blocks * BS, HK, D))]
-    attn = TorchPagedAttention(caches, BS, D**-0.5)
     for window in (None, 5):
+        if backend == "torch":
+            attn = TorchPagedAttention(caches, BS, D**-0.5, window)
+        else:
+            attn = CpuPagedAttention(cpu_kernels(), caches, BS, D**-0.5, window)
         free = list(range(num_blocks))
         rng.shuffle(free)
         # (context before this step, tokens this step): four decode rows of mixed length, then
@@ -90,7 +108,12 @@ def test_paged_matches_dense_for_mixed_batches():
             PrefillSpan(4, 11, 7, None, prefill_mask(7, 7, window, "cpu")),
             PrefillSpan(11, 16, 11, torch.tensor(tables[5]), prefill_mask(5, 11, window, "cpu")),
         ]
-        out = attn.forward(0, q, k, v, AttentionMetadata(torch.tensor(new_slots), groups, prefills))
+        width = max(len(t) for t in tables[:4])
+        batch = DecodeBatch(
+            4, torch.tensor([t + [0] * (width - len(t)) for t in tables[:4]]), torch.tensor(ctx)
+        )
+        md = AttentionMetadata(torch.tensor(new_slots), groups, prefills, batch)
+        out = attn.forward(0, q, k, v, md)
         row = 0
         for (_, n), sl in zip(seqs, slot):
             idx = torch.tensor(sl)

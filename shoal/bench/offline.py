@@ -138,7 +138,10 @@ def run_hf(model_arg: str | None, work: Workload, batch_size: int) -> dict:
 def run_offline_bench(cfg: OfflineBenchConfig, model: str | None, engine_options: dict) -> dict:
     options = dict(engine_options)
     loaded = load_model(
-        model, dtype=DTYPES[options.get("dtype", "float32")], device=options.get("device", "cpu")
+        model,
+        dtype=DTYPES[options.get("dtype", "float32")],
+        device=options.get("device", "cpu"),
+        quantization=options.get("quantization"),
     )
     work = make_workload(cfg, loaded.config.vocab_size)
     if "kv_cache_memory" not in options and "num_blocks" not in options:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels.cpu import CpuKernels
+
 # Fixed cost of one more decode group (a gather and an SDPA call per layer), in padded key tokens.
 # Measured on CPU: a group costs about as much as ~400 extra padded keys.
 GROUP_COST_TOKENS = 400
@@ -42,12 +44,23 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """All single-token rows at once, for a backend that attends them in one kernel call."""
+
+    rows: int  # rows [0, rows) of the flattened batch
+    block_tables: torch.Tensor  # [rows, max blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [rows] int64
+
+
+@dataclass
 class AttentionMetadata:
-    """Built once per step, shared by every layer."""
+    """Built once per step, shared by every layer. Decode rows come as groups or as one batch,
+    whichever the backend asks for (`AttentionBackend.decode_in_groups`)."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    decode_batch: DecodeBatch | None = None
 
 
 def group_by_length(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> list[tuple[int, int]]:
@@ -68,15 +81,26 @@ def group_by_length(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> 
 
 
 class AttentionBackend:
+    decode_in_groups = True
+
     def forward(self, layer: int, q, k, v, md: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
 
 class TorchPagedAttention(AttentionBackend):
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float):
+    """Portable: runs wherever torch does (CPU, CUDA), through SDPA."""
+
+    def __init__(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def _blocks(self, cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
         """[*table.shape[:-1], length, kv_heads, head_dim]: the keys or values of the tabled blocks."""
@@ -88,6 +112,12 @@ class TorchPagedAttention(AttentionBackend):
         k_cache.index_copy_(0, md.slot_mapping, k)
         v_cache.index_copy_(0, md.slot_mapping, v)
         out = torch.empty_like(q)
+        self._decode(layer, q, out, md)
+        self._prefill(layer, q, k, v, out, md)
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, md: AttentionMetadata) -> None:
+        k_cache, v_cache = self.kv_caches[layer]
         for g in md.decode_groups:
             # [B, L, Hk, D] -> [B, Hk, L, D]; queries [B, Hq, 1, D]
             kd = self._blocks(k_cache, g.block_table, g.length).transpose(1, 2)
@@ -96,6 +126,9 @@ class TorchPagedAttention(AttentionBackend):
                 q[g.start : g.end].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=self.scale, enable_gqa=True
             )
             out[g.start : g.end] = o.squeeze(2)
+
+    def _prefill(self, layer: int, q, k, v, out: torch.Tensor, md: AttentionMetadata) -> None:
+        k_cache, v_cache = self.kv_caches[layer]
         for p in md.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
             if p.block_table is None:
@@ -113,7 +146,33 @@ class TorchPagedAttention(AttentionBackend):
                 enable_gqa=True,
             )
             out[p.start : p.end] = o[0].transpose(0, 1)
-        return out
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Decode rows attend straight from the paged cache in one C call (online softmax, no gather
+    copies, no padding); prefill stays on SDPA, where the work per call is large."""
+
+    decode_in_groups = False
+
+    def __init__(self, kernels: CpuKernels, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernels = kernels
+
+    def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, md: AttentionMetadata) -> None:
+        batch = md.decode_batch
+        if batch is None or batch.rows == 0:
+            return
+        k_cache, v_cache = self.kv_caches[layer]
+        out[: batch.rows] = self.kernels.paged_decode_attention(
+            q[: batch.rows].contiguous(),
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.context_lens,
+            self.block_size,
+            self.sliding_window,
+            self.scale,
+        )
 
 
 def prefill_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    quantization: str | None = None  # None, "int8" or "int4": see shoal.models.quant
     seed: int = 0
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -54,7 +54,9 @@ class LLMEngine:
         dtype = DTYPES[config.dtype]
         cache = config.cache
         if loaded is None:
-            loaded = load_model(config.model, dtype=dtype, device=config.device)
+            loaded = load_model(
+                config.model, dtype=dtype, device=config.device, quantization=config.quantization
+            )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config

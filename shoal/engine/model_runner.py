@@ -11,6 +11,8 @@ import torch
 
 from shoal.engine.attention import (
     AttentionMetadata,
+    CpuPagedAttention,
+    DecodeBatch,
     DecodeGroup,
     PrefillSpan,
     TorchPagedAttention,
@@ -21,6 +23,7 @@ from shoal.engine.attention import (
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
+from shoal.kernels.cpu import cpu_kernels
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 
@@ -70,7 +73,12 @@ class ModelRunner:
             (zeroed(shape, dtype, self.device), zeroed(shape, dtype, self.device))
             for _ in range(self.cfg.num_layers)
         ]
-        self.attention = TorchPagedAttention(self.kv_caches, block_size, scale=self.cfg.head_dim**-0.5)
+        args = (self.kv_caches, block_size, self.cfg.head_dim**-0.5, self.cfg.sliding_window)
+        kernels = cpu_kernels() if self.device.type == "cpu" and dtype == torch.float32 else None
+        if kernels is not None and self.cfg.head_dim <= 256:
+            self.attention = CpuPagedAttention(kernels, *args)
+        else:
+            self.attention = TorchPagedAttention(*args)
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size)
         self.states: dict[str, SamplingState] = {}
 
@@ -145,8 +153,14 @@ class ModelRunner:
         window = self.cfg.sliding_window
         num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)
         ctx = [c.start_pos + 1 for c in chunks[:num_decode]]
-        groups = []
-        for start, end in group_by_length(ctx):
+        groups, batch = [], None
+        if num_decode and not self.attention.decode_in_groups:
+            width = -(-ctx[-1] // bs)  # rows are sorted by context: the last is the longest
+            table = [
+                c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in chunks[:num_decode]
+            ]
+            batch = DecodeBatch(num_decode, torch.tensor(table, device=dev), torch.tensor(ctx, device=dev))
+        for start, end in group_by_length(ctx) if self.attention.decode_in_groups else ():
             length = ctx[end - 1]
             width = -(-length // bs)
             table = torch.tensor(
@@ -163,5 +177,5 @@ class ModelRunner:
             table = None if c.start_pos == 0 else torch.tensor(c.block_ids[: -(-context // bs)], device=dev)
             prefills.append(PrefillSpan(row, row + n, context, table, prefill_mask(n, context, window, dev)))
             row += n
-        md = AttentionMetadata(torch.tensor(slots, device=dev), groups, prefills)
+        md = AttentionMetadata(torch.tensor(slots, device=dev), groups, prefills, batch)
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md

@@ -1,5 +1,6 @@
 """A cache of GGUF checkpoints in the form shoal loads fastest: safetensors weights (already
-dequantised and un-permuted), config and tokenizer as JSON.
+dequantised and un-permuted), the quantized blocks that the int4 path runs as stored, config and
+tokenizer as JSON.
 
 Reading a GGUF costs seconds here: gguf-py walks every vocabulary string through numpy memmaps and
 dequantises in numpy. The first load of a file writes the cache; later loads read it back in a
@@ -25,11 +26,12 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from shoal.models.config import ModelConfig, RopeScaling
+from shoal.models.quant import BlockWeights
 from shoal.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 def cache_root() -> Path | None:
@@ -47,9 +49,34 @@ def _entry(path: Path, dtype: torch.dtype) -> Path | None:
     return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
 
 
-def load_cached(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Tokenizer, Iterator] | None:
+@dataclasses.dataclass
+class CachedModel:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    entry: Path
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        with safe_open(str(self.entry / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+    def blocks(self) -> dict[str, BlockWeights]:
+        with safe_open(str(self.entry / "blocks.safetensors"), framework="pt") as f:
+            formats = f.metadata() or {}
+            return {
+                name: BlockWeights(
+                    fmt,
+                    f.get_tensor(f"{name}.qs"),
+                    f.get_tensor(f"{name}.d"),
+                    f.get_tensor(f"{name}.mn") if fmt == "q4_1" else None,
+                )
+                for name, fmt in formats.items()
+            }
+
+
+def load_cached(path: Path, dtype: torch.dtype) -> CachedModel | None:
     entry = _entry(path, dtype)
-    if entry is None or not (entry / "model.safetensors").exists():
+    if entry is None or not (entry / "blocks.safetensors").exists():
         return None
     try:
         raw = json.loads((entry / "config.json").read_text())
@@ -70,16 +97,17 @@ def load_cached(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Tokenizer,
         log.warning("dropping a broken cache entry %s: %s", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)  # so that this load can store a good one
         return None
-
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        with safe_open(str(entry / "model.safetensors"), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
-
-    return cfg, tok, weights()
+    return CachedModel(cfg, tok, entry)
 
 
-def store(path: Path, dtype: torch.dtype, cfg: ModelConfig, tok: Tokenizer, weights: dict) -> None:
+def store(
+    path: Path,
+    dtype: torch.dtype,
+    cfg: ModelConfig,
+    tok: Tokenizer,
+    weights: dict[str, torch.Tensor],
+    blocks: dict[str, BlockWeights],
+) -> None:
     """Writes the entry atomically (a temporary folder renamed into place); failures only warn."""
     entry = _entry(path, dtype)
     if entry is None:
@@ -88,6 +116,13 @@ def store(path: Path, dtype: torch.dtype, cfg: ModelConfig, tok: Tokenizer, weig
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".partial-"))
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        block_tensors = {}
+        for name, b in blocks.items():
+            block_tensors[f"{name}.qs"], block_tensors[f"{name}.d"] = b.qs, b.d
+            if b.mn is not None:
+                block_tensors[f"{name}.mn"] = b.mn
+        formats = {name: b.format for name, b in blocks.items()}
+        save_file(block_tensors, str(tmp / "blocks.safetensors"), metadata=formats)
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         tok.backend.save(str(tmp / "tokenizer.json"))
         meta = {

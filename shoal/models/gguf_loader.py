@@ -1,4 +1,5 @@
-"""Loads GGUF files through the `gguf` package: config from metadata, tensors dequantized."""
+"""Loads GGUF files through the `gguf` package: config from metadata, tensors dequantized, and the
+blocks of the quantized tensors that shoal can compute with as stored."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gguf.quants import dequantize
 
 from shoal.models.config import ModelConfig, RopeScaling
 from shoal.models.gguf_meta import field_value, open_gguf  # noqa: F401  (open_gguf re-exported)
+from shoal.models.quant import BlockWeights
 
 # GGUF architecture name -> ours. Mistral files are written with the llama architecture.
 _ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -120,3 +122,44 @@ def iter_gguf_weights(
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_rotary(arr, cfg.num_kv_heads)
         yield name, torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+
+
+# Bytes per block of 32 values: fp16 scale (and fp16 minimum for Q4_1), then the quants.
+_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+
+
+def _blocks_of(t) -> BlockWeights | None:
+    """The tensor's quantized blocks in shoal's layout, for the GGUF types the int4 path runs as
+    stored (Q4_0 becomes Q4_1 with minimum -8 * scale, which is exact)."""
+    kind = t.tensor_type
+    if kind not in _BLOCK_BYTES:
+        return None
+    rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, _BLOCK_BYTES[kind])
+
+    def part(start: int, end: int | None = None) -> np.ndarray:
+        return np.ascontiguousarray(blocks[..., start:end])
+
+    d = torch.from_numpy(part(0, 2).view(np.float16)[..., 0]).float()
+    if kind == GGMLQuantizationType.Q8_0:
+        return BlockWeights("q8_0", torch.from_numpy(part(2).view(np.int8)).reshape(rows, -1), d)
+    if kind == GGMLQuantizationType.Q4_1:
+        mn = torch.from_numpy(part(2, 4).view(np.float16)[..., 0]).float()
+        return BlockWeights("q4_1", torch.from_numpy(part(4)), d, mn)
+    return BlockWeights("q4_1", torch.from_numpy(part(2)), d, -8 * d)
+
+
+def iter_gguf_blocks(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, BlockWeights]]:
+    """The weights a GGUF file stores in block formats shoal computes with directly, by HF name."""
+    permuted = field_value(reader, "general.architecture") == "llama"
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        blocks = None if name is None or not name.endswith(".weight") else _blocks_of(t)
+        if blocks is None:
+            continue
+        heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads if "k_proj" in name else 0
+        if permuted and heads:
+            # The permutation moves whole rows, and a block never spans rows.
+            order = torch.from_numpy(unpermute_rotary(np.arange(blocks.shape[0]), heads))
+            blocks = blocks.select_rows(order)
+        yield name, blocks

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.kernels.cpu import kernels_for
 from shoal.models.config import ModelConfig
 from shoal.models.rope import RotaryEmbedding
 
@@ -32,6 +33,24 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """residual += delta (in place, when given), then the norm of residual. One fused call on
+        CPU, where the separate torch ops cost more than the arithmetic at decode sizes."""
+        kernels = kernels_for(residual, self.weight, *(() if delta is None else (delta,)))
+        if kernels is not None:
+            return kernels.add_rms_norm(residual, delta, self.weight, self.eps)
+        if delta is not None:
+            residual.add_(delta)
+        return self(residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    kernels = kernels_for(gate_up)
+    if kernels is not None:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
@@ -48,22 +67,29 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionFn):
+    def forward(self, x, delta, cos_sin, attn: AttentionFn):
+        """x: the residual stream [T, hidden], updated in place; delta: the previous layer's output,
+        still to be added to it. Returns this layer's output, likewise not yet added."""
         cfg = self.cfg
         t = x.shape[0]
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        h = self.input_layernorm.add_and_norm(x, delta)
+        qkv = self.qkv_proj(h)
+        heads = cfg.num_heads + cfg.num_kv_heads
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(t, cfg.num_heads, cfg.head_dim))
+            k = self.k_norm(k.reshape(t, cfg.num_kv_heads, cfg.head_dim))
+            qk = RotaryEmbedding.apply(torch.cat([q, k], dim=1), *cos_sin)
+        else:
+            # q and k rotate together in one pass: they are adjacent columns of the fused output.
+            qk = RotaryEmbedding.apply(
+                qkv[:, : cfg.q_size + cfg.kv_size].view(t, heads, cfg.head_dim), *cos_sin
+            )
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attn(self.index, q, k, v).reshape(t, cfg.q_size)
-        x = x + self.o_proj(o)
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h = self.post_attention_layernorm.add_and_norm(x, self.o_proj(o))
+        return self.down_proj(silu_mul(self.gate_up_proj(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,6 +108,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.rope_scaling,
             cfg.rope_freq_factors,
         )
+        self.quantization: str | None = None  # set by models.quant.quantize_model
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -90,12 +117,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (before the last norm)."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.tables(positions, x.dtype)
+        delta = None
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
-        return x
+            delta = layer(x, delta, cos_sin, attn)
+        return x.add_(delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden), self.lm_head_weight)
+        # A quantized model has an lm_head module even when its embeddings are tied.
+        if self.cfg.tie_word_embeddings and not hasattr(self, "lm_head"):
+            return F.linear(self.norm(hidden), self.embed_tokens.weight)
+        return self.lm_head(self.norm(hidden))
 
     # --- weights -------------------------------------------------------------------------
 

@@ -16,10 +16,11 @@ from shoal.models.checkpoint import (  # noqa: F401  (re-exported: the historica
 )
 from shoal.models.config import ModelConfig
 from shoal.models.gguf_cache import load_cached, store
-from shoal.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from shoal.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights, load_gguf_config
 from shoal.models.gguf_meta import open_gguf
 from shoal.models.hf_loader import iter_hf_weights, load_hf_config
 from shoal.models.llama import LlamaForCausalLM
+from shoal.models.quant import BlockWeights, quantize_model
 from shoal.models.tokenizer import Tokenizer
 
 
@@ -37,18 +38,24 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """quantization: None (the checkpoint's weights in `dtype`), "int8" or "int4" (see models.quant)."""
     name, path = resolve_model(model)
+    stored: dict[str, BlockWeights] = {}
     if path.suffix == ".gguf":
         cached = load_cached(path, dtype)
         if cached is not None:
-            cfg, tokenizer, weights = cached
+            cfg, tokenizer, weights = cached.config, cached.tokenizer, cached.weights()
+            if quantization == "int4":
+                stored = cached.blocks()
         else:
             reader = open_gguf(path)
             cfg = load_gguf_config(reader)
             tokenizer = Tokenizer.from_gguf(reader)
             converted = dict(iter_gguf_weights(reader, cfg, dtype))
-            store(path, dtype, cfg, tokenizer, converted)
+            stored = dict(iter_gguf_blocks(reader, cfg))
+            store(path, dtype, cfg, tokenizer, converted, stored)
             weights = iter(converted.items())
     else:
         cfg = load_hf_config(path)
@@ -61,4 +68,11 @@ def load_model(
     net.rope.rebuild(device)  # buffers built on meta carry no values
     net.load_weights((n, t.to(device)) for n, t in weights)
     net.eval().requires_grad_(False)
+    if quantization is not None:
+        quantize_model(net, quantization, {k: _to(b, device) for k, b in stored.items()})
     return LoadedModel(name=name, path=path, config=cfg, model=net, tokenizer=tokenizer)
+
+
+def _to(blocks: BlockWeights, device: str | torch.device) -> BlockWeights:
+    mn = None if blocks.mn is None else blocks.mn.to(device)
+    return BlockWeights(blocks.format, blocks.qs.to(device), blocks.d.to(device), mn)

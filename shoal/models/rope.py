@@ -27,7 +27,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Caches cos/sin for every position once; a step only indexes them."""
+    """Caches cos/sin for every position once; a step indexes them once for all layers."""
 
     def __init__(
         self,
@@ -52,16 +52,14 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        # rotate_half(x) = roll(x, D/2) with its first half negated: the sign is folded into sin.
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for `positions` [T], shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates x [T, H, D] (HF rotate_half layout)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

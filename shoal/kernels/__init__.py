@@ -1,0 +1,1 @@
+"""Native compute kernels that torch lacks on some hardware, with torch fallbacks."""

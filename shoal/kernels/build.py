@@ -1,0 +1,80 @@
+"""Compiles the C kernels on first use and caches the shared library.
+
+The kernels are plain C files with no dependencies, so a system C compiler builds them in under
+a second; there is no build step at install time and no torch headers involved. The library is
+cached under SHOAL_CACHE_DIR (default ~/.cache/shoal), keyed by the source, flags and compiler.
+Where the CPU lacks AVX2/FMA or no compiler is found, callers fall back to plain torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.c", "cpu_ops.c")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
+
+
+def cpu_supports_kernels() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(flags_line.split(":", 1)[-1].split()) >= REQUIRED_CPU_FLAGS
+
+
+def _compiler() -> str | None:
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+
+
+def _cache_dir() -> Path:
+    from shoal.models.gguf_cache import cache_root
+
+    return (cache_root() or Path(tempfile.gettempdir()) / "shoal-kernels") / "kernels"
+
+
+@functools.cache
+def load_cpu_library() -> ctypes.CDLL | None:
+    """The compiled CPU kernels, or None where they cannot run here (the reason is logged)."""
+    if os.environ.get("SHOAL_NO_KERNELS"):
+        return None
+    if not cpu_supports_kernels():
+        log.info("CPU kernels off: this CPU lacks %s", sorted(REQUIRED_CPU_FLAGS))
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("CPU kernels off: no C compiler found (set CC); quantized layers run in plain torch")
+        return None
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    source = b"".join(p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS, version]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"libshoal_cpu-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+        os.close(fd)
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            log.warning("CPU kernels off: %s failed:\n%s", cc, proc.stderr[-2000:])
+            return None
+        os.replace(tmp, target)  # atomic, so concurrent first starts do not load a half-written file
+    # torch is imported first, so the library's libgomp resolves to torch's OpenMP runtime and the
+    # two share one thread pool.
+    import torch  # noqa: F401
+
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,109 @@
+"""torch-facing wrappers of the C kernels (formats and semantics are in the C files)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from shoal.kernels.build import load_cpu_library
+
+QK = 32  # values per quantized block
+BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1}
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES = {
+    "shoal_block_linear": [ctypes.c_int, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
+    "shoal_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
+    "shoal_silu_mul": [_P, _I, _I, _P],
+    "shoal_paged_decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P],
+}
+
+
+class CpuKernels:
+    """Every tensor passed in must be a contiguous float32 (or the stated type) CPU tensor."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._block_linear = lib.shoal_block_linear
+        self._add_rms_norm = lib.shoal_add_rms_norm
+        self._silu_mul = lib.shoal_silu_mul
+        self._decode_attention = lib.shoal_paged_decode_attention
+
+    def block_linear(
+        self, fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] times block-quantized W [N, K] transposed (activations quantized to int8 blocks)."""
+        m, k = x.shape
+        n = qs.shape[0]
+        xq = torch.empty((m, k), dtype=torch.int8)
+        scales = torch.empty((2, m, k // QK), dtype=torch.float32)
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._block_linear(
+            BLOCK_FORMAT_IDS[fmt], x.data_ptr(), m, k, xq.data_ptr(), scales[0].data_ptr(),
+            scales[1].data_ptr(), qs.data_ptr(), d.data_ptr(), 0 if mn is None else mn.data_ptr(), n,
+            y.data_ptr(),
+        )  # fmt: skip
+        return y
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """x += delta in place (when given), then returns rms_norm(x) * weight. x: [M, H]."""
+        m, h = x.shape
+        out = torch.empty_like(x)
+        self._add_rms_norm(
+            x.data_ptr(),
+            0 if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            m,
+            h,
+            eps,
+            out.data_ptr(),
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        m, two_i = gate_up.shape
+        out = torch.empty((m, two_i // 2), dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
+        return out
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, Hq, D]; caches [slots, Hk, D]; tables [B, W] and lens [B] int64. Returns [B, Hq, D]."""
+        b, hq, dim = q.shape
+        out = torch.empty_like(q)
+        self._decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), b, hq, k_cache.shape[1], dim, block_size, window or 0, scale, out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels | None:
+    lib = load_cpu_library()
+    return None if lib is None else CpuKernels(lib)
+
+
+def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The kernels when every tensor is a contiguous float32 CPU tensor, else None (use torch)."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+    return cpu_kernels()
