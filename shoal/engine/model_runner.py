@@ -139,6 +139,12 @@ class ModelRunner:
             )
         out.prompt_logprobs[c.request_id] = (c.start_pos + 1, found)
 
+    def _padded_tables(self, chunks: list[ScheduledChunk], length: int) -> torch.Tensor:
+        """[rows, blocks covering `length`] block tables, shorter ones padded with block 0."""
+        width = -(-length // self.block_size)
+        rows = [c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in chunks]
+        return torch.tensor(rows, device=self.device)
+
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs = self.block_size
         ids: list[int] = []
@@ -154,22 +160,16 @@ class ModelRunner:
         num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)
         ctx = [c.start_pos + 1 for c in chunks[:num_decode]]
         groups, batch = [], None
-        if num_decode and not self.attention.decode_in_groups:
-            width = -(-ctx[-1] // bs)  # rows are sorted by context: the last is the longest
-            table = [
-                c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in chunks[:num_decode]
-            ]
-            batch = DecodeBatch(num_decode, torch.tensor(table, device=dev), torch.tensor(ctx, device=dev))
-        for start, end in group_by_length(ctx) if self.attention.decode_in_groups else ():
-            length = ctx[end - 1]
-            width = -(-length // bs)
-            table = torch.tensor(
-                [c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in chunks[start:end]],
-                device=dev,
-            )
-            groups.append(
-                DecodeGroup(start, end, length, table, decode_mask(ctx[start:end], length, window, dev))
-            )
+        if self.attention.decode_in_groups:
+            for start, end in group_by_length(ctx):
+                length = ctx[end - 1]
+                table = self._padded_tables(chunks[start:end], length)
+                mask = decode_mask(ctx[start:end], length, window, dev)
+                groups.append(DecodeGroup(start, end, length, table, mask))
+        elif num_decode:
+            # Rows are sorted by context, so the last is the longest.
+            table = self._padded_tables(chunks[:num_decode], ctx[-1])
+            batch = DecodeBatch(num_decode, table, torch.tensor(ctx, device=dev))
         prefills, row = [], num_decode
         for c in chunks[num_decode:]:
             n = len(c.token_ids)

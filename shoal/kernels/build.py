@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from shoal.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.c", "cpu_ops.c")]
@@ -42,8 +44,6 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    from shoal.models.gguf_cache import cache_root
-
     return (cache_root() or Path(tempfile.gettempdir()) / "shoal-kernels") / "kernels"
 
 

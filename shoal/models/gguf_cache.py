@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from shoal.cache_dir import cache_root
 from shoal.models.config import ModelConfig, RopeScaling
 from shoal.models.quant import BlockWeights
 from shoal.models.tokenizer import Tokenizer
@@ -32,12 +32,6 @@ from shoal.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2
-
-
-def cache_root() -> Path | None:
-    if os.environ.get("SHOAL_NO_CACHE"):
-        return None
-    return Path(os.environ.get("SHOAL_CACHE_DIR") or Path.home() / ".cache" / "shoal")
 
 
 def _entry(path: Path, dtype: torch.dtype) -> Path | None:

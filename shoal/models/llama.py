@@ -17,6 +17,9 @@ from shoal.kernels.cpu import kernels_for
 from shoal.models.config import ModelConfig
 from shoal.models.rope import RotaryEmbedding
 
+# The fused projections and the checkpoint tensors stacked into each, in order.
+PACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
 
 class AttentionFn(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,6 @@ class LlamaForCausalLM(nn.Module):
             cfg.rope_scaling,
             cfg.rope_freq_factors,
         )
-        self.quantization: str | None = None  # set by models.quant.quantize_model
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -135,13 +137,19 @@ class LlamaForCausalLM(nn.Module):
         """Loads HF-named tensors, fusing q/k/v and gate/up into their packed parameters."""
         cfg = self.cfg
         params = dict(self.named_parameters())
-        fused = {
-            "q_proj": ("qkv_proj", 0, cfg.q_size),
-            "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
-            "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        sizes = {
+            "q_proj": cfg.q_size,
+            "k_proj": cfg.kv_size,
+            "v_proj": cfg.kv_size,
+            "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size,
         }
+        fused = {}  # part -> (packed parameter, row offset, rows)
+        for packed, parts in PACKED_PARTS.items():
+            offset = 0
+            for part in parts:
+                fused[part] = (packed, offset, sizes[part])
+                offset += sizes[part]
         loaded: dict[str, set[int]] = {}
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -161,9 +169,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.setdefault(target, set()).add(start)
-        shards = {"qkv_proj": 3, "gate_up_proj": 2}
         missing = [
-            p for p in params if len(loaded.get(p, ())) < next((n for k, n in shards.items() if k in p), 1)
+            p
+            for p in params
+            if len(loaded.get(p, ())) < next((len(v) for k, v in PACKED_PARTS.items() if k in p), 1)
         ]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}")

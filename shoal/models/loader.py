@@ -69,10 +69,5 @@ def load_model(
     net.load_weights((n, t.to(device)) for n, t in weights)
     net.eval().requires_grad_(False)
     if quantization is not None:
-        quantize_model(net, quantization, {k: _to(b, device) for k, b in stored.items()})
+        quantize_model(net, quantization, {k: b.to(device) for k, b in stored.items()})
     return LoadedModel(name=name, path=path, config=cfg, model=net, tokenizer=tokenizer)
-
-
-def _to(blocks: BlockWeights, device: str | torch.device) -> BlockWeights:
-    mn = None if blocks.mn is None else blocks.mn.to(device)
-    return BlockWeights(blocks.format, blocks.qs.to(device), blocks.d.to(device), mn)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.kernels.cpu import QK, cpu_kernels
+from shoal.models.llama import PACKED_PARTS
 
 QUANT_METHODS = ("int8", "int4")
 BLOCK_FORMATS = ("q4_1", "q8_0")
@@ -43,6 +44,10 @@ class BlockWeights:
         mn = None if self.mn is None else self.mn[index]
         return BlockWeights(self.format, self.qs[index], self.d[index], mn)
 
+    def to(self, device: str | torch.device) -> BlockWeights:
+        mn = None if self.mn is None else self.mn.to(device)
+        return BlockWeights(self.format, self.qs.to(device), self.d.to(device), mn)
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
         if self.format == "q4_1":
@@ -60,19 +65,44 @@ def quantize_q4_1(w: torch.Tensor) -> BlockWeights:
     return BlockWeights("q4_1", q[..., :16] | (q[..., 16:] << 4), d, lo)
 
 
+def symmetric_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rounds each row of the last dimension to int8 in [-127, 127]; returns (int8, scale per row)."""
+    v = values.detach().float()
+    scale = v.abs().amax(-1) / 127
+    q = (v / torch.where(scale > 0, scale, 1)[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
 def quantize_q8_0(w: torch.Tensor) -> BlockWeights:
     n, k = w.shape
-    blocks = w.detach().float().reshape(n, k // QK, QK)
-    d = blocks.abs().amax(-1) / 127
-    q = (blocks / torch.where(d > 0, d, 1)[..., None]).round().clamp(-127, 127).to(torch.int8)
+    q, d = symmetric_int8(w.reshape(n, k // QK, QK))
     return BlockWeights("q8_0", q.reshape(n, k), d)
 
 
-class BlockQuantLinear(nn.Module):
+class _QuantLinear(nn.Module):
+    """The shape and bias handling common to the quantized linear layers."""
+
+    def __init__(self, bias: torch.Tensor | None):
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._matmul(x.reshape(-1, shape[-1]))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x @ W^T [M, N] in x's dtype."""
+        raise NotImplementedError
+
+
+class BlockQuantLinear(_QuantLinear):
     """y = x @ W^T with W held in Q4_1 or Q8_0 blocks."""
 
     def __init__(self, weights: BlockWeights, bias: torch.Tensor | None = None):
-        super().__init__()
+        super().__init__(bias)
         if weights.format not in BLOCK_FORMATS:
             raise ValueError(f"unknown block format {weights.format!r}")
         self.format = weights.format
@@ -80,54 +110,38 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("qs", weights.qs.contiguous())
         self.register_buffer("d", weights.d.float().contiguous())
         self.register_buffer("mn", None if weights.mn is None else weights.mn.float().contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @property
     def weights(self) -> BlockWeights:
         return BlockWeights(self.format, self.qs, self.d, self.mn)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels() if x.device.type == "cpu" else None
         if kernels is None:
-            y = F.linear(x2, self.weights.dequantize().to(x.dtype))
-        else:
-            y = kernels.block_linear(self.format, x2.float().contiguous(), self.qs, self.d, self.mn)
-            y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+            return F.linear(x, self.weights.dequantize().to(x.dtype))
+        y = kernels.block_linear(self.format, x.float().contiguous(), self.qs, self.d, self.mn)
+        return y.to(x.dtype)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantLinear):
     """y = x @ W^T with W in int8, one scale per output channel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        w = weight.detach().float()
-        scale = w.abs().amax(1) / 127
-        q = (w / torch.where(scale > 0, scale, 1)[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.out_features, self.in_features = w.shape
+        super().__init__(bias)
+        q, scale = symmetric_int8(weight)
+        self.out_features, self.in_features = q.shape
         # Stored [K, N] (a transposed view of [N, K]): the layout torch._int_mm reads fastest here.
         self.register_buffer("weight_t", q.t())
         self.register_buffer("scale", scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x.device.type == "cpu":
-            xf = x2.float()
-            # Per-token scales keep each row's result independent of what else is in the batch.
-            xs = xf.abs().amax(1, keepdim=True).clamp_(min=1e-12).div_(127)
-            xq = (xf / xs).round_().to(torch.int8)
-            y = (torch._int_mm(xq, self.weight_t) * xs * self.scale).to(x.dtype)
-        else:
-            y = F.linear(x2, (self.weight_t.t().to(x.dtype) * self.scale[:, None].to(x.dtype)))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, (self.weight_t.t().to(x.dtype) * self.scale[:, None].to(x.dtype)))
+        xf = x.float()
+        # Per-token scales keep each row's result independent of what else is in the batch.
+        xs = xf.abs().amax(1, keepdim=True).clamp_(min=1e-12).div_(127)
+        xq = (xf / xs).round_().to(torch.int8)
+        return (torch._int_mm(xq, self.weight_t) * xs * self.scale).to(x.dtype)
 
 
 def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights] | None = None) -> None:
@@ -142,36 +156,28 @@ def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights
     for i, layer in enumerate(model.layers):
         for name in _PROJECTIONS:
             linear = getattr(layer, name)
-            if method == "int8" and name != "down_proj":
-                setattr(layer, name, Int8Linear(linear.weight, linear.bias))
-                continue
-            if method == "int8":
+            if method == "int4":
+                blocks = _stored_projection(stored, i, name) or quantize_q4_1(linear.weight)
+                setattr(layer, name, BlockQuantLinear(blocks, linear.bias))
+            elif name == "down_proj":
                 # down_proj's input (silu(gate) * up) has outlier channels that one scale per token
                 # rounds away: top-1 agreement with fp32 went from 89% to 94% with scales per block.
                 setattr(layer, name, BlockQuantLinear(quantize_q8_0(linear.weight), linear.bias))
-                continue
-            blocks = _stored_projection(stored, i, name) or quantize_q4_1(linear.weight)
-            setattr(layer, name, BlockQuantLinear(blocks, linear.bias))
+            else:
+                setattr(layer, name, Int8Linear(linear.weight, linear.bias))
     head = model.lm_head_weight
     if method == "int8":
         model.lm_head = Int8Linear(head)
     else:
         key = "lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"
         model.lm_head = BlockQuantLinear(stored.get(key) or quantize_q8_0(head))
-    model.quantization = method
-
-
-_FUSED_PARTS = {
-    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o_proj": ("self_attn.o_proj",),
-    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "down_proj": ("mlp.down_proj",),
-}
 
 
 def _stored_projection(stored: dict[str, BlockWeights], layer: int, fused: str) -> BlockWeights | None:
     """The GGUF blocks of a fused projection, when all its parts are stored in one block format."""
-    parts = [stored.get(f"model.layers.{layer}.{p}.weight") for p in _FUSED_PARTS[fused]]
+    module = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+    names = PACKED_PARTS.get(fused, (fused,))
+    parts = [stored.get(f"model.layers.{layer}.{module}.{p}.weight") for p in names]
     if any(p is None for p in parts) or len({p.format for p in parts}) != 1:
         return None
     if len(parts) == 1:
