@@ -164,7 +164,7 @@ class CpuPagedAttention(TorchPagedAttention):
             return
         k_cache, v_cache = self.kv_caches[layer]
         out[: batch.rows] = self.kernels.paged_decode_attention(
-            q[: batch.rows].contiguous(),
+            q[: batch.rows],
             k_cache,
             v_cache,
             batch.block_tables,

@@ -20,6 +20,7 @@ from shoal.engine.attention import (
     group_by_length,
     prefill_mask,
 )
+from shoal.engine.cpu_decode import CpuFusedDecoder
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -75,8 +76,12 @@ class ModelRunner:
         ]
         args = (self.kv_caches, block_size, self.cfg.head_dim**-0.5, self.cfg.sliding_window)
         kernels = cpu_kernels() if self.device.type == "cpu" and dtype == torch.float32 else None
+        self.fused_decoder = None
         if kernels is not None and self.cfg.head_dim <= 256:
             self.attention = CpuPagedAttention(kernels, *args)
+            self.fused_decoder = CpuFusedDecoder.build(
+                kernels, model, self.kv_caches, block_size, self.cfg.sliding_window
+            )
         else:
             self.attention = TorchPagedAttention(*args)
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size)
@@ -96,9 +101,12 @@ class ModelRunner:
         # one batched attention call.
         chunks = sorted(so.chunks, key=lambda c: (len(c.token_ids) > 1, c.start_pos))
         input_ids, positions, md = self._prepare(chunks)
-        hidden = self.model(
-            input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md)
-        )
+        if self.fused_decoder is not None and self.fused_decoder.handles(md):
+            hidden = self.fused_decoder.forward(input_ids, positions, md)
+        else:
+            hidden = self.model(
+                input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md)
+            )
 
         sample_rows, sample_chunks, row = [], [], 0
         out = ModelRunnerOutput()

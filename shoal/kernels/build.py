@@ -23,20 +23,33 @@ from shoal.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.c", "cpu_ops.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.c", "cpu_ops.c", "cpu_layer.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+# Where the CPU has them, byte dot products run on AVX-512 VNNI (vpdpbusd) instead of two AVX2 ops.
+VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
 
-def cpu_supports_kernels() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty off x86-64 Linux)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return frozenset()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
     flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(flags_line.split(":", 1)[-1].split()) >= REQUIRED_CPU_FLAGS
+    return frozenset(flags_line.split(":", 1)[-1].split())
+
+
+def cpu_supports_kernels() -> bool:
+    return cpu_flags() >= REQUIRED_CPU_FLAGS
+
+
+def compile_flags() -> list[str]:
+    return FLAGS + (VNNI_FLAGS if cpu_flags() >= VNNI_CPU_FLAGS else [])
 
 
 def _compiler() -> str | None:
@@ -61,13 +74,14 @@ def load_cpu_library() -> ctypes.CDLL | None:
         return None
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     source = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, version]).encode()).hexdigest()[:16]
+    flags = compile_flags()
+    key = hashlib.sha256(source + " ".join([cc, *flags, version]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"libshoal_cpu-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
             log.warning("CPU kernels off: %s failed:\n%s", cc, proc.stderr[-2000:])

@@ -15,11 +15,34 @@ BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1}
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
+
+
+class BlockProjection(ctypes.Structure):
+    """A block-quantized projection, as cpu_layer.c reads it."""
+
+    _fields_ = [("format", _I), ("n", _I), ("k", _I), ("qs", _P), ("d", _P), ("mn", _P), ("bias", _P)]
+
+
+class LayerParams(ctypes.Structure):
+    """One decoder layer's shapes, weights and KV cache, as cpu_layer.c reads it. The pointers borrow
+    the tensors' storage: whoever builds this keeps those tensors alive."""
+
+    _fields_ = [
+        *((name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")),
+        ("window", _I),
+        ("eps", _F),
+        ("scale", _F),
+        *((name, _P) for name in ("input_norm", "post_norm", "k_cache", "v_cache")),
+        *((name, BlockProjection) for name in ("qkv", "o", "gate_up", "down")),
+    ]
+
+
 _SIGNATURES = {
     "shoal_block_linear": [ctypes.c_int, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
     "shoal_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "shoal_silu_mul": [_P, _I, _I, _P],
-    "shoal_paged_decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P],
+    "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P],
+    "shoal_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P],
 }
 
 
@@ -30,6 +53,8 @@ class CpuKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.shoal_decode_layer.restype = ctypes.c_int
+        self._decode_layer = lib.shoal_decode_layer
         self._block_linear = lib.shoal_block_linear
         self._add_rms_norm = lib.shoal_add_rms_norm
         self._silu_mul = lib.shoal_silu_mul
@@ -85,13 +110,40 @@ class CpuKernels:
         window: int | None,
         scale: float,
     ) -> torch.Tensor:
-        """q [B, Hq, D]; caches [slots, Hk, D]; tables [B, W] and lens [B] int64. Returns [B, Hq, D]."""
+        """q [B, Hq, D] (heads and dims contiguous, rows at any stride); caches [slots, Hk, D]; tables
+        [B, W] and lens [B] int64. Returns [B, Hq, D]."""
         b, hq, dim = q.shape
-        out = torch.empty_like(q)
+        if q.stride(2) != 1 or q.stride(1) != dim:
+            q = q.contiguous()
+        out = torch.empty((b, hq, dim), dtype=torch.float32)
         self._decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), b, hq, k_cache.shape[1], dim, block_size, window or 0, scale, out.data_ptr(),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), b, hq, k_cache.shape[1], dim, block_size, window or 0, scale,
+            out.data_ptr(),
         )  # fmt: skip
+        return out
+
+    def decode_layer(
+        self,
+        params: LayerParams,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer for single-token rows (see cpu_layer.c): x [M, hidden] gets delta added
+        in place; returns this layer's output [M, hidden]. cos/sin [M, D]; slots, tables, lens int64."""
+        out = torch.empty_like(x)
+        rc = self._decode_layer(
+            ctypes.byref(params), x.data_ptr(), 0 if delta is None else delta.data_ptr(), x.shape[0],
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("shoal_decode_layer could not allocate its scratch buffers")
         return out
 
 

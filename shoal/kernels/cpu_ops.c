@@ -40,10 +40,10 @@ void shoal_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
 }
 
 /* One query token per sequence attending to its paged context.
- * q [B, Hq, D]; caches [slots, Hk, D] with slot = block * bs + offset; tables [B, max_blocks];
+ * q [B, Hq, D] with q_stride floats from one sequence's row to the next; caches [slots, Hk, D] with slot = block * bs + offset; tables [B, max_blocks];
  * lens [B]: keys attended (the last len - window dropped when window > 0). out [B, Hq, D].
  * Online softmax in one pass over the keys; D <= 256. */
-void shoal_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                   const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
                                   int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
                                   float *out) {
@@ -51,7 +51,7 @@ void shoal_paged_decode_attention(const float *q, const float *k_cache, const fl
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hq; h++) {
-            const float *qv = q + (b * Hq + h) * D;
+            const float *qv = q + b * q_stride + h * D;
             const int64_t kh = h / group;
             const int64_t len = lens[b];
             const int64_t start = window > 0 && len > window ? len - window : 0;

@@ -61,93 +61,120 @@ void shoal_quantize_blocks(const float *x, int64_t M, int64_t K, int8_t *xq, flo
     }
 }
 
+/* Q4_1 nibbles of one block as 32 unsigned bytes: low nibbles (elements 0-15) in the low lane, high
+ * nibbles (16-31) in the high lane. One 16-byte load feeds both lanes; one variable shift splits them. */
 static inline __m256i unpack_q4(const uint8_t *q) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)q);
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(raw, m4);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-    return _mm256_set_m128i(hi, lo);
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+    return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
 /* 32 products of unsigned w and signed x, summed to 8 int32 lanes, as floats. */
 static inline __m256 dot_u8s8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+#endif
     const __m256i p16 = _mm256_maddubs_epi16(w, x);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-static inline __attribute__((always_inline)) void q4_1_rows(const int8_t *xq, const float *dx, const float *sx, int mt, int64_t K,
-                             const uint8_t *qs, const float *d, const float *mn, float *y, int64_t ldy) {
-    const int64_t G = K / QK;
-    __m256 acc[M_TILE];
-    float macc[M_TILE];
-    for (int r = 0; r < M_TILE; r++) {
-        acc[r] = _mm256_setzero_ps();
-        macc[r] = 0.0f;
-    }
-    for (int64_t g = 0; g < G; g++) {
-        const __m256i w = unpack_q4(qs + g * 16);
-        for (int r = 0; r < mt; r++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + g * QK));
-            acc[r] = _mm256_fmadd_ps(dot_u8s8(w, x), _mm256_set1_ps(d[g] * dx[r * G + g]), acc[r]);
-            macc[r] += mn[g] * sx[r * G + g];
-        }
-    }
-    for (int r = 0; r < mt; r++) y[r * ldy] = hsum(acc[r]) + macc[r];
+enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
+
+/* Sum over blocks of a[g] * b[g]: Q4_1's minimum term, m * (sum of the block's activations). */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= n; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
+    float s = hsum(acc);
+    for (; g < n; g++) s += a[g] * b[g];
+    return s;
 }
 
-/* y [M, N] = x @ W^T for W [N, K] in Q4_1 blocks: qs [N, K/32, 16], d and mn [N, K/32]. */
-void shoal_q4_1_matmul(const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
-                       const uint8_t *qs, const float *d, const float *mn, int64_t N, float *y) {
+/* y[MT rows, NT columns] for a register tile: MT activation rows share each weight block load and NT
+ * weight rows share each activation block load. Called with constant fmt, MT and NT only, so that
+ * the compiler unrolls the tile and keeps its accumulators in registers. */
+static inline __attribute__((always_inline)) void block_tile(int fmt, int MT, int NT, const int8_t *xq,
+                                                             const float *dx, const float *sx, int64_t K,
+                                                             const uint8_t *qs, const float *d, const float *mn,
+                                                             float *y, int64_t ldy) {
     const int64_t G = K / QK;
-#pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += N_CHUNK) {
-        const int64_t n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
-        for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
-            const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
-            for (int64_t n = n0; n < n1; n++) {
-                /* a constant tile size lets the compiler keep the accumulators in registers */
-                if (mt == M_TILE)
-                    q4_1_rows(xq + m0 * K, dx + m0 * G, sx + m0 * G, M_TILE, K, qs + n * G * 16, d + n * G,
-                              mn + n * G, y + m0 * N + n, N);
-                else
-                    q4_1_rows(xq + m0 * K, dx + m0 * G, sx + m0 * G, mt, K, qs + n * G * 16, d + n * G,
-                              mn + n * G, y + m0 * N + n, N);
+    const int64_t wstride = fmt == FMT_Q4_1 ? G * 16 : K; /* bytes per weight row */
+    __m256 acc[4][4];
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < NT; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i w[4];
+        for (int c = 0; c < NT; c++) {
+            if (fmt == FMT_Q4_1) {
+                w[c] = unpack_q4(qs + c * wstride + g * 16);
+            } else {
+                w[c] = _mm256_loadu_si256((const __m256i *)(qs + c * wstride + g * QK));
+            }
+        }
+        for (int r = 0; r < MT; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + g * QK));
+            const __m256 xd = _mm256_broadcast_ss(dx + r * G + g);
+            for (int c = 0; c < NT; c++) {
+                __m256 p;
+                if (fmt == FMT_Q4_1)
+                    p = dot_u8s8(w[c], x);
+                else /* |w| as unsigned; the sign moves onto x */
+                    p = dot_u8s8(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c]));
+                acc[r][c] = _mm256_fmadd_ps(p, _mm256_mul_ps(_mm256_broadcast_ss(d + c * G + g), xd), acc[r][c]);
             }
         }
     }
-}
-
-static inline __attribute__((always_inline)) void q8_0_rows(const int8_t *xq, const float *dx, int mt, int64_t K, const int8_t *qs,
-                             const float *d, float *y, int64_t ldy) {
-    const int64_t G = K / QK;
-    __m256 acc[M_TILE];
-    for (int r = 0; r < M_TILE; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + g * QK));
-        const __m256i aw = _mm256_sign_epi8(w, w); /* |w| as unsigned; the sign moves onto x */
-        for (int r = 0; r < mt; r++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + g * QK));
-            acc[r] = _mm256_fmadd_ps(dot_u8s8(aw, _mm256_sign_epi8(x, w)), _mm256_set1_ps(d[g] * dx[r * G + g]),
-                                     acc[r]);
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < NT; c++) {
+            float v = hsum(acc[r][c]);
+            if (fmt == FMT_Q4_1) v += dot_f32(mn + c * G, sx + r * G, G);
+            y[r * ldy + c] = v;
         }
-    }
-    for (int r = 0; r < mt; r++) y[r * ldy] = hsum(acc[r]);
 }
 
-/* y [M, N] = x @ W^T for W [N, K] in Q8_0 blocks: qs [N, K], d [N, K/32]. */
-void shoal_q8_0_matmul(const int8_t *xq, const float *dx, int64_t M, int64_t K, const int8_t *qs,
-                       const float *d, int64_t N, float *y) {
+/* The tile shapes shoal_block_matmul asks for: (MT, NT) for MT = 1..4, with NT its preferred width
+ * or 1 at the end of a chunk of output rows. */
+#define TILE_CASE(F, MT, NT)                                                                           \
+    case MT * 8 + NT:                                                                                  \
+        block_tile(F, MT, NT, xq, dx, sx, K, qs, d, mn, y, ldy);                                       \
+        return;
+#define TILES_NT1(F) TILE_CASE(F, 4, 1) TILE_CASE(F, 3, 1) TILE_CASE(F, 2, 1) TILE_CASE(F, 1, 1)
+
+static void tile_q4_1(int mt, int nt, const int8_t *xq, const float *dx, const float *sx, int64_t K,
+                      const uint8_t *qs, const float *d, const float *mn, float *y, int64_t ldy) {
+    switch (mt * 8 + nt) {
+        TILES_NT1(FMT_Q4_1)
+        TILE_CASE(FMT_Q4_1, 4, 2) TILE_CASE(FMT_Q4_1, 3, 2) TILE_CASE(FMT_Q4_1, 2, 4) TILE_CASE(FMT_Q4_1, 1, 4)
+    }
+}
+
+static void tile_q8_0(int mt, int nt, const int8_t *xq, const float *dx, const float *sx, int64_t K,
+                      const uint8_t *qs, const float *d, const float *mn, float *y, int64_t ldy) {
+    switch (mt * 8 + nt) { TILES_NT1(FMT_Q8_0) }
+}
+
+/* y [M, N] = x @ W^T for W [N, K] in blocks: Q4_1 qs [N, K/32, 16] with d and mn [N, K/32], or Q8_0
+ * qs [N, K] with d [N, K/32] (mn unused). x comes block-quantized: xq [M, K], dx and sx [M, K/32]. */
+void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
+                        const void *qs, const float *d, const float *mn, int64_t N, float *y) {
     const int64_t G = K / QK;
+    const int64_t wstride = fmt == FMT_Q4_1 ? G * 16 : K;
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += N_CHUNK) {
         const int64_t n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
         for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
             const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
-            for (int64_t n = n0; n < n1; n++) {
-                if (mt == M_TILE)
-                    q8_0_rows(xq + m0 * K, dx + m0 * G, M_TILE, K, qs + n * K, d + n * G, y + m0 * N + n, N);
+            /* Measured on Zen 4: Q4_1 gains from sharing activation loads across weight rows; Q8_0,
+             * whose blocks are twice the bytes, runs fastest one weight row at a time. */
+            const int nt = fmt == FMT_Q8_0 ? 1 : mt <= 2 ? 4 : 2;
+            for (int64_t n = n0; n < n1;) {
+                const int t = n + nt <= n1 ? nt : 1;
+                const uint8_t *w = (const uint8_t *)qs + n * wstride;
+                const float *mnn = mn ? mn + n * G : 0;
+                if (fmt == FMT_Q4_1)
+                    tile_q4_1(mt, t, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, w, d + n * G, mnn, y + m0 * N + n, N);
                 else
-                    q8_0_rows(xq + m0 * K, dx + m0 * G, mt, K, qs + n * K, d + n * G, y + m0 * N + n, N);
+                    tile_q8_0(mt, t, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, w, d + n * G, mnn, y + m0 * N + n, N);
+                n += t;
             }
         }
     }
@@ -158,8 +185,5 @@ void shoal_q8_0_matmul(const int8_t *xq, const float *dx, int64_t M, int64_t K, 
 void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         const void *qs, const float *d, const float *mn, int64_t N, float *y) {
     shoal_quantize_blocks(x, M, K, xq, dx, sx);
-    if (format == 0)
-        shoal_q4_1_matmul(xq, dx, sx, M, K, (const uint8_t *)qs, d, mn, N, y);
-    else
-        shoal_q8_0_matmul(xq, dx, M, K, (const int8_t *)qs, d, N, y);
+    shoal_block_matmul(format, xq, dx, sx, M, K, qs, d, mn, N, y);
 }
