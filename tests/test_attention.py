@@ -49,7 +49,7 @@ def test_grouping_is_an_optimal_contiguous_partition(lengths, cost):
 
 def dense(q, keys, values, window=None):
     """Attention of the last len(q) positions over `keys`, written out by hand."""
-    ctx, nq = keys.shape[0], q.shape[0]
+    ctx, nq, D = keys.shape[0], q.shape[0], q.shape[-1]
     k = keys.repeat_interleave(HQ // HK, dim=1)
     v = values.repeat_interleave(HQ // HK, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
@@ -69,8 +69,10 @@ def test_the_cpu_kernels_build_where_the_cpu_supports_them():
         assert cpu_kernels() is not None
 
 
+# 72: the C kernel's 64-wide register path plus its 8-wide tail.
+@pytest.mark.parametrize("D", [8, 72])
 @pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
-def test_paged_matches_dense_for_mixed_batches(backend):
+def test_paged_matches_dense_for_mixed_batches(backend, D):
     if backend == "cpu_kernel" and cpu_kernels() is None:
         pytest.skip("no CPU kernels here")
     rng = random.Random(0)
@@ -84,9 +86,10 @@ def test_paged_matches_dense_for_mixed_batches(backend):
             attn = CpuPagedAttention(cpu_kernels(), caches, BS, D**-0.5, window)
         free = list(range(num_blocks))
         rng.shuffle(free)
-        # (context before this step, tokens this step): four decode rows of mixed length, then
-        # a fresh prefill and a prefill chunk continuing earlier context.
-        seqs = [(3, 1), (9, 1), (10, 1), (30, 1), (0, 7), (6, 5)]
+        # (context before this step, tokens this step): four decode rows of mixed length (the
+        # longest spans several of the C kernel's key chunks), then a fresh prefill and a prefill
+        # chunk continuing earlier context.
+        seqs = [(3, 1), (9, 1), (10, 1), (70, 1), (0, 7), (6, 5)]
         tables = []
         for before, n in seqs:
             tables.append([free.pop() for _ in range(-(-(before + n) // BS))])

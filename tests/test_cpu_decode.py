@@ -16,17 +16,10 @@ BS = 4
 
 
 def random_model(**overrides) -> LlamaForCausalLM:
-    cfg = ModelConfig(
-        architecture="qwen2",
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=160,
-        num_layers=3,
-        num_heads=6,
-        num_kv_heads=2,
-        head_dim=32,
-        **overrides,
+    shape = dict(
+        vocab_size=300, hidden_size=96, intermediate_size=160, num_layers=3, num_heads=6, num_kv_heads=2
     )
+    cfg = ModelConfig(architecture="qwen2", **{"head_dim": 32, **shape, **overrides})
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, max_positions=256)
     for p in model.parameters():
@@ -43,19 +36,22 @@ def chunk(rid: int, tokens: list[int], start: int, blocks: list[int]) -> Schedul
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"qkv_bias": True, "sliding_window": 5}], ids=["llama-like", "bias+window"]
+    "overrides",
+    [{"head_dim": 64}, {"qkv_bias": True, "sliding_window": 5}],
+    ids=["llama-like", "bias+window"],
 )
 @torch.inference_mode()
 def test_fused_decode_layers_match_the_model_forward(overrides):
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels here")
     model = random_model(**overrides)
-    runner = ModelRunner(model, num_blocks=32, block_size=BS, eos_token_ids=frozenset())
+    runner = ModelRunner(model, num_blocks=64, block_size=BS, eos_token_ids=frozenset())
     assert runner.fused_decoder is not None
     g = torch.Generator().manual_seed(1)
-    lengths = [3, 9, 14, 22]
+    lengths = [3, 9, 30, 70]  # the longest spans several of the attention kernel's key chunks
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lengths]
-    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+    free = torch.randperm(64, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-(n + 3) // BS))] for n in lengths]
     attend = lambda md: lambda layer, q, k, v: runner.attention.forward(layer, q, k, v, md)  # noqa: E731
 
     prefill = [chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))]

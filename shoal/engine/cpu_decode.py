@@ -60,7 +60,7 @@ class CpuFusedDecoder:
     ) -> CpuFusedDecoder | None:
         """The fused decoder, or None when some layer is not one it runs (float weights, qk-norm)."""
         cfg = model.cfg
-        if cfg.qk_norm or cfg.head_dim > 256 or not all(_fusable(layer) for layer in model.layers):
+        if cfg.qk_norm or not all(_fusable(layer) for layer in model.layers):
             return None
         params = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):

@@ -24,7 +24,7 @@ from shoal.engine.cpu_decode import CpuFusedDecoder
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
-from shoal.kernels.cpu import cpu_kernels
+from shoal.kernels.cpu import cpu_kernels, decode_attention_supports
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 
@@ -77,7 +77,7 @@ class ModelRunner:
         args = (self.kv_caches, block_size, self.cfg.head_dim**-0.5, self.cfg.sliding_window)
         kernels = cpu_kernels() if self.device.type == "cpu" and dtype == torch.float32 else None
         self.fused_decoder = None
-        if kernels is not None and self.cfg.head_dim <= 256:
+        if kernels is not None and decode_attention_supports(self.cfg.head_dim):
             self.attention = CpuPagedAttention(kernels, *args)
             self.fused_decoder = CpuFusedDecoder.build(
                 kernels, model, self.kv_caches, block_size, self.cfg.sliding_window

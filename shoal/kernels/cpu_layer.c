@@ -74,7 +74,8 @@ int shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int64
         for (int64_t hd = 0; hd < Hq + Hk; hd++) {
             float *v = qkv + i * nqkv + hd * D;
             float rot[512];
-            for (int64_t j = 0; j < D; j++) rot[j] = v[j] * c[j] + v[(j + half) % D] * s[j];
+            for (int64_t j = 0; j < half; j++) rot[j] = v[j] * c[j] + v[j + half] * s[j];
+            for (int64_t j = half; j < D; j++) rot[j] = v[j] * c[j] + v[j - half] * s[j];
             memcpy(v, rot, sizeof(float) * D);
         }
         const int64_t row = slots[i] * Hk * D;
