@@ -15,6 +15,8 @@ QK = 32  # values per quantized block
 def decode_attention_supports(head_dim: int) -> bool:
     """Whether shoal_paged_decode_attention takes this head size."""
     return head_dim <= 256 and head_dim % 8 == 0
+
+
 BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1}
 
 _P = ctypes.c_void_p
