@@ -15,7 +15,7 @@ from shoal.models.quant import quantize_model
 BS = 4
 
 
-def random_model(**overrides) -> LlamaForCausalLM:
+def random_model(method: str = "int4", **overrides) -> LlamaForCausalLM:
     shape = dict(
         vocab_size=300, hidden_size=96, intermediate_size=160, num_layers=3, num_heads=6, num_kv_heads=2
     )
@@ -27,7 +27,7 @@ def random_model(**overrides) -> LlamaForCausalLM:
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.uniform_(0.8, 1.2)
-    quantize_model(model, "int4")
+    quantize_model(model, method)
     return model.eval()
 
 
@@ -40,11 +40,12 @@ def chunk(rid: int, tokens: list[int], start: int, blocks: list[int]) -> Schedul
     [{"head_dim": 64}, {"qkv_bias": True, "sliding_window": 5}],
     ids=["llama-like", "bias+window"],
 )
+@pytest.mark.parametrize("method", ["int4", "int8"])
 @torch.inference_mode()
-def test_fused_decode_layers_match_the_model_forward(overrides):
+def test_fused_decode_layers_match_the_model_forward(method, overrides):
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels here")
-    model = random_model(**overrides)
+    model = random_model(method, **overrides)
     runner = ModelRunner(model, num_blocks=64, block_size=BS, eos_token_ids=frozenset())
     assert runner.fused_decoder is not None
     g = torch.Generator().manual_seed(1)

@@ -71,6 +71,21 @@ def test_int8_linear_matches_a_float64_reference(rows):
     torch.testing.assert_close(lin(x[:1]), y[:1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 15])
+def test_int8_kernel_is_bit_identical_to_int_mm(rows):
+    """Small batches take the C kernel, large ones torch._int_mm: both must give the same bits, so a
+    request's output does not depend on how many others share its step."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    torch.manual_seed(rows)
+    lin = Int8Linear(torch.randn(200, 320))
+    x = torch.randn(rows, 320) * torch.logspace(-3, 2, rows).unsqueeze(1)
+    xs = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    expected = torch._int_mm((x / xs).round().to(torch.int8), lin.weight_t) * xs * lin.scale
+    assert torch.equal(cpu_kernels().int8_linear(x, lin.weight, lin.scale), expected)
+    assert torch.equal(lin(x), expected)
+
+
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantized_model_stays_close_to_hf_fp32(method, reference):
     """Teacher-forced on HF's own greedy continuations: how often the quantized model's top token is

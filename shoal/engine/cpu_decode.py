@@ -1,4 +1,4 @@
-"""Decode steps on CPU with block-quantized weights: each decoder layer runs as one C call.
+"""Decode steps on CPU with quantized weights: each decoder layer runs as one C call.
 
 A decode step at small batch is a few microseconds of arithmetic per op; dispatching the dozen ops
 of a layer from Python costs as much as the weights take to read. The C layer (shoal/kernels/
@@ -11,30 +11,47 @@ from __future__ import annotations
 import torch
 
 from shoal.engine.attention import AttentionMetadata
-from shoal.kernels.cpu import BLOCK_FORMAT_IDS, BlockProjection, CpuKernels, LayerParams
+from shoal.kernels.cpu import (
+    BLOCK_FORMAT_IDS,
+    INT8_ROWS_FORMAT_ID,
+    QK,
+    BlockProjection,
+    CpuKernels,
+    LayerParams,
+)
 from shoal.models.llama import DecoderLayer, LlamaForCausalLM
-from shoal.models.quant import BlockQuantLinear
+from shoal.models.quant import INT8_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Linear
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _projection(linear: BlockQuantLinear) -> BlockProjection:
+def _weights(
+    linear: BlockQuantLinear | Int8Linear,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(format id, quantized values, scales, minimums) as cpu_layer.c reads them."""
+    if isinstance(linear, Int8Linear):
+        return INT8_ROWS_FORMAT_ID, linear.weight, linear.scale, None
+    return BLOCK_FORMAT_IDS[linear.format], linear.qs, linear.d, linear.mn
+
+
+def _projection(linear: BlockQuantLinear | Int8Linear) -> BlockProjection:
+    fmt, qs, d, mn = _weights(linear)
     return BlockProjection(
-        BLOCK_FORMAT_IDS[linear.format],
+        fmt,
         linear.out_features,
         linear.in_features,
-        linear.qs.data_ptr(),
-        linear.d.data_ptr(),
-        0 if linear.mn is None else linear.mn.data_ptr(),
+        qs.data_ptr(),
+        d.data_ptr(),
+        0 if mn is None else mn.data_ptr(),
         0 if linear.bias is None else linear.bias.data_ptr(),
     )
 
 
 def _fusable(layer: DecoderLayer) -> bool:
     linears = [getattr(layer, name) for name in _PROJECTIONS]
-    if not all(isinstance(m, BlockQuantLinear) for m in linears):
+    if not all(isinstance(m, BlockQuantLinear | Int8Linear) and m.in_features % QK == 0 for m in linears):
         return False
-    tensors = [t for m in linears for t in (m.qs, m.d, m.mn, m.bias) if t is not None]
+    tensors = [t for m in linears for t in (*_weights(m)[1:], m.bias) if t is not None]
     tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and all(
         t.dtype == torch.float32 for t in tensors if t.is_floating_point()
@@ -48,6 +65,9 @@ class CpuFusedDecoder:
         self.kernels = kernels
         self.model = model
         self.params = params
+        # int8 layers: at larger batches torch._int_mm (same result, bit for bit) is the faster path.
+        int8 = any(isinstance(m, Int8Linear) for layer in model.layers for m in layer.modules())
+        self.max_rows = INT8_KERNEL_MAX_ROWS if int8 else None
 
     @classmethod
     def build(
@@ -84,9 +104,11 @@ class CpuFusedDecoder:
             )
         return cls(kernels, model, params)
 
-    @staticmethod
-    def handles(md: AttentionMetadata) -> bool:
-        return not md.prefills and md.decode_batch is not None
+    def handles(self, md: AttentionMetadata) -> bool:
+        batch = md.decode_batch
+        if md.prefills or batch is None:
+            return False
+        return self.max_rows is None or batch.rows <= self.max_rows
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata

@@ -18,6 +18,7 @@ def decode_attention_supports(head_dim: int) -> bool:
 
 
 BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1}
+INT8_ROWS_FORMAT_ID = 2  # int8 weights with one scale per output row (cpu_int8.c)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -46,6 +47,7 @@ class LayerParams(ctypes.Structure):
 
 _SIGNATURES = {
     "shoal_block_linear": [ctypes.c_int, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
+    "shoal_int8_linear": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "shoal_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "shoal_silu_mul": [_P, _I, _I, _P],
     "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P],
@@ -63,6 +65,7 @@ class CpuKernels:
         lib.shoal_decode_layer.restype = ctypes.c_int
         self._decode_layer = lib.shoal_decode_layer
         self._block_linear = lib.shoal_block_linear
+        self._int8_linear = lib.shoal_int8_linear
         self._add_rms_norm = lib.shoal_add_rms_norm
         self._silu_mul = lib.shoal_silu_mul
         self._decode_attention = lib.shoal_paged_decode_attention
@@ -81,6 +84,19 @@ class CpuKernels:
             scales[1].data_ptr(), qs.data_ptr(), d.data_ptr(), 0 if mn is None else mn.data_ptr(), n,
             y.data_ptr(),
         )  # fmt: skip
+        return y
+
+    def int8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] times int8 w [N, K] (scale [N] per row) transposed, with x rounded to int8 per row;
+        bit-identical to torch._int_mm on the same rounding (see cpu_int8.c). K % 32 == 0."""
+        m, k = x.shape
+        n = w.shape[0]
+        xq = torch.empty((m, k), dtype=torch.int8)
+        xs = torch.empty(m, dtype=torch.float32)
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._int8_linear(
+            x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), scale.data_ptr(), n, y.data_ptr()
+        )
         return y
 
     def add_rms_norm(

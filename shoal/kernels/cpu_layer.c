@@ -14,12 +14,15 @@ void shoal_add_rms_norm(float *x, const float *delta, const float *w, int64_t M,
 void shoal_silu_mul(const float *gu, int64_t M, int64_t I, float *out);
 void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         const void *qs, const float *d, const float *mn, int64_t N, float *y);
+void shoal_int8_linear(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, const int8_t *w,
+                       const float *scale, int64_t N, float *y);
 void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                   const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
                                   int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
                                   float *out);
 
-/* A projection in blocks of 32 (see cpu_quant.c): format 0 = Q4_1 (mn used), 1 = Q8_0. */
+/* A quantized projection: format 0 = Q4_1 blocks (mn used), 1 = Q8_0 blocks (cpu_quant.c), 2 = int8
+ * rows with one scale each in d (cpu_int8.c). */
 typedef struct {
     int64_t format, n, k;
     const void *qs;
@@ -37,7 +40,10 @@ typedef struct {
 
 static void project(const BlockProjection *p, const float *x, int64_t M, int8_t *xq, float *dx, float *sx,
                     float *y) {
-    shoal_block_linear((int)p->format, x, M, p->k, xq, dx, sx, p->qs, p->d, p->mn, p->n, y);
+    if (p->format == 2)
+        shoal_int8_linear(x, M, p->k, xq, dx, (const int8_t *)p->qs, p->d, p->n, y);
+    else
+        shoal_block_linear((int)p->format, x, M, p->k, xq, dx, sx, p->qs, p->d, p->mn, p->n, y);
     if (p->bias)
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < p->n; j++) y[i * p->n + j] += p->bias[j];
