@@ -3,10 +3,15 @@ bundled model against HF transformers' fp32 run of the same file."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from shoal.engine.sampling_params import SamplingParams
+from shoal.kernels.build import cpu_supports_kernels
 from shoal.kernels.cpu import cpu_kernels
 from shoal.llm import LLM
 from shoal.models.gguf_loader import iter_gguf_blocks, load_gguf_config
@@ -69,6 +74,37 @@ def test_int8_linear_matches_a_float64_reference(rows):
     assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
     # Per-token activation scales: a row's result does not depend on the other rows in the batch.
     torch.testing.assert_close(lin(x[:1]), y[:1], rtol=0, atol=0)
+
+
+_ISA_SCRIPT = """
+import sys, torch
+from shoal.kernels.build import cpu_supports_kernels
+from shoal.kernels.cpu import cpu_kernels
+from shoal.models.quant import Int8Linear, quantize_q4_1, quantize_q8_0
+torch.manual_seed(0)
+w, x = torch.randn(96, 320) * 0.05, torch.randn(7, 320)
+k = cpu_kernels()
+q4, q8, i8 = quantize_q4_1(w), quantize_q8_0(w), Int8Linear(w)
+torch.save([
+    k.block_linear("q4_1", x, q4.qs, q4.d, q4.mn), k.block_linear("q8_0", x, q8.qs, q8.d, None),
+    k.int8_linear(x, i8.weight, i8.scale),
+], sys.argv[1])
+"""
+
+
+def test_avx2_and_vnni_kernel_builds_agree_bit_for_bit(tmp_path):
+    """The byte dot products are exact in both instruction sets, so both builds give the same bits;
+    this runs the AVX2 build's code paths even on a CPU where VNNI would be chosen."""
+    if cpu_kernels() is None or not cpu_supports_kernels():
+        pytest.skip("no CPU kernels here")
+    results = []
+    for avx2_only in ("", "1"):
+        out = tmp_path / f"avx2-{avx2_only}.pt"
+        env = {**os.environ, "SHOAL_KERNELS_AVX2_ONLY": avx2_only}
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(out)], env=env, check=True)
+        results.append(torch.load(out))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 15])

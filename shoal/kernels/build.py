@@ -49,7 +49,10 @@ def cpu_supports_kernels() -> bool:
 
 
 def compile_flags() -> list[str]:
-    return FLAGS + (VNNI_FLAGS if cpu_flags() >= VNNI_CPU_FLAGS else [])
+    """SHOAL_KERNELS_AVX2_ONLY=1 builds the AVX2 variant even where VNNI is present (for tests, or a
+    cache shared with older CPUs)."""
+    vnni = cpu_flags() >= VNNI_CPU_FLAGS and not os.environ.get("SHOAL_KERNELS_AVX2_ONLY")
+    return FLAGS + (VNNI_FLAGS if vnni else [])
 
 
 def _compiler() -> str | None:
