@@ -1,13 +1,13 @@
 """Weight quantization of the linear layers.
 
 - ``int8``: symmetric int8 per output channel. On CPU the activations are quantized per token at
-  run time and the product runs on torch's exact int8 matmul (``torch._int_mm``), about four
-  times the fp32 rate on a CPU without AVX-512; elsewhere the weights are dequantized per call.
-  down_proj alone uses Q8_0 blocks (below). Best for batched throughput.
+  run time; the product runs on torch's exact int8 matmul (``torch._int_mm``) for batches, and on a
+  C kernel that gives the same bits for a few rows, where torch's per-call cost dominates.
+  Elsewhere the weights are dequantized per call. down_proj alone uses Q8_0 blocks (below).
 - ``int4``: GGUF's Q4_1 blocks (32 values, a scale and a minimum each), with the output head in
   Q8_0. A GGUF file's own Q4_0/Q4_1/Q8_0 tensors are used as stored, never dequantized and
   requantized. On an AVX2 CPU the C kernels in ``shoal.kernels`` run them; elsewhere they are
-  dequantized per call. Best for single-stream latency, where reading the weights is the bound.
+  dequantized per call. The fewest bytes, and the closest to fp32 on the bundled model.
 """
 
 from __future__ import annotations
