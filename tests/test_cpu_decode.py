@@ -15,7 +15,7 @@ from shoal.models.quant import quantize_model
 BS = 4
 
 
-def random_model(method: str = "int4", **overrides) -> LlamaForCausalLM:
+def random_model(method: str | None, **overrides) -> LlamaForCausalLM:
     shape = dict(
         vocab_size=300, hidden_size=96, intermediate_size=160, num_layers=3, num_heads=6, num_kv_heads=2
     )
@@ -27,7 +27,8 @@ def random_model(method: str = "int4", **overrides) -> LlamaForCausalLM:
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.uniform_(0.8, 1.2)
-    quantize_model(model, method)
+    if method is not None:
+        quantize_model(model, method)
     return model.eval()
 
 
@@ -40,7 +41,7 @@ def chunk(rid: int, tokens: list[int], start: int, blocks: list[int]) -> Schedul
     [{"head_dim": 64}, {"qkv_bias": True, "sliding_window": 5}],
     ids=["llama-like", "bias+window"],
 )
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", None], ids=["int4", "int8", "fp32"])
 @torch.inference_mode()
 def test_fused_decode_layers_match_the_model_forward(method, overrides):
     if cpu_kernels() is None:
@@ -76,9 +77,18 @@ def test_fused_decode_layers_match_the_model_forward(method, overrides):
             torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_float_weights_keep_the_model_forward():
+def test_qk_norm_models_keep_the_model_forward():
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels here")
-    model = LlamaForCausalLM(random_model().cfg, max_positions=64)
+    model = random_model("int4", qk_norm=True)
     runner = ModelRunner(model, num_blocks=8, block_size=BS, eos_token_ids=frozenset())
     assert runner.fused_decoder is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+def test_f32_linear_kernel_matches_torch(rows):
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    torch.manual_seed(rows)
+    w, x = torch.randn(37, 100), torch.randn(rows, 100)  # K off the kernel's 16-wide step
+    torch.testing.assert_close(cpu_kernels().f32_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Decode steps on CPU with quantized weights: each decoder layer runs as one C call.
+"""Decode steps on CPU: each decoder layer runs as one C call.
 
 A decode step at small batch is a few microseconds of arithmetic per op; dispatching the dozen ops
 of a layer from Python costs as much as the weights take to read. The C layer (shoal/kernels/
@@ -9,48 +9,59 @@ for steps where every row is a single token; prefill steps keep the model's forw
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from shoal.engine.attention import AttentionMetadata
 from shoal.kernels.cpu import (
     BLOCK_FORMAT_IDS,
+    F32_ROWS_FORMAT_ID,
     INT8_ROWS_FORMAT_ID,
     QK,
+    SMALL_BATCH_ROWS,
     BlockProjection,
     CpuKernels,
     LayerParams,
 )
 from shoal.models.llama import DecoderLayer, LlamaForCausalLM
-from shoal.models.quant import INT8_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Linear
+from shoal.models.quant import BlockQuantLinear, Int8Linear
+
+Projection = nn.Linear | BlockQuantLinear | Int8Linear
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _weights(
-    linear: BlockQuantLinear | Int8Linear,
-) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(format id, quantized values, scales, minimums) as cpu_layer.c reads them."""
+def _weights(linear: Projection) -> tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(format id, weight values, scales, minimums) as cpu_layer.c reads them."""
+    if isinstance(linear, nn.Linear):
+        return F32_ROWS_FORMAT_ID, linear.weight, None, None
     if isinstance(linear, Int8Linear):
         return INT8_ROWS_FORMAT_ID, linear.weight, linear.scale, None
     return BLOCK_FORMAT_IDS[linear.format], linear.qs, linear.d, linear.mn
 
 
-def _projection(linear: BlockQuantLinear | Int8Linear) -> BlockProjection:
-    fmt, qs, d, mn = _weights(linear)
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _projection(linear: Projection) -> BlockProjection:
+    fmt, values, scales, mins = _weights(linear)
     return BlockProjection(
         fmt,
         linear.out_features,
         linear.in_features,
-        qs.data_ptr(),
-        d.data_ptr(),
-        0 if mn is None else mn.data_ptr(),
-        0 if linear.bias is None else linear.bias.data_ptr(),
+        values.data_ptr(),
+        _pointer(scales),
+        _pointer(mins),
+        _pointer(linear.bias),
     )
 
 
 def _fusable(layer: DecoderLayer) -> bool:
     linears = [getattr(layer, name) for name in _PROJECTIONS]
-    if not all(isinstance(m, BlockQuantLinear | Int8Linear) and m.in_features % QK == 0 for m in linears):
-        return False
+    for m in linears:
+        quantized = isinstance(m, BlockQuantLinear | Int8Linear)
+        if not (quantized or isinstance(m, nn.Linear)) or (quantized and m.in_features % QK):
+            return False
     tensors = [t for m in linears for t in (*_weights(m)[1:], m.bias) if t is not None]
     tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and all(
@@ -65,9 +76,11 @@ class CpuFusedDecoder:
         self.kernels = kernels
         self.model = model
         self.params = params
-        # int8 layers: at larger batches torch._int_mm (same result, bit for bit) is the faster path.
-        int8 = any(isinstance(m, Int8Linear) for layer in model.layers for m in layer.modules())
-        self.max_rows = INT8_KERNEL_MAX_ROWS if int8 else None
+        # int8 and float32 layers: at larger batches torch's matmuls are the faster path.
+        torch_wins = any(
+            isinstance(m, Int8Linear | nn.Linear) for layer in model.layers for m in layer.modules()
+        )
+        self.max_rows = SMALL_BATCH_ROWS if torch_wins else None
 
     @classmethod
     def build(
@@ -78,7 +91,7 @@ class CpuFusedDecoder:
         block_size: int,
         sliding_window: int | None,
     ) -> CpuFusedDecoder | None:
-        """The fused decoder, or None when some layer is not one it runs (float weights, qk-norm)."""
+        """The fused decoder, or None when some layer is not one it runs (qk-norm, non-fp32 floats)."""
         cfg = model.cfg
         if cfg.qk_norm or not all(_fusable(layer) for layer in model.layers):
             return None

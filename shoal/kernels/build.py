@@ -23,7 +23,10 @@ from shoal.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_quant.c", "cpu_int8.c", "cpu_ops.c", "cpu_layer.c")]
+SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("cpu_quant.c", "cpu_int8.c", "cpu_f32.c", "cpu_ops.c", "cpu_layer.c")
+]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Where the CPU has them, byte dot products run on AVX-512 VNNI (vpdpbusd) instead of two AVX2 ops.
 VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}

@@ -19,6 +19,11 @@ def decode_attention_supports(head_dim: int) -> bool:
 
 BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1}
 INT8_ROWS_FORMAT_ID = 2  # int8 weights with one scale per output row (cpu_int8.c)
+F32_ROWS_FORMAT_ID = 3  # float32 weights (cpu_f32.c)
+# Up to this many rows, the int8 and float32 C kernels beat torch's matmuls, whose per-call cost and
+# small-batch kernels dominate at decode sizes (measured on a 2-core Zen 4: the int8 crossover is
+# at about 16 rows; float32 stays ahead up to 32).
+SMALL_BATCH_ROWS = 16
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -48,6 +53,7 @@ class LayerParams(ctypes.Structure):
 _SIGNATURES = {
     "shoal_block_linear": [ctypes.c_int, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
     "shoal_int8_linear": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
+    "shoal_f32_linear": [_P, _I, _I, _P, _I, _P],
     "shoal_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "shoal_silu_mul": [_P, _I, _I, _P],
     "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P],
@@ -66,6 +72,7 @@ class CpuKernels:
         self._decode_layer = lib.shoal_decode_layer
         self._block_linear = lib.shoal_block_linear
         self._int8_linear = lib.shoal_int8_linear
+        self._f32_linear = lib.shoal_f32_linear
         self._add_rms_norm = lib.shoal_add_rms_norm
         self._silu_mul = lib.shoal_silu_mul
         self._decode_attention = lib.shoal_paged_decode_attention
@@ -97,6 +104,13 @@ class CpuKernels:
         self._int8_linear(
             x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), scale.data_ptr(), n, y.data_ptr()
         )
+        return y
+
+    def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w [N, K] transposed."""
+        m, k = x.shape
+        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
+        self._f32_linear(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr())
         return y
 
     def add_rms_norm(

@@ -16,13 +16,14 @@ void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t
                         const void *qs, const float *d, const float *mn, int64_t N, float *y);
 void shoal_int8_linear(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, const int8_t *w,
                        const float *scale, int64_t N, float *y);
+void shoal_f32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y);
 void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                   const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
                                   int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
                                   float *out);
 
-/* A quantized projection: format 0 = Q4_1 blocks (mn used), 1 = Q8_0 blocks (cpu_quant.c), 2 = int8
- * rows with one scale each in d (cpu_int8.c). */
+/* A projection's weights: format 0 = Q4_1 blocks (mn used), 1 = Q8_0 blocks (cpu_quant.c), 2 = int8
+ * rows with one scale each in d (cpu_int8.c), 3 = float32 rows in qs (cpu_f32.c). */
 typedef struct {
     int64_t format, n, k;
     const void *qs;
@@ -40,7 +41,9 @@ typedef struct {
 
 static void project(const BlockProjection *p, const float *x, int64_t M, int8_t *xq, float *dx, float *sx,
                     float *y) {
-    if (p->format == 2)
+    if (p->format == 3)
+        shoal_f32_linear(x, M, p->k, (const float *)p->qs, p->n, y);
+    else if (p->format == 2)
         shoal_int8_linear(x, M, p->k, xq, dx, (const int8_t *)p->qs, p->d, p->n, y);
     else
         shoal_block_linear((int)p->format, x, M, p->k, xq, dx, sx, p->qs, p->d, p->mn, p->n, y);

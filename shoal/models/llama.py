@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.kernels.cpu import kernels_for
+from shoal.kernels.cpu import SMALL_BATCH_ROWS, kernels_for
 from shoal.models.config import ModelConfig
 from shoal.models.rope import RotaryEmbedding
 
@@ -45,6 +45,13 @@ class RMSNorm(nn.Module):
         if delta is not None:
             residual.add_(delta)
         return self(residual)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T; on CPU a few float32 rows go through the C kernel, which reads the weights at
+    memory speed where torch's small-batch matmul does not."""
+    kernels = kernels_for(x, weight) if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS else None
+    return F.linear(x, weight) if kernels is None else kernels.f32_linear(x, weight)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -126,10 +133,11 @@ class LlamaForCausalLM(nn.Module):
         return x.add_(delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # A quantized model has an lm_head module even when its embeddings are tied.
-        if self.cfg.tie_word_embeddings and not hasattr(self, "lm_head"):
-            return F.linear(self.norm(hidden), self.embed_tokens.weight)
-        return self.lm_head(self.norm(hidden))
+        # A quantized model has its own lm_head module, even when its embeddings are tied.
+        head = getattr(self, "lm_head", None)
+        if head is None or isinstance(head, nn.Linear):
+            return linear(self.norm(hidden), self.lm_head_weight)
+        return head(self.norm(hidden))
 
     # --- weights -------------------------------------------------------------------------
 

@@ -18,13 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.kernels.cpu import QK, cpu_kernels
+from shoal.kernels.cpu import QK, SMALL_BATCH_ROWS, cpu_kernels
 from shoal.models.llama import PACKED_PARTS
 
 QUANT_METHODS = ("int8", "int4")
-# Below this many rows, Int8Linear's C kernel (same result, bit for bit) beats torch._int_mm, whose
-# per-call dispatch dominates at decode sizes; measured crossover on a 2-core Zen 4 was about 16.
-INT8_KERNEL_MAX_ROWS = 15
 BLOCK_FORMATS = ("q4_1", "q8_0")
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -146,7 +143,7 @@ class Int8Linear(_QuantLinear):
         if x.device.type != "cpu":
             return F.linear(x, (self.weight_t.t().to(x.dtype) * self.scale[:, None].to(x.dtype)))
         kernels = cpu_kernels()
-        if kernels is not None and x.shape[0] <= INT8_KERNEL_MAX_ROWS and self.in_features % QK == 0:
+        if kernels is not None and x.shape[0] <= SMALL_BATCH_ROWS and self.in_features % QK == 0:
             return kernels.int8_linear(x.float().contiguous(), self.weight, self.scale).to(x.dtype)
         xf = x.float()
         # Per-token scales keep each row's result independent of what else is in the batch.
