@@ -27,6 +27,7 @@ SOURCES = [
     Path(__file__).with_name(n)
     for n in ("cpu_quant.c", "cpu_int8.c", "cpu_f32.c", "cpu_ops.c", "cpu_layer.c")
 ]
+HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Where the CPU has them, byte dot products run on AVX-512 VNNI (vpdpbusd) instead of two AVX2 ops.
 VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -79,7 +80,7 @@ def load_cpu_library() -> ctypes.CDLL | None:
         log.warning("CPU kernels off: no C compiler found (set CC); quantized layers run in plain torch")
         return None
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    source = b"".join(p.read_bytes() for p in SOURCES)
+    source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     flags = compile_flags()
     key = hashlib.sha256(source + " ".join([cc, *flags, version]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"libshoal_cpu-{key}.so"

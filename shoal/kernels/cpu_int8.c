@@ -6,11 +6,7 @@
  * an exact int32 dot product, then float(acc) * x_scale * w_scale in that order. So a row's result
  * does not depend on which path, or which batch, computed it.
  */
-#include <immintrin.h>
-#include <stdint.h>
-
-#define N_CHUNK 16
-#define M_TILE 4
+#include "simd.h"
 
 static inline int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -66,23 +62,9 @@ static inline __attribute__((always_inline)) void int8_tile(int MT, const int8_t
 /* y [M, N] = dequantized (xq @ w^T) for w [N, K] int8 with scale [N]. */
 void shoal_int8_matmul(const int8_t *xq, const float *xs, int64_t M, int64_t K, const int8_t *w,
                        const float *scale, int64_t N, float *y) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += N_CHUNK) {
-        const int64_t n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
-        for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
-            const int64_t mt = M - m0 < M_TILE ? M - m0 : M_TILE;
-            for (int64_t n = n0; n < n1; n++) {
-                const int8_t *xr = xq + m0 * K;
-                float *yr = y + m0 * N + n;
-                switch (mt) { /* constant tile heights keep the accumulators in registers */
-                case 4: int8_tile(4, xr, xs + m0, K, w + n * K, scale[n], yr, N); break;
-                case 3: int8_tile(3, xr, xs + m0, K, w + n * K, scale[n], yr, N); break;
-                case 2: int8_tile(2, xr, xs + m0, K, w + n * K, scale[n], yr, N); break;
-                default: int8_tile(1, xr, xs + m0, K, w + n * K, scale[n], yr, N);
-                }
-            }
-        }
-    }
+#define INT8_TILE(mt, m0, n) int8_tile(mt, xq + (m0) * K, xs + (m0), K, w + (n) * K, scale[n], y + (m0) * N + (n), N)
+    PARALLEL_ROW_TILES(M, N, INT8_TILE)
+#undef INT8_TILE
 }
 
 void shoal_int8_linear(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, const int8_t *w,

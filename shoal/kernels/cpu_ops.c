@@ -1,16 +1,10 @@
 /* Small fused float32 ops for the CPU decode step, where torch's per-op overhead costs more than
  * the arithmetic: RMSNorm with the residual add folded in, and paged decode attention. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 /* If delta: x += delta (in place, the residual stream). Then out = x / rms(x) * w. Rows of H. */
 void shoal_add_rms_norm(float *x, const float *delta, const float *w, int64_t M, int64_t H, float eps,
@@ -167,7 +161,7 @@ void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float 
                         sum8 = _mm256_add_ps(sum8, e);
                     }
                     const float c = mx[g] == -INFINITY ? 0.0f : expf(mx[g] - m);
-                    denom[g] = denom[g] * c + hsum8(sum8);
+                    denom[g] = denom[g] * c + hsum(sum8);
                     mx[g] = m;
                     if (c != 1.0f)
                         for (int64_t j = 0; j < D; j++) acc[g][j] *= c;

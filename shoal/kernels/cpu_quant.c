@@ -13,20 +13,11 @@
  * of the quantized values, so a Q4_1 product is exactly that of the rounded activations with the
  * weights, and its error stays centred like Q8_0's instead of growing with the blocks' minimum.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
+
+#include "simd.h"
 
 #define QK 32
-#define N_CHUNK 16 /* output rows per unit of parallel work: their weights stay in L1/L2 */
-#define M_TILE 4   /* activation rows that share one load of a weight block */
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* x [M, K] -> xq [M, K] int8, dx [M, K/32] scales, sx [M, K/32] sums of the dequantized blocks. */
 void shoal_quantize_blocks(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx) {
