@@ -107,10 +107,11 @@ def test_avx2_and_vnni_kernel_builds_agree_bit_for_bit(tmp_path):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 15])
-def test_int8_kernel_is_bit_identical_to_int_mm(rows):
-    """Small batches take the C kernel, large ones torch._int_mm: both must give the same bits, so a
-    request's output does not depend on how many others share its step."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
+def test_int8_linear_is_bit_identical_to_torch_int_mm(rows):
+    """Small batches take the C kernel, larger ones torch._int_mm between C rounding and rescaling:
+    all must give the bits of the plain torch formula, so a request's output does not depend on how
+    many others share its step."""
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels here")
     torch.manual_seed(rows)
@@ -118,7 +119,8 @@ def test_int8_kernel_is_bit_identical_to_int_mm(rows):
     x = torch.randn(rows, 320) * torch.logspace(-3, 2, rows).unsqueeze(1)
     xs = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
     expected = torch._int_mm((x / xs).round().to(torch.int8), lin.weight_t) * xs * lin.scale
-    assert torch.equal(cpu_kernels().int8_linear(x, lin.weight, lin.scale), expected)
+    if rows <= 16:
+        assert torch.equal(cpu_kernels().int8_linear(x, lin.weight, lin.scale), expected)
     assert torch.equal(lin(x), expected)
 
 

@@ -54,6 +54,8 @@ _SIGNATURES = {
     "shoal_block_linear": [ctypes.c_int, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
     "shoal_int8_linear": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "shoal_f32_linear": [_P, _I, _I, _P, _I, _P],
+    "shoal_quantize_rows": [_P, _I, _I, _P, _P],
+    "shoal_int8_rescale": [_P, _P, _P, _I, _I, _P],
     "shoal_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "shoal_silu_mul": [_P, _I, _I, _P],
     "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P],
@@ -73,6 +75,8 @@ class CpuKernels:
         self._block_linear = lib.shoal_block_linear
         self._int8_linear = lib.shoal_int8_linear
         self._f32_linear = lib.shoal_f32_linear
+        self._quantize_rows = lib.shoal_quantize_rows
+        self._int8_rescale = lib.shoal_int8_rescale
         self._add_rms_norm = lib.shoal_add_rms_norm
         self._silu_mul = lib.shoal_silu_mul
         self._decode_attention = lib.shoal_paged_decode_attention
@@ -104,6 +108,21 @@ class CpuKernels:
         self._int8_linear(
             x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), scale.data_ptr(), n, y.data_ptr()
         )
+        return y
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (int8 [M, K], scale [M, 1]) rounded as Int8Linear does. K % 32 == 0."""
+        m, k = x.shape
+        xq = torch.empty((m, k), dtype=torch.int8)
+        xs = torch.empty((m, 1), dtype=torch.float32)
+        self._quantize_rows(x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr())
+        return xq, xs
+
+    def int8_rescale(self, acc: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """acc [M, N] int32 * xs [M, 1] * scale [N], as float32 in that order, in one pass."""
+        m, n = acc.shape
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._int8_rescale(acc.data_ptr(), xs.data_ptr(), scale.data_ptr(), m, n, y.data_ptr())
         return y
 
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ static inline int32_t hsum_i32(__m256i v) {
 
 /* x [M, K] -> xq [M, K] int8 and xs [M]: xs = max(|x|, 1e-12) / 127, xq = round(x / xs). K % 32 == 0. */
 void shoal_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs) {
+#pragma omp parallel for schedule(static) if (M * K > 65536)
     for (int64_t i = 0; i < M; i++) {
         const float *r = x + i * K;
         float amax = 0.0f;
@@ -65,6 +66,13 @@ void shoal_int8_matmul(const int8_t *xq, const float *xs, int64_t M, int64_t K, 
 #define INT8_TILE(mt, m0, n) int8_tile(mt, xq + (m0) * K, xs + (m0), K, w + (n) * K, scale[n], y + (m0) * N + (n), N)
     PARALLEL_ROW_TILES(M, N, INT8_TILE)
 #undef INT8_TILE
+}
+
+/* y [M, N] = float(acc) * xs[i] * scale[j]: torch._int_mm's int32 result dequantized in one pass. */
+void shoal_int8_rescale(const int32_t *acc, const float *xs, const float *scale, int64_t M, int64_t N, float *y) {
+#pragma omp parallel for schedule(static) if (M * N > 65536)
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) y[i * N + j] = (float)acc[i * N + j] * xs[i] * scale[j];
 }
 
 void shoal_int8_linear(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, const int8_t *w,

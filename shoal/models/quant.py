@@ -143,8 +143,12 @@ class Int8Linear(_QuantLinear):
         if x.device.type != "cpu":
             return F.linear(x, (self.weight_t.t().to(x.dtype) * self.scale[:, None].to(x.dtype)))
         kernels = cpu_kernels()
-        if kernels is not None and x.shape[0] <= SMALL_BATCH_ROWS and self.in_features % QK == 0:
-            return kernels.int8_linear(x.float().contiguous(), self.weight, self.scale).to(x.dtype)
+        if kernels is not None and self.in_features % QK == 0:
+            x32 = x.float().contiguous()
+            if x.shape[0] <= SMALL_BATCH_ROWS:
+                return kernels.int8_linear(x32, self.weight, self.scale).to(x.dtype)
+            xq, xs = kernels.quantize_rows(x32)
+            return kernels.int8_rescale(torch._int_mm(xq, self.weight_t), xs, self.scale).to(x.dtype)
         xf = x.float()
         # Per-token scales keep each row's result independent of what else is in the batch.
         xs = xf.abs().amax(1, keepdim=True).clamp_(min=1e-12).div_(127)
