@@ -2,8 +2,9 @@
 
 A decode step at small batch is a few microseconds of arithmetic per op; dispatching the dozen ops
 of a layer from Python costs as much as the weights take to read. The C layer (shoal/kernels/
-cpu_layer.c) runs the same kernels in the same order as the model's own forward, so it is a drop-in
-for steps where every row is a single token; prefill steps keep the model's forward.
+cpu_layer.c) does what `DecoderLayer.forward` does, in the same order, and matches it to float
+rounding (tests/test_cpu_decode.py), so it stands in for steps where every row is a single token;
+prefill steps keep the model's forward. A change to the layer's maths must be made in both.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from shoal.kernels.cpu import (
     INT8_ROWS_FORMAT_ID,
     QK,
     SMALL_BATCH_ROWS,
-    BlockProjection,
     CpuKernels,
     LayerParams,
+    ProjectionParams,
 )
 from shoal.models.llama import DecoderLayer, LlamaForCausalLM
 from shoal.models.quant import BlockQuantLinear, Int8Linear
@@ -43,9 +44,9 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _projection(linear: Projection) -> BlockProjection:
+def _projection(linear: Projection) -> ProjectionParams:
     fmt, values, scales, mins = _weights(linear)
-    return BlockProjection(
+    return ProjectionParams(
         fmt,
         linear.out_features,
         linear.in_features,

@@ -30,8 +30,8 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 
 
-class BlockProjection(ctypes.Structure):
-    """A block-quantized projection, as cpu_layer.c reads it."""
+class ProjectionParams(ctypes.Structure):
+    """A projection's weights (a format id from above, shapes, pointers), as cpu_layer.c reads it."""
 
     _fields_ = [("format", _I), ("n", _I), ("k", _I), ("qs", _P), ("d", _P), ("mn", _P), ("bias", _P)]
 
@@ -46,7 +46,7 @@ class LayerParams(ctypes.Structure):
         ("eps", _F),
         ("scale", _F),
         *((name, _P) for name in ("input_norm", "post_norm", "k_cache", "v_cache")),
-        *((name, BlockProjection) for name in ("qkv", "o", "gate_up", "down")),
+        *((name, ProjectionParams) for name in ("qkv", "o", "gate_up", "down")),
     ]
 
 

@@ -2,8 +2,8 @@
  *
  * At decode sizes the arithmetic of a layer takes tens of microseconds, and dispatching a dozen
  * torch ops and kernel calls from Python costs about as much again; this runs the layer's whole
- * sequence (norms, block-quantized projections, rope, KV write, paged attention, SwiGLU) in C with
- * the same kernels the separate ops use, so its results match theirs.
+ * sequence (norms, projections, rope, KV write, paged attention, SwiGLU) in C, in the order of
+ * DecoderLayer.forward in shoal/models/llama.py.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,7 +28,7 @@ typedef struct {
     int64_t format, n, k;
     const void *qs;
     const float *d, *mn, *bias;
-} BlockProjection;
+} ProjectionParams;
 
 /* Must match shoal/kernels/cpu.py's LayerParams field for field. */
 typedef struct {
@@ -36,10 +36,10 @@ typedef struct {
     float eps, scale;
     const float *input_norm, *post_norm;
     float *k_cache, *v_cache; /* [slots, kv_heads, head_dim] */
-    BlockProjection qkv, o, gate_up, down;
+    ProjectionParams qkv, o, gate_up, down;
 } LayerParams;
 
-static void project(const BlockProjection *p, const float *x, int64_t M, int8_t *xq, float *dx, float *sx,
+static void project(const ProjectionParams *p, const float *x, int64_t M, int8_t *xq, float *dx, float *sx,
                     float *y) {
     if (p->format == 3)
         shoal_f32_linear(x, M, p->k, (const float *)p->qs, p->n, y);

@@ -141,7 +141,7 @@ class Int8Linear(_QuantLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
-            return F.linear(x, (self.weight_t.t().to(x.dtype) * self.scale[:, None].to(x.dtype)))
+            return F.linear(x, (self.weight.to(x.dtype) * self.scale[:, None].to(x.dtype)))
         kernels = cpu_kernels()
         if kernels is not None and self.in_features % QK == 0:
             x32 = x.float().contiguous()
