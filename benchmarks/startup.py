@@ -1,11 +1,13 @@
 """Seconds from launching `shoal serve` to `/ready` answering 200: with an empty conversion cache
-(the first start on a machine) and with it filled (every start after).
+(the first start on a machine: GGUF conversion and kernel build) and with it filled (every start
+after).
 
-    python benchmarks/startup.py
+    python benchmarks/startup.py [--quantization int8|int4]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -17,11 +19,13 @@ import httpx
 from shoal.fleet.launcher import free_port
 
 
-def start_to_ready(env: dict) -> float:
+def start_to_ready(env: dict, extra: list[str]) -> float:
     port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL
+        [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
     )
     try:
         while True:
@@ -39,10 +43,14 @@ def start_to_ready(env: dict) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    args = ap.parse_args()
+    extra = ["--quantization", args.quantization] if args.quantization else []
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "SHOAL_CACHE_DIR": cache}
-        cold = start_to_ready(env)
-        warm = [start_to_ready(env) for _ in range(3)]
+        cold = start_to_ready(env, extra)
+        warm = [start_to_ready(env, extra) for _ in range(3)]
     print(f"start to ready, empty cache : {cold:.2f} s")
     print(f"start to ready, warm cache  : {', '.join(f'{w:.2f}' for w in warm)} s (best {min(warm):.2f} s)")
 
