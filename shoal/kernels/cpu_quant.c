@@ -1,9 +1,9 @@
 /* Quantized matmuls for x86-64 CPUs with AVX2 and FMA, called from Python through ctypes.
  *
- * torch's own weight-only int4/int8 CPU kernels run at a few GFLOP/s on a CPU without AVX-512,
- * so these follow llama.cpp's approach instead: activations are quantized to int8 in blocks of
- * 32 values, and each block's dot product with a block of quantized weights runs on byte
- * multiply-adds (vpmaddubsw), then is scaled in float.
+ * torch's own weight-only int4/int8 CPU kernels ran at a few GFLOP/s on the 2-core Zen 4 this was
+ * built on, so these follow llama.cpp's approach instead: activations are quantized to int8 in
+ * blocks of 32 values, and each block's dot product with a block of quantized weights runs on byte
+ * multiply-adds (vpmaddubsw, or vpdpbusd where AVX-512 VNNI is present), then is scaled in float.
  *
  * Weight formats (one block = 32 consecutive input features of one output row):
  *   Q4_1: 16 bytes of nibbles (low nibble = element j, high = element j + 16), scale d, minimum m;
