@@ -127,11 +127,12 @@ def test_int8_linear_is_bit_identical_to_torch_int_mm(rows):
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantized_model_stays_close_to_hf_fp32(method, reference):
     """Teacher-forced on HF's own greedy continuations: how often the quantized model's top token is
-    HF's, and how far its logprob of HF's token is from HF's. Also whole greedy continuations."""
+    HF's, and how far its logprob of HF's token is from HF's. Also free-running greedy continuations:
+    how many of their first tokens match HF's."""
     llm = LLM(loaded=load_model(quantization=method))
     agree = total = 0
     errors = []
-    exact = 0
+    prefixes = []
     for prompt in PROMPTS:
         ids, tokens, logprobs = reference[prompt]
         seq = ids + tokens
@@ -143,15 +144,18 @@ def test_quantized_model_stays_close_to_hf_fp32(method, reference):
             total += 1
             errors.append(abs(lp.logprob - float(ref_lp[tok])))
         greedy = llm.generate(ids, SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True))[0]
-        exact += greedy.outputs[0].token_ids == tokens
+        got = greedy.outputs[0].token_ids
+        prefixes.append(next((j for j, (a, b) in enumerate(zip(got, tokens)) if a != b), len(tokens)))
     rate = agree / total
     mean_err = sum(errors) / len(errors)
+    mean_prefix = sum(prefixes) / len(prefixes)
     print(
         f"\n{method}: top-1 agreement {rate:.3f} over {total} positions, mean |dlogprob| {mean_err:.4f}, "
-        f"max {max(errors):.3f}, identical greedy continuations {exact}/{len(PROMPTS)}"
+        f"max {max(errors):.3f}; greedy continuations match HF for {mean_prefix:.1f} of {REF_TOKENS} "
+        f"tokens on average, {prefixes.count(REF_TOKENS)}/{len(PROMPTS)} whole"
     )
-    # Measured: int4 0.969 / 0.038 / 3 of 8, int8 0.938 / 0.137 / 1 of 8. A greedy continuation
-    # flips for good at its first near-tie, so whole-continuation identity is the noisiest check.
+    # A greedy continuation leaves HF's for good at its first near-tie, so the matched prefix is the
+    # noisiest of these; the thresholds leave room for that (measured figures in the closing notes).
     assert rate >= 0.9
     assert mean_err < 0.2
-    assert exact >= {"int4": 2, "int8": 1}[method]
+    assert mean_prefix >= {"int4": 10, "int8": 6}[method]
