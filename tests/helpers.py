@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -83,3 +84,38 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
             logprobs.append(lp)
             ids = torch.tensor([[token]])
     return tokens, torch.stack(logprobs)
+
+
+def closeness_to_reference(llm, reference: dict, new_tokens: int) -> dict:
+    """How close `llm` stays to HF fp32 on PROMPTS. Teacher-forced on HF's greedy continuations: the
+    share of positions where its top token is HF's, and |its logprob of HF's token - HF's|. Free
+    running: how many first tokens of its own greedy continuation match HF's."""
+    agree = total = 0
+    errors, prefixes = [], []
+    for prompt in PROMPTS:
+        ids, tokens, logprobs = reference[prompt]
+        out = llm.generate(ids + tokens, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+        for j, (tok, ref_lp) in enumerate(zip(tokens, logprobs)):
+            lp = out.prompt_logprobs[len(ids) + j]
+            assert lp.token_id == tok
+            agree += lp.top[0][0] == tok
+            total += 1
+            errors.append(abs(lp.logprob - float(ref_lp[tok])))
+        greedy = llm.generate(ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+        got = greedy.outputs[0].token_ids
+        prefixes.append(next((j for j, (a, b) in enumerate(zip(got, tokens)) if a != b), len(tokens)))
+    return {
+        "agreement": agree / total,
+        "mean_error": sum(errors) / len(errors),
+        "max_error": max(errors),
+        "mean_prefix": sum(prefixes) / len(prefixes),
+        "whole": prefixes.count(new_tokens),
+    }
+
+
+def describe_closeness(label: str, c: dict, new_tokens: int) -> str:
+    return (
+        f"{label}: top-1 agreement {c['agreement']:.3f}, mean |dlogprob| {c['mean_error']:.4f}, "
+        f"max {c['max_error']:.3f}; greedy continuations match HF for {c['mean_prefix']:.1f} of "
+        f"{new_tokens} tokens on average, {c['whole']}/{len(PROMPTS)} whole"
+    )

@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from shoal.engine.sampling_params import SamplingParams
 from shoal.kernels.build import cpu_supports_kernels
 from shoal.kernels.cpu import cpu_kernels
 from shoal.llm import LLM
@@ -19,7 +18,7 @@ from shoal.models.gguf_meta import open_gguf
 from shoal.models.loader import bundled_model_path, load_model
 from shoal.models.quant import BlockQuantLinear, Int8Linear, quantize_q4_1, quantize_q8_0
 from tests.conftest import REF_TOKENS
-from tests.helpers import PROMPTS
+from tests.helpers import closeness_to_reference, describe_closeness
 
 
 def test_gguf_blocks_are_the_files_own_values(bundled):
@@ -126,36 +125,10 @@ def test_int8_linear_is_bit_identical_to_torch_int_mm(rows):
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantized_model_stays_close_to_hf_fp32(method, reference):
-    """Teacher-forced on HF's own greedy continuations: how often the quantized model's top token is
-    HF's, and how far its logprob of HF's token is from HF's. Also free-running greedy continuations:
-    how many of their first tokens match HF's."""
-    llm = LLM(loaded=load_model(quantization=method))
-    agree = total = 0
-    errors = []
-    prefixes = []
-    for prompt in PROMPTS:
-        ids, tokens, logprobs = reference[prompt]
-        seq = ids + tokens
-        out = llm.generate(seq, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-        for j, (tok, ref_lp) in enumerate(zip(tokens, logprobs)):
-            lp = out.prompt_logprobs[len(ids) + j]
-            assert lp.token_id == tok
-            agree += lp.top[0][0] == tok
-            total += 1
-            errors.append(abs(lp.logprob - float(ref_lp[tok])))
-        greedy = llm.generate(ids, SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True))[0]
-        got = greedy.outputs[0].token_ids
-        prefixes.append(next((j for j, (a, b) in enumerate(zip(got, tokens)) if a != b), len(tokens)))
-    rate = agree / total
-    mean_err = sum(errors) / len(errors)
-    mean_prefix = sum(prefixes) / len(prefixes)
-    print(
-        f"\n{method}: top-1 agreement {rate:.3f} over {total} positions, mean |dlogprob| {mean_err:.4f}, "
-        f"max {max(errors):.3f}; greedy continuations match HF for {mean_prefix:.1f} of {REF_TOKENS} "
-        f"tokens on average, {prefixes.count(REF_TOKENS)}/{len(PROMPTS)} whole"
-    )
+    c = closeness_to_reference(LLM(loaded=load_model(quantization=method)), reference, REF_TOKENS)
+    print("\n" + describe_closeness(method, c, REF_TOKENS))
     # A greedy continuation leaves HF's for good at its first near-tie, so the matched prefix is the
     # noisiest of these; the thresholds leave room for that (measured figures in the closing notes).
-    assert rate >= 0.9
-    assert mean_err < 0.2
-    assert mean_prefix >= {"int4": 10, "int8": 6}[method]
+    assert c["agreement"] >= 0.9
+    assert c["mean_error"] < 0.2
+    assert c["mean_prefix"] >= {"int4": 10, "int8": 6}[method]
