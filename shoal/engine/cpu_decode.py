@@ -23,12 +23,10 @@ from shoal.kernels.cpu import (
     LayerParams,
     ProjectionParams,
 )
-from shoal.models.llama import DecoderLayer, LlamaForCausalLM
+from shoal.models.llama import PROJECTIONS, DecoderLayer, LlamaForCausalLM
 from shoal.models.quant import BlockQuantLinear, Int8Linear
 
 Projection = nn.Linear | BlockQuantLinear | Int8Linear
-
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _weights(linear: Projection) -> tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -58,7 +56,7 @@ def _projection(linear: Projection) -> ProjectionParams:
 
 
 def _fusable(layer: DecoderLayer) -> bool:
-    linears = [getattr(layer, name) for name in _PROJECTIONS]
+    linears = [getattr(layer, name) for name in PROJECTIONS]
     for m in linears:
         quantized = isinstance(m, BlockQuantLinear | Int8Linear)
         if not (quantized or isinstance(m, nn.Linear)) or (quantized and m.in_features % QK):
@@ -78,9 +76,8 @@ class CpuFusedDecoder:
         self.model = model
         self.params = params
         # int8 and float32 layers: at larger batches torch's matmuls are the faster path.
-        torch_wins = any(
-            isinstance(m, Int8Linear | nn.Linear) for layer in model.layers for m in layer.modules()
-        )
+        formats = {proj.format for p in params for proj in (p.qkv, p.o, p.gate_up, p.down)}
+        torch_wins = bool(formats & {INT8_ROWS_FORMAT_ID, F32_ROWS_FORMAT_ID})
         self.max_rows = SMALL_BATCH_ROWS if torch_wins else None
 
     @classmethod
@@ -90,7 +87,6 @@ class CpuFusedDecoder:
         model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
-        sliding_window: int | None,
     ) -> CpuFusedDecoder | None:
         """The fused decoder, or None when some layer is not one it runs (qk-norm, non-fp32 floats)."""
         cfg = model.cfg
@@ -106,14 +102,14 @@ class CpuFusedDecoder:
                     cfg.head_dim,
                     cfg.intermediate_size,
                     block_size,
-                    sliding_window or 0,
+                    cfg.sliding_window or 0,
                     cfg.rms_norm_eps,
                     cfg.head_dim**-0.5,
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
                     k_cache.data_ptr(),
                     v_cache.data_ptr(),
-                    *(_projection(getattr(layer, name)) for name in _PROJECTIONS),
+                    *(_projection(getattr(layer, name)) for name in PROJECTIONS),
                 )
             )
         return cls(kernels, model, params)

@@ -79,9 +79,7 @@ class ModelRunner:
         self.fused_decoder = None
         if kernels is not None and decode_attention_supports(self.cfg.head_dim):
             self.attention = CpuPagedAttention(kernels, *args)
-            self.fused_decoder = CpuFusedDecoder.build(
-                kernels, model, self.kv_caches, block_size, self.cfg.sliding_window
-            )
+            self.fused_decoder = CpuFusedDecoder.build(kernels, model, self.kv_caches, block_size)
         else:
             self.attention = TorchPagedAttention(*args)
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size)

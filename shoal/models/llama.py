@@ -17,6 +17,8 @@ from shoal.kernels.cpu import SMALL_BATCH_ROWS, kernels_for
 from shoal.models.config import ModelConfig
 from shoal.models.rope import RotaryEmbedding
 
+# A decoder layer's linear projections, in the order its forward runs them.
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # The fused projections and the checkpoint tensors stacked into each, in order.
 PACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 

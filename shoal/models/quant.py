@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.kernels.cpu import QK, SMALL_BATCH_ROWS, cpu_kernels
-from shoal.models.llama import PACKED_PARTS
+from shoal.models.llama import PACKED_PARTS, PROJECTIONS
 
 QUANT_METHODS = ("int8", "int4")
 BLOCK_FORMATS = ("q4_1", "q8_0")
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass
@@ -167,7 +166,7 @@ def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights
         raise ValueError(f"unknown quantization {method!r}; choose from {list(QUANT_METHODS)}")
     stored = stored or {}
     for i, layer in enumerate(model.layers):
-        for name in _PROJECTIONS:
+        for name in PROJECTIONS:
             linear = getattr(layer, name)
             if method == "int4":
                 blocks = _stored_projection(stored, i, name) or quantize_q4_1(linear.weight)
