@@ -9,11 +9,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shoal.block_hash import hash_blocks
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request
 from shoal.engine.sampling_params import SamplingParams
+from shoal.protocol.block_hash import hash_blocks
 
 BLOCK = 4
 # A tiny alphabet makes shared prefixes (and so cache hits) common.

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from shoal.block_hash import hash_blocks
 from shoal.fleet.config import load_fleet_config
 from shoal.fleet.policies import KVAware, RouteRequest, Session
 from shoal.fleet.prefix_index import PrefixIndex
 from shoal.fleet.replica import Replica, ReplicaState
+from shoal.protocol.block_hash import hash_blocks
 
 
 def ready(name: str, inflight: int = 0) -> Replica:

@@ -417,7 +417,7 @@ def test_bench_serve_against_the_server(server, model, tmp_path, bundled):
 
 
 def test_kv_events_feed_for_routers(server, model, bundled):
-    from shoal.block_hash import hash_blocks
+    from shoal.protocol.block_hash import hash_blocks
 
     start = server.get("/kv_events").json()
     ids = list(range(2000, 2040))  # 40 tokens: two full blocks of 16

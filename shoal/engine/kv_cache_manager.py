@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shoal.block_hash import hash_blocks
 from shoal.engine.block_pool import BlockPool, KVBlock
 from shoal.engine.request import Request
+from shoal.protocol.block_hash import hash_blocks
 
 
 def cdiv(a: int, b: int) -> int:

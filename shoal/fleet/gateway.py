@@ -12,7 +12,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from shoal.block_hash import hash_blocks
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.policies import RouteRequest, make_policy
@@ -22,8 +21,9 @@ from shoal.fleet.registry import Registry
 from shoal.fleet.replica import ReplicaState
 from shoal.models.chat_template import template_message
 from shoal.models.tokenizer import Tokenizer
-from shoal.server.auth import bearer_matches
-from shoal.server.errors import error_body
+from shoal.protocol.auth import bearer_matches
+from shoal.protocol.block_hash import hash_blocks
+from shoal.protocol.errors import error_body
 
 log = logging.getLogger(__name__)
 

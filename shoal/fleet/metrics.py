@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shoal.server.metrics import LATENCY_BUCKETS
+from shoal.protocol.metric_names import LATENCY_BUCKETS
 
 
 class GatewayMetrics:

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shoal.block_hash import hash_blocks
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.policies import RouteRequest
 from shoal.fleet.registry import NoReplicaError, Registry
 from shoal.fleet.replica import Replica
 from shoal.fleet.stream_state import StreamState
-from shoal.server.errors import error_body
+from shoal.protocol.block_hash import hash_blocks
+from shoal.protocol.errors import error_body
 
 log = logging.getLogger(__name__)
 

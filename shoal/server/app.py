@@ -11,11 +11,11 @@ from typing import Annotated
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from shoal.server.auth import bearer_matches
+from shoal.protocol.auth import bearer_matches
+from shoal.protocol.errors import APIError, error_body, install_error_handlers
 from shoal.server.chat import chat_prompt, create_chat_completion
 from shoal.server.common import ServingContext
 from shoal.server.completions import create_completion
-from shoal.server.errors import APIError, error_body, install_error_handlers
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 # Routes anyone may call even when an API key is set: probes and scrapes.

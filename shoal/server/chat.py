@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shoal.engine.outputs import TokenLogprob
 from shoal.models.chat_template import ChatTemplateError
+from shoal.protocol.errors import APIError
 from shoal.server.common import (
     SSE_DONE,
     ServingContext,
@@ -23,7 +24,6 @@ from shoal.server.common import (
     stream_error,
     usage,
 )
-from shoal.server.errors import APIError
 from shoal.server.protocol import ChatCompletionRequest
 
 

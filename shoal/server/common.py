@@ -16,7 +16,7 @@ from shoal.engine.llm_engine import RequestRejectedError
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer
-from shoal.server.errors import APIError, overloaded
+from shoal.protocol.errors import APIError, overloaded
 from shoal.server.metrics import ServerMetrics
 
 # How often a non-streaming handler checks that its client is still there.

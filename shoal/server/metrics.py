@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:  # the gateway reuses the buckets and must not import the engine (or torch)
+from shoal.protocol.metric_names import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
     from shoal.engine.llm_engine import EngineStats
     from shoal.engine.outputs import RequestOutput
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 
 
 class _EngineCollector:
