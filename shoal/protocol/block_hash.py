@@ -13,6 +13,14 @@ from collections.abc import Sequence
 NONE_HASH = 0
 
 
+def root_hash(salt: bytes) -> int:
+    """The parent of a chain's first block. A deployment's secret salt makes hashes of public token
+    ids unguessable to anyone who reads a KV-event feed without the salt."""
+    if not salt:
+        return NONE_HASH
+    return int.from_bytes(hashlib.sha256(b"shoal kv salt\0" + salt).digest()[:8], "little")
+
+
 def hash_block(parent: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
     h = hashlib.sha256((parent or NONE_HASH).to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
@@ -26,10 +34,12 @@ def hash_blocks(
     block_size: int,
     extra_keys: tuple = (),
     known: list[int] | None = None,
+    root: int = NONE_HASH,
 ) -> list[int]:
-    """Hashes every full block of `token_ids`, reusing (and extending) the `known` prefix of hashes."""
+    """Hashes every full block of `token_ids`, reusing (and extending) the `known` prefix of hashes.
+    `root` (see `root_hash`) is the first block's parent."""
     hashes = known if known is not None else []
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[i - 1] if i else None
+        parent = hashes[i - 1] if i else root
         hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys))
     return hashes

@@ -1,0 +1,108 @@
+"""Request bodies as both servers take them: a size limit before anything is read into memory,
+and JSON parsed strictly (no NaN or Infinity, bounded nesting, no lone surrogates), so hostile
+input gets a 400 or 413 in OpenAI's format instead of a 500 or a stalled event loop."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from shoal.protocol.errors import APIError, error_body
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64
+
+
+def _reject_constant(name: str):
+    raise APIError(400, f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The body as a JSON object, or an APIError (400) that says what is wrong with it."""
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_json_values(obj)
+    return obj
+
+
+def check_json_values(obj) -> None:
+    """Walks a parsed body without recursion: bounded depth, finite numbers, encodable strings."""
+    stack = [(obj, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, path or "body")
+                stack.append((v, depth + 1, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise APIError(400, f"{path}: the number is out of range", path or None)
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{path}: the string holds a lone UTF-16 surrogate", path or None) from None
+
+
+class BodyLimitMiddleware:
+    """Refuses a body past `max_bytes` with 413 before it is buffered, then replays what it read
+    to the app (pure ASGI: streaming responses and disconnect detection pass through)."""
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large(send)
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, send) -> None:
+        body = json.dumps(
+            error_body(413, f"the request body is larger than {self.max_bytes} bytes", code="body_too_large")
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

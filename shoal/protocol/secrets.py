@@ -1,0 +1,21 @@
+"""Deployment secrets derived for the wire: the KV-hash salt."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+KV_SALT_ENV = "SHOAL_KV_SALT"
+
+
+def kv_salt(explicit: str | None = None, api_key: str | None = None) -> bytes:
+    """The salt of this deployment's block hashes: the given one, else $SHOAL_KV_SALT, else one
+    derived from the API key (a gateway holding the key derives the same), else none: a server
+    without a key answers every client anyway."""
+    salt = explicit or os.environ.get(KV_SALT_ENV)
+    if salt:
+        return salt.encode()
+    if api_key:
+        return hmac.new(api_key.encode(), b"shoal kv salt", hashlib.sha256).digest()
+    return b""
