@@ -176,11 +176,16 @@ def _gateway_config(args):
         ("port", "port"),
         ("policy", "policy"),
         ("api_key", "api_key"),
+        ("replica_api_key", "replica_api_key"),
+        ("kv_salt", "kv_salt"),
+        ("max_request_bytes", "max_body_bytes"),
         ("tokenizer", "tokenizer"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
             setattr(gw, attr, value)
+    if getattr(args, "trust_client_priority", False):
+        gw.trust_client_priority = True
     return fleet
 
 
@@ -320,7 +325,21 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             choices=["kv_aware", "round_robin", "least_load", "power_of_two", "session"],
         )
-        p.add_argument("--api-key", default=None)
+        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on probes)")
+        p.add_argument(
+            "--replica-api-key",
+            default=None,
+            help="the key the gateway sends to replicas (default: --api-key)",
+        )
+        p.add_argument(
+            "--kv-salt",
+            default=None,
+            help="salt of KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
+        )
+        p.add_argument("--max-request-bytes", type=parse_size, default=None, help="larger bodies get 413")
+        p.add_argument(
+            "--trust-client-priority", action="store_true", help="pass a client's priority on as given"
+        )
         p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer hashes prompts")
 
     fleet = sub.add_parser("fleet", help="a gateway and local replicas").add_subparsers(

@@ -13,47 +13,67 @@ import httpx
 from tests.server_helpers import ServerProcess, free_port
 
 
-def _spawn(args: list[str]) -> ServerProcess:
-    port = free_port()
+def auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def spawn(args: list[str], env: dict[str, str] | None = None, port: int | None = None) -> ServerProcess:
+    port = port or free_port()
     fd, log_path = tempfile.mkstemp(prefix="shoal-gw-", suffix=".log")
     cmd = [sys.executable, "-m", "shoal.cli", *args, "--port", str(port)]
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     return ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
 
 
-def wait_replicas_ready(gw: ServerProcess, count: int, timeout: float = 240.0) -> list[dict]:
+def wait_replicas_ready(
+    gw: ServerProcess, count: int, timeout: float = 240.0, api_key: str | None = None
+) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if gw.proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {gw.log()}")
         try:
-            reps = httpx.get(gw.url + "/replicas", timeout=2).json()["replicas"]
+            reps = httpx.get(gw.url + "/replicas", timeout=2, headers=auth(api_key)).json()["replicas"]
             if sum(r["state"] == "ready" for r in reps) >= count:
                 return reps
-        except httpx.HTTPError:
+        except (httpx.HTTPError, KeyError):
             pass
         time.sleep(0.25)
     raise RuntimeError(f"replicas not ready: {gw.log()}")
 
 
-def start_fleet(replicas: int, *args: str) -> ServerProcess:
-    gw = _spawn(["fleet", "up", "--replicas", str(replicas), "--base-port", "0", *args])
-    wait_replicas_ready(gw, replicas)
+def start_fleet(
+    replicas: int, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+) -> ServerProcess:
+    key_args = ["--api-key", api_key] if api_key else []
+    gw = spawn(["fleet", "up", "--replicas", str(replicas), "--base-port", "0", *key_args, *args], env)
+    try:
+        wait_replicas_ready(gw, replicas, api_key=api_key)
+    except BaseException:
+        gw.stop()
+        raise
     return gw
 
 
-def start_gateway(backends: list[str], *args: str) -> ServerProcess:
+def start_gateway(backends: list[str], *args: str, api_key: str | None = None) -> ServerProcess:
     flags = [f for url in backends for f in ("--backend", url)]
-    gw = _spawn(["gateway", *flags, *args])
-    wait_replicas_ready(gw, len(backends))
+    gw = spawn(["gateway", *flags, *(["--api-key", api_key] if api_key else []), *args])
+    try:
+        wait_replicas_ready(gw, len(backends), api_key=api_key)
+    except BaseException:
+        gw.stop()
+        raise
     return gw
 
 
-def replicas(gw: ServerProcess) -> dict[str, dict]:
-    return {r["name"]: r for r in gw.get("/replicas").json()["replicas"]}
+def replicas(gw: ServerProcess, api_key: str | None = None) -> dict[str, dict]:
+    return {r["name"]: r for r in gw.get("/replicas", headers=auth(api_key)).json()["replicas"]}
 
 
 def metric(url: str, name: str) -> float:

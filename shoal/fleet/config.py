@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
+
 POLICIES = ("kv_aware", "round_robin", "least_load", "power_of_two", "session")
 
 
@@ -17,8 +19,16 @@ class GatewayConfig:
     backends: list[str] = field(default_factory=list)  # replicas that already run
     policy: str = "kv_aware"
     tokenizer: str | None = None  # checkpoint whose tokenizer hashes prompts (kv_aware); default bundled
-    api_key: str | None = None
+    api_key: str | None = None  # clients must send it; /health, /ready and /metrics stay open
+    replica_api_key: str | None = None  # what the gateway sends to replicas; default: api_key
+    kv_salt: str | None = None  # salt of the prompt block hashes; default: $SHOAL_KV_SALT, else from the key
     session_header: str = "x-session-id"
+    # Hostile input: bodies past this size get 413 unread; prompts past this many characters are
+    # routed on a hash of their text instead of tokenized (they cannot fit any context anyway).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    route_tokenize_max_chars: int = 64 * 1024
+    # Clients may lower their priority (a larger number), never raise it above the default 0.
+    trust_client_priority: bool = False
     # Backpressure: requests in flight per replica, then a bounded queue, then 503.
     max_inflight_per_replica: int = 64
     max_queue: int = 256
@@ -27,9 +37,17 @@ class GatewayConfig:
     max_retries: int = 2  # further replicas tried for one request
     retry_budget: float = 0.2  # retries may add at most this fraction of recent requests
     connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 120.0
-    # Health.
-    probe_interval_s: float = 1.0
+    first_byte_timeout_s: float = 120.0  # a stream's first event (queueing and prefill included)
+    stream_idle_timeout_s: float = 30.0  # between events of a stream
+    request_timeout_s: float = 1800.0  # the whole of a non-streamed request
+    # A request present when its replica died is struck; one that kills (or is in) a second, or
+    # alone crashes an engine, is poison: failed once and refused for this long.
+    poison_ttl_s: float = 600.0
+    # Health: a probe that times out is a miss, `probe_misses` in a row mark the replica down; a
+    # refused connection marks it down at once. Relays from a replica marked down fail over at once.
+    probe_interval_s: float = 0.5
+    probe_timeout_s: float = 1.0
+    probe_misses: int = 2
     load_poll_interval_s: float = 0.25
     kv_poll_interval_s: float = 0.1
     eject_after_errors: int = 3  # consecutive failures before the circuit opens
@@ -42,6 +60,10 @@ class GatewayConfig:
     imbalance_limit: int = 16
     block_size: int = 16  # until a replica reports its own
 
+    @property
+    def replica_key(self) -> str | None:
+        return self.replica_api_key if self.replica_api_key is not None else self.api_key
+
 
 @dataclass
 class FleetConfig:
@@ -49,7 +71,9 @@ class FleetConfig:
     model: str | None = None
     base_port: int = 8100  # replicas listen on base_port, base_port + 1, ...
     replica_args: list[str] = field(default_factory=list)  # extra `shoal serve` flags
-    restart_backoff_s: float = 1.0
+    restart_backoff_s: float = 1.0  # doubles with each quick death, up to the cap
+    restart_backoff_max_s: float = 30.0
+    restart_reset_after_s: float = 60.0  # a replica up this long starts from the first backoff again
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 

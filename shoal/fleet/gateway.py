@@ -22,17 +22,36 @@ from shoal.fleet.replica import ReplicaState
 from shoal.models.chat_template import template_message
 from shoal.models.tokenizer import Tokenizer
 from shoal.protocol.auth import bearer_matches
-from shoal.protocol.block_hash import hash_blocks
-from shoal.protocol.errors import error_body
+from shoal.protocol.block_hash import NONE_HASH, hash_blocks, root_hash
+from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
+from shoal.protocol.errors import APIError, install_error_handlers
+from shoal.protocol.secrets import kv_salt
 
 log = logging.getLogger(__name__)
 
-FORWARDED_HEADERS = ("authorization", "x-request-id", "content-type")
 TEXT_BLOCK_BYTES = 64  # without the model's tokenizer, prompts are hashed in blocks of bytes
+# Bodies past this are parsed on a worker thread: a 4 MiB JSON body takes tens of milliseconds.
+PARSE_INLINE_BYTES = 64 * 1024
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def _prompt_chars(path: str, body: dict) -> int:
+    """About how many characters tokenizing the prompt would read (a bound, not an exact count)."""
+    if path.endswith("chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        total = 16 * len(messages)  # the template's own text per message
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, str | list) else 0
 
 
 class Gateway:
@@ -45,6 +64,7 @@ class Gateway:
         self.launcher = launcher  # starts and supervises local replicas, when the fleet owns them
         self.tokenizer: Tokenizer | None = None
         self.proxy: Proxy | None = None
+        self.kv_root = NONE_HASH
         for i, url in enumerate(config.backends):
             self.registry.add(f"backend-{i}", url)
 
@@ -58,7 +78,10 @@ class Gateway:
                 return None
             # Rendered as the replica renders them (developer as system too), so the hashes agree.
             flat = [m if isinstance(m, dict) else {} for m in messages]
-            return tok.encode_chat([template_message(m.get("role", "user"), m.get("content")) for m in flat])
+            return tok.encode_chat(
+                [template_message(m.get("role", "user"), m.get("content")) for m in flat],
+                add_generation_prompt=body.get("add_generation_prompt") is not False,
+            )
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt:
             prompt = prompt[0]  # several prompts: route by the first
@@ -68,18 +91,86 @@ class Gateway:
             return tok.encode(prompt)
         return None
 
-    def route_request(self, path: str, body: dict, headers) -> RouteRequest:
-        session = headers.get(self.config.session_header) or body.get("user")
-        try:
-            ids = self._prompt_ids(path, body)
-        except Exception:  # a prompt the template refuses: the replica will say why
-            ids = None
+    def _route_hashes(self, path: str, body: dict) -> list[int]:
+        """Runs on a worker thread. A prompt too long for any context is not tokenized: the
+        replica refuses it anyway, and tokenizing megabytes would hold a thread for seconds."""
+        limit = self.config.route_tokenize_max_chars
+        ids = None
+        if _prompt_chars(path, body) <= limit:
+            try:
+                ids = self._prompt_ids(path, body)
+            except Exception:  # a prompt the template refuses: the replica will say why
+                ids = None
         if ids is not None:
-            hashes = hash_blocks(ids, self.registry.block_size)
+            return hash_blocks(ids[:limit], self.registry.block_size, root=self.kv_root)
+        prompt = body.get("messages") or body.get("prompt") or ""
+        if isinstance(prompt, str):
+            text = prompt[:limit]
         else:
-            text = json.dumps(body.get("messages") or body.get("prompt") or "", sort_keys=True)
-            hashes = hash_blocks(list(text.encode()), TEXT_BLOCK_BYTES)
+            text = json.dumps(prompt, sort_keys=True, ensure_ascii=False)[:limit]
+        return hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES)
+
+    async def route_request(self, path: str, body: dict, headers) -> RouteRequest:
+        session = headers.get(self.config.session_header) or body.get("user")
+        hashes = await asyncio.to_thread(self._route_hashes, path, body)
         return RouteRequest(hashes, session if isinstance(session, str) else None)
+
+    # --- requests ------------------------------------------------------------------------
+
+    def check_key(self, raw: Request) -> None:
+        key = self.config.api_key
+        if key and not bearer_matches(raw.headers.get("authorization", ""), key):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+    def upstream_headers(self, raw: Request | None = None) -> dict[str, str]:
+        """The replica's key when the gateway has one; else the client's own passes through."""
+        headers = {}
+        if raw is not None:
+            headers = {k: v for k in ("x-request-id", "content-type") if (v := raw.headers.get(k))}
+        key = self.config.replica_key
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        elif raw is not None and (auth := raw.headers.get("authorization")):
+            headers["authorization"] = auth
+        return headers
+
+    def clamp_priority(self, body: dict) -> None:
+        """Lower values run first and 0 is the default: a client may only give itself less."""
+        p = body.get("priority")
+        if not self.config.trust_client_priority and isinstance(p, int) and not isinstance(p, bool):
+            body["priority"] = max(p, 0)
+
+    async def forward(self, raw: Request, path: str) -> Response:
+        try:
+            self.check_key(raw)
+            data = await raw.body()
+            if len(data) > PARSE_INLINE_BYTES:
+                body = await asyncio.to_thread(parse_json_object, data)
+            else:
+                body = parse_json_object(data)
+            self.clamp_priority(body)
+            route = await self.route_request(path, body, raw.headers)
+            fwd = Forward(path, body, self.upstream_headers(raw), route, time.monotonic(), len(data))
+            resp = await self.proxy.handle(fwd)
+        except APIError as exc:
+            resp = exc.response()
+        self.metrics.responses.labels(str(resp.status_code)).inc()
+        return resp
+
+    async def list_models(self) -> dict[str, Any]:
+        ready = [r for r in self.registry.replicas.values() if r.state == ReplicaState.READY]
+        headers = self.upstream_headers()
+        answers = await asyncio.gather(
+            *(self.proxy.client.get(r.url + "/v1/models", headers=headers, timeout=5) for r in ready),
+            return_exceptions=True,
+        )
+        cards: dict[str, Any] = {}
+        for a in answers:
+            if not isinstance(a, BaseException) and a.status_code == 200:
+                with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
+                    for card in a.json().get("data", []):
+                        cards.setdefault(card["id"], card)
+        return {"object": "list", "data": list(cards.values())}
 
     # --- app -----------------------------------------------------------------------------
 
@@ -93,52 +184,29 @@ class Gateway:
                 await self.stop()
 
         app = FastAPI(title="shoal gateway", lifespan=lifespan)
-
-        async def forward(raw: Request, path: str):
-            key = self.config.api_key
-            if key and not bearer_matches(raw.headers.get("authorization", ""), key):
-                return _error(401, "invalid or missing API key", code="invalid_api_key")
-            try:
-                body = json.loads(await raw.body())
-            except ValueError:
-                return _error(400, "the request body is not valid JSON")
-            if not isinstance(body, dict):
-                return _error(400, "the request body must be a JSON object")
-            headers = {k: v for k in FORWARDED_HEADERS if (v := raw.headers.get(k))}
-            fwd = Forward(path, body, headers, self.route_request(path, body, raw.headers), time.monotonic())
-            resp = await self.proxy.handle(fwd)
-            self.metrics.responses.labels(str(resp.status_code)).inc()
-            return resp
+        install_error_handlers(app)
+        app.add_middleware(BodyLimitMiddleware, max_bytes=self.config.max_body_bytes)
 
         @app.post("/v1/completions")
         async def completions(raw: Request):
-            return await forward(raw, "/v1/completions")
+            return await self.forward(raw, "/v1/completions")
 
         @app.post("/v1/chat/completions")
         async def chat(raw: Request):
-            return await forward(raw, "/v1/chat/completions")
+            return await self.forward(raw, "/v1/chat/completions")
 
         @app.post("/tokenize")
         async def tokenize(raw: Request):
-            return await forward(raw, "/tokenize")
+            return await self.forward(raw, "/tokenize")
 
         @app.post("/detokenize")
         async def detokenize(raw: Request):
-            return await forward(raw, "/detokenize")
+            return await self.forward(raw, "/detokenize")
 
         @app.get("/v1/models")
-        async def models():
-            ready = [r for r in self.registry.replicas.values() if r.state == ReplicaState.READY]
-            answers = await asyncio.gather(
-                *(self.proxy.client.get(r.url + "/v1/models", timeout=5) for r in ready),
-                return_exceptions=True,
-            )
-            cards: dict[str, Any] = {}
-            for a in answers:
-                if not isinstance(a, Exception) and a.status_code == 200:
-                    for card in a.json().get("data", []):
-                        cards.setdefault(card["id"], card)
-            return {"object": "list", "data": list(cards.values())}
+        async def models(raw: Request):
+            self.check_key(raw)
+            return await self.list_models()
 
         @app.get("/health")
         async def health():
@@ -154,7 +222,8 @@ class Gateway:
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
         @app.get("/replicas")
-        async def replicas():
+        async def replicas(raw: Request):
+            self.check_key(raw)  # it shows replica URLs and process ids
             return {
                 "policy": self.policy.name,
                 "replicas": [r.snapshot() for r in self.registry.replicas.values()],
@@ -163,6 +232,7 @@ class Gateway:
         return app
 
     async def start(self) -> None:
+        self.kv_root = root_hash(kv_salt(self.config.kv_salt, self.config.replica_key))
         self.proxy = Proxy(self.config, self.registry, self.metrics)
         if self.launcher is not None:
             await self.launcher.start(self.registry)

