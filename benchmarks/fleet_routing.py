@@ -95,7 +95,11 @@ def main() -> None:
         procs.append(p)
         wait_ready(rr_url, 3)
         for u in urls:  # first requests pay one-off costs
-            httpx.post(u + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=120)
+            httpx.post(
+                u + "/v1/completions",
+                json={"model": "SmolLM2-135M-Instruct", "prompt": "warm up", "max_tokens": 4},
+                timeout=120,
+            )
 
         if "a" in parts:
             multi_turn(fleet_url, rr_url, urls)

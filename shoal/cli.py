@@ -160,10 +160,13 @@ def cmd_serve(args) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         front=front,
+        trust_request_priority=args.trust_request_priority,
+        kv_salt=args.kv_salt,
     )
+    if args.max_request_bytes:
+        server.max_request_bytes = args.max_request_bytes
     options = {"enable_kv_events": True, **engine_options(args)}  # a fleet router may subscribe
-    serve(build_engine_config(model, **options), server)
-    return 0
+    return serve(build_engine_config(model, **options), server)
 
 
 def _gateway_config(args):
@@ -310,6 +313,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=256, help="past this queue, answer 503")
     p.add_argument("--max-waiting-tokens", type=int, default=262_144, help="prompt tokens queued before 503")
     p.add_argument("--stall-timeout", type=float, default=60.0, help="a step longer than this is unhealthy")
+    p.add_argument(
+        "--max-request-bytes", type=parse_size, default=None, help="larger bodies get 413 (default 4MiB)"
+    )
+    p.add_argument(
+        "--trust-request-priority",
+        action="store_true",
+        help="take a request's `priority` as given (else a client can only lower its own priority)",
+    )
+    p.add_argument(
+        "--kv-salt",
+        default=None,
+        help="secret salt of the KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
+    )
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)

@@ -24,6 +24,8 @@ from tests.server_helpers import free_port
 REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
 LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in range(14))
 
+MODEL = "SmolLM2-135M-Instruct"
+
 
 @pytest.fixture(scope="module")
 def fleet():
@@ -47,7 +49,7 @@ def gateways(urls):
 
 
 def post(gw, body, path="/v1/completions", **kw):
-    r = httpx.post(gw.url + path, json=body, timeout=120, **kw)
+    r = httpx.post(gw.url + path, json={"model": MODEL, **body}, timeout=120, **kw)
     assert r.status_code == 200, r.text
     return r
 
@@ -61,7 +63,7 @@ def test_openai_api_passes_through(fleet, urls):
     )
     direct = httpx.post(
         next(iter(urls.values())) + "/v1/chat/completions",
-        json={"messages": msgs, "max_tokens": 8, "temperature": 0},
+        json={"model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 0},
         timeout=60,
     ).json()
     assert via.choices[0].message.content == direct["choices"][0]["message"]["content"]
@@ -133,7 +135,12 @@ def test_kv_aware_falls_back_to_least_load_when_load_is_uneven(urls, tmp_path):
                     asyncio.create_task(
                         c.post(
                             home_url + "/v1/completions",
-                            json={"prompt": f"filler {i}", "max_tokens": 64, "ignore_eos": True},
+                            json={
+                                "model": MODEL,
+                                "prompt": f"filler {i}",
+                                "max_tokens": 64,
+                                "ignore_eos": True,
+                            },
                         )
                     )
                     for i in range(6)
@@ -141,7 +148,8 @@ def test_kv_aware_falls_back_to_least_load_when_load_is_uneven(urls, tmp_path):
                 while replicas(gw)[home]["load"].get("running", 0) < 5:
                     await asyncio.sleep(0.05)
                 r = await c.post(
-                    gw.url + "/v1/completions", json={"prompt": prompt + " second", "max_tokens": 1}
+                    gw.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": prompt + " second", "max_tokens": 1},
                 )
                 await asyncio.gather(*busy)
                 return r
@@ -166,7 +174,7 @@ def test_gateway_backpressure_gives_503_with_retry_after(urls, tmp_path):
 
         async def burst():
             async with httpx.AsyncClient(timeout=120) as c:
-                body = {"prompt": "Count:", "max_tokens": 24, "ignore_eos": True}
+                body = {"model": MODEL, "prompt": "Count:", "max_tokens": 24, "ignore_eos": True}
                 return await asyncio.gather(
                     *(c.post(gw.url + "/v1/completions", json=body) for _ in range(6))
                 )
@@ -215,7 +223,7 @@ def test_a_replica_answering_500_is_ejected_by_passive_checks(urls):
 
 def test_kill_9_mid_stream_loses_nothing(fleet, gateways):
     prompts = [f"Tell me about planet number {i}." for i in range(6)]
-    body = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     expected = {p: post(fleet, {**body, "prompt": p}).json()["choices"][0]["text"] for p in prompts}
     before = replicas(fleet)
 

@@ -13,15 +13,19 @@ EOS = 3
 
 
 def state(seed=0, prompt=(1, 2), outputs=(), **params):
-    return SamplingState(
-        SamplingParams(**params), torch.Generator().manual_seed(seed), list(prompt), list(outputs)
-    )
+    return SamplingState(SamplingParams(**params), seed, list(prompt), list(outputs))
 
 
 def draws(logits, n=300, **params):
+    """Tokens drawn at n successive positions (each position has its own draw)."""
     sampler = Sampler(frozenset({EOS}), VOCAB)
     s = state(**params)
-    return {sampler(logits.unsqueeze(0), [s])[0] for _ in range(n)}
+    found = set()
+    for _ in range(n):
+        token = sampler(logits.unsqueeze(0), [s])[0]
+        s.output_token_ids.append(token)
+        found.add(token)
+    return found
 
 
 LOGITS = torch.linspace(0, 4, VOCAB)  # token 49 is the most likely, then 48, ...
@@ -54,11 +58,31 @@ def test_same_seed_same_tokens_different_seed_differs():
     sampler = Sampler(frozenset({EOS}), VOCAB)
     a, b, c = state(seed=5), state(seed=5), state(seed=6)
     flat = torch.zeros(1, VOCAB)
-    seq_a = [sampler(flat, [a])[0] for _ in range(20)]
-    seq_b = [sampler(flat.repeat(2, 1), [b, state(seed=99)])[0] for _ in range(20)]  # batched with another
-    seq_c = [sampler(flat, [c])[0] for _ in range(20)]
-    assert seq_a == seq_b
-    assert seq_a != seq_c
+
+    def run(s, batch_with=None):
+        seq = []
+        for _ in range(20):
+            states = [s] if batch_with is None else [s, batch_with]
+            token = sampler(flat.repeat(len(states), 1), states)[0]
+            s.output_token_ids.append(token)
+            seq.append(token)
+        return seq
+
+    seq_a = run(a)
+    assert run(b, batch_with=state(seed=99)) == seq_a  # batched with another
+    assert run(c) != seq_a
+    assert len(set(seq_a)) > 5  # each position draws anew
+
+
+def test_a_draw_depends_on_seed_and_position_only():
+    """A stream resumed elsewhere, or a step retried, draws what the original would have."""
+    sampler = Sampler(frozenset({EOS}), VOCAB)
+    flat = torch.zeros(1, VOCAB)
+    fresh = state(seed=7, outputs=[1, 2, 3], temperature=1.0)
+    again = state(seed=7, outputs=[1, 2, 3], temperature=1.0)
+    first = sampler(flat, [fresh])[0]
+    assert sampler(flat, [fresh])[0] == first  # nothing appended: the same position draws the same
+    assert sampler(flat, [again])[0] == first
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
@@ -106,9 +130,14 @@ def test_logprobs_are_raw_model_logprobs_with_rank():
     "kwargs, param",
     [
         (dict(temperature=-1), "temperature"),
-        (dict(top_p=0), "top_p"),
+        (dict(top_p=-0.1), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
         (dict(n=0), "n"),
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(stop_token_ids=list(range(5000))), "stop_token_ids"),
+        (dict(stop=["x" * 5000]), "stop"),
+        (dict(logit_bias={3: 101.0}), "logit_bias"),
         (dict(logprobs=21), "logprobs"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
         (dict(presence_penalty=3), "presence_penalty"),
@@ -118,3 +147,19 @@ def test_bad_params_name_the_field(kwargs, param):
     with pytest.raises(InvalidParamError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+def test_extreme_values_sample_sanely():
+    """Values at the edge of their range give the answer they mean, not NaN garbage."""
+    logits = torch.linspace(0, 4, VOCAB)
+    assert draws(logits, n=20, temperature=1e-300) == {49}  # as good as greedy
+    assert draws(logits, n=20, top_p=1e-300) == {49}  # the nucleus keeps its first token
+    assert draws(logits, n=20, top_p=0.0) == {49}
+    assert draws(logits, n=20, top_k=10**20) != {49}  # a k past the vocabulary is no limit
+
+
+def test_logit_bias_and_allowed_tokens_steer_the_draw():
+    logits = torch.linspace(0, 4, VOCAB)
+    assert draws(logits, n=10, temperature=0, logit_bias={5: 100.0}) == {5}
+    assert draws(logits, n=10, temperature=0, logit_bias={49: -100.0}) == {48}
+    assert draws(logits, n=200, allowed_token_ids=[1, 2]) == {1, 2}

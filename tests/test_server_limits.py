@@ -32,7 +32,9 @@ def guarded():
 
 
 def test_api_key_is_required_on_the_api_but_not_on_probes(guarded):
-    bare = guarded.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})  # no Authorization header
+    bare = guarded.post(
+        "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 2}
+    )  # no Authorization header
     assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
     c = openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
@@ -47,7 +49,12 @@ def test_past_the_waiting_bound_requests_get_503_with_retry_after(guarded):
     async def run():
         headers = {"Authorization": f"Bearer {KEY}"}
         async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=120) as c:
-            body = {"prompt": "Count to a hundred:", "max_tokens": 48, "ignore_eos": True}
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": "Count to a hundred:",
+                "max_tokens": 48,
+                "ignore_eos": True,
+            }
             return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(12)))
 
     results = asyncio.run(run())
@@ -105,7 +112,10 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
         async def run():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
                 pending = asyncio.create_task(
-                    c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+                    c.post(
+                        "/v1/completions",
+                        json={"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 4},
+                    )
                 )
                 await asyncio.sleep(1.5)  # past the 1 s stall timeout
                 stalled = await c.get("/health")
@@ -117,7 +127,10 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
                     failed,
                     await c.get("/health"),
                     await c.get("/ready"),
-                    await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}),
+                    await c.post(
+                        "/v1/completions",
+                        json={"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 4},
+                    ),
                 )
 
         stalled, failed, dead, ready, after = asyncio.run(run())

@@ -49,7 +49,9 @@ def test_probes_models_and_request_id(server, model):
     models = server.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == model == "SmolLM2-135M-Instruct"
     r = server.post(
-        "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers={"x-request-id": "trace-42"}
+        "/v1/completions",
+        json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2},
+        headers={"x-request-id": "trace-42"},
     )
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
     load = server.get("/load").json()
@@ -119,7 +121,12 @@ def test_chat_stream_and_usage_match_the_tokenizer(client, model, bundled):
             if ch.finish_reason:
                 finishes.append(ch.finish_reason)
     assert text == full.choices[0].message.content
-    assert finishes == ["length"] and usage == full.usage
+    assert finishes == ["length"]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, 12)
+    # The second asking found the first one's full prompt blocks in the prefix cache.
+    assert full.choices[0].message.refusal is None
+    block = 16
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // block * block
 
 
 def test_n3_sampled_choices_and_usage(client, model):

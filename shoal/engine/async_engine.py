@@ -53,6 +53,7 @@ class _Add:
     priority: int
     tokens: int
     stream: RequestStream
+    options: dict
 
 
 @dataclass
@@ -154,8 +155,10 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
+        **options,
     ) -> RequestStream:
         """Admits a request and returns its output stream once the engine has accepted it.
+        `options` go to LLMEngine.add_request (a resumed request's prior output).
 
         Raises the engine's RequestRejectedError for a bad request, EngineOverloadedError when the
         waiting queue is full, EngineDeadError when the loop has stopped.
@@ -166,7 +169,7 @@ class AsyncEngine:
         tokens = len(prompt) if isinstance(prompt, list) else len(prompt) // 3 + 1
         self._admit(tokens)
         stream = RequestStream(self, request_id, asyncio.get_running_loop().create_future())
-        self._commands.put(_Add(request_id, prompt, params, priority, tokens, stream))
+        self._commands.put(_Add(request_id, prompt, params, priority, tokens, stream, options))
         try:
             await stream.accepted
         except BaseException:
@@ -256,7 +259,9 @@ class AsyncEngine:
             self._pending_requests -= 1
             self._pending_tokens -= cmd.tokens
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority, **cmd.options
+            )
         except Exception as exc:  # a rejected request: tell its caller, keep serving
             accepted.append((cmd.stream.accepted, exc))
             return

@@ -15,6 +15,8 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False
+    # Secret root of the block-hash chains (see shoal.protocol.block_hash.root_hash).
+    hash_salt: bytes = b""
 
 
 @dataclass

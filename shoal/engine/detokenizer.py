@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.matchers = [PrefixMatcher(s) for s in stop]
         self.window = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.window)
@@ -55,6 +56,8 @@ class IncrementalDetokenizer:
             self.prefix_offset = 0
         search_from = max(0, len(self.text) - self.hold)
         self.text += new
+        for m in self.matchers:
+            m.feed(new)
         for s in self.stop:
             idx = self.text.find(s, search_from)
             if idx >= 0:
@@ -64,8 +67,43 @@ class IncrementalDetokenizer:
         return None
 
     def take_delta(self, finished: bool) -> str:
-        """Text not yet emitted; while running, the tail that might start a stop string waits."""
-        end = len(self.text) if finished or self.stopped_by else max(self.emitted, len(self.text) - self.hold)
+        """Text not yet emitted; while running, a tail that is the start of a stop string waits
+        (only such a tail: a long stop string must not hold back text that cannot begin it)."""
+        end = len(self.text)
+        if not (finished or self.stopped_by):
+            end = max(self.emitted, end - self._partial_stop())
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+    def _partial_stop(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        return max((m.state for m in self.matchers), default=0)
+
+
+class PrefixMatcher:
+    """Tracks, as text streams in, the longest tail of it that is a proper prefix of `pattern`
+    (a Knuth-Morris-Pratt automaton): amortised O(1) per character, whatever the pattern's length."""
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self.fail = [0] * len(pattern)
+        k = 0
+        for i in range(1, len(pattern)):
+            while k and pattern[i] != pattern[k]:
+                k = self.fail[k - 1]
+            if pattern[i] == pattern[k]:
+                k += 1
+            self.fail[i] = k
+        self.state = 0
+
+    def feed(self, text: str) -> None:
+        p, fail, k = self.pattern, self.fail, self.state
+        for ch in text:
+            while k and p[k] != ch:
+                k = fail[k - 1]
+            if p[k] == ch:
+                k += 1
+            if k == len(p):  # a whole match is the caller's to find; keep only a proper prefix
+                k = fail[k - 1]
+        self.state = k

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shoal.engine.block_pool import BlockPool, KVBlock
 from shoal.engine.request import Request
-from shoal.protocol.block_hash import hash_blocks
+from shoal.protocol.block_hash import NONE_HASH, hash_blocks
 
 
 def cdiv(a: int, b: int) -> int:
@@ -12,9 +12,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, root_hash: int = NONE_HASH):
         self.pool = pool
         self.block_size = block_size
+        self.root_hash = root_hash
         self.tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request have been offered to the prefix cache.
         self.num_committed: dict[str, int] = {}
@@ -28,7 +29,9 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
-        return hash_blocks(req.token_ids[:num_tokens], self.block_size, req.extra_keys, req.block_hashes)
+        return hash_blocks(
+            req.token_ids[:num_tokens], self.block_size, req.extra_keys, req.block_hashes, self.root_hash
+        )
 
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of the request (never its last token)."""

@@ -11,18 +11,26 @@ import torch
 from shoal.engine.block_pool import BlockPool, KVEvent
 from shoal.engine.config import EngineConfig
 from shoal.engine.executor import UniprocExecutor
+from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.model_runner import ModelRunner, kv_bytes_per_block
+from shoal.engine.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.request import Request
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
-from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler import Scheduler, SchedulerOutput
 from shoal.models.loader import LoadedModel, load_model
+from shoal.protocol.block_hash import root_hash
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Steps in a row in which every request failed: the fault is the engine's, not a request's.
+MAX_FAILED_STEPS = 3
+
+
+class EngineBrokenError(RuntimeError):
+    """Every request of several steps in a row failed: the process should be restarted."""
 
 
 class RequestRejectedError(InvalidParamError):
@@ -70,13 +78,17 @@ class LLMEngine:
         if self.max_model_len < model_len:
             log.warning("max_model_len lowered to %d: the KV pool holds no more", self.max_model_len)
         pool = BlockPool(num_blocks, cache.enable_prefix_caching, cache.enable_kv_events)
-        self.kv = KVCacheManager(pool, cache.block_size)
+        self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt))
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos)
         runner = ModelRunner(loaded.model, num_blocks, cache.block_size, eos, config.device)
         self.executor = UniprocExecutor(runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
+        self.faults = FaultConfig.from_env()
+        self._marked: dict[str, str] = {}  # request id -> the fault its prompt triggers
+        self._failed_steps = 0
+        self.num_failed_requests = 0
         self.num_steps = 0
         self.last_kv_occupancy = (0, 0)
 
@@ -94,20 +106,22 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        prior_output_ids: list[int] | None = None,
+        prior_text_sent: int | None = None,
     ) -> Request:
+        """`prior_output_ids` resumes a request: tokens it already produced (on another replica)
+        after `prompt`. They count as output for limits, penalties, stop strings and the seeded
+        draw of each position, so the rest comes out as it would have; only new tokens stream,
+        with any text of the prior tokens past `prior_text_sent` characters first."""
         params = params or SamplingParams()
+        prior = list(prior_output_ids or [])
         if request_id in self.scheduler.groups or request_id in self.output_processor.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-            vocab = self.loaded.config.vocab_size
-            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestRejectedError(
-                    f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
-                )
+        self._check_token_ids(ids, prior, params)
         if not ids:
             raise RequestRejectedError("the prompt is empty", "prompt")
         limit = self.max_model_len
@@ -118,7 +132,19 @@ class LLMEngine:
                 "prompt",
                 "context_length_exceeded",
             )
+        if len(ids) + len(prior) >= limit:
+            raise RequestRejectedError(
+                f"the prompt and prior output have {len(ids) + len(prior)} tokens; this model's maximum "
+                f"context length is {limit} tokens",
+                "prompt",
+                "context_length_exceeded",
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if params.min_tokens > max_tokens:
+            raise RequestRejectedError(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this request may generate",
+                "min_tokens",
+            )
         if len(ids) + max_tokens > limit:
             raise RequestRejectedError(
                 f"this model's maximum context length is {limit} tokens; you requested "
@@ -129,18 +155,44 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(
             request_id,
-            ids,
+            ids + prior,
             params,
             max_tokens=max_tokens,
             seed=seed,
             priority=priority,
             arrival_time=arrival_time,
+            num_prompt_tokens=len(ids),
         )
+        if self.faults.active:
+            self._mark_faults(request_id, ids)
         self.scheduler.add_request(req)
-        self.output_processor.add(req, text)
+        self.output_processor.add(req, text, prior_text_sent)
         return req
 
+    def _check_token_ids(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
+        vocab = self.loaded.config.vocab_size
+        named = {
+            "prompt": ids,
+            "prior_output_ids": prior,
+            "stop_token_ids": params.stop_token_ids,
+            "logit_bias": params.logit_bias,
+            "allowed_token_ids": params.allowed_token_ids or (),
+        }
+        for name, tokens in named.items():
+            bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestRejectedError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", name)
+
+    def _mark_faults(self, request_id: str, ids: list[int]) -> None:
+        """Test hook (see shoal.engine.faults): crash now, or fail this request's steps."""
+        text = self.tokenizer.decode(ids)
+        if self.faults.crash_on and self.faults.crash_on in text:
+            self._marked[request_id] = "crash"
+        elif self.faults.step_error_on and self.faults.step_error_on in text:
+            self._marked[request_id] = "step_error"
+
     def abort_request(self, request_id: str) -> bool:
+        self._marked.pop(request_id, None)
         aborted = self.scheduler.abort(request_id)
         self.output_processor.drop(request_id)
         return bool(aborted)
@@ -152,14 +204,67 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
-        result = self.executor.execute_model(so)
+        result, failures = self._execute(so)
         if so.empty:
             return []
         self.num_steps += 1
         self.last_kv_occupancy = self._occupancy(so)
+        for rid in failures:
+            self._marked.pop(rid, None)
+        failed = [r for rid, err in failures.items() if (r := self.scheduler.fail(rid, err)) is not None]
+        for req in failed:
+            self.scheduler.abort(req.group_id)  # its sibling choices end with it
+        self.num_failed_requests += len(failed)
         changed = self.scheduler.update_from_output(so, result.sampled)
         self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
-        return self.output_processor.process(changed, result.logprobs, self.scheduler.finish_by_stop_string)
+        return self.output_processor.process(
+            changed + failed, result.logprobs, self.scheduler.finish_by_stop_string
+        )
+
+    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        faults = {self._marked.get(c.request_id) for c in so.chunks} if self._marked else ()
+        if "crash" in faults:
+            raise InjectedCrash("injected crash")
+        if "step_error" in faults:
+            raise InjectedStepError("injected step error")
+        return self.executor.execute_model(so)
+
+    def _execute(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        """Runs the step. When it raises, runs each request's part alone, so that the requests
+        whose part fails are failed and every other one goes on as if nothing happened (a part
+        is safe to run again: K/V slots are rewritten with the same values, and a draw depends
+        on the seed and position only)."""
+        try:
+            result = self._run(so)
+            self._failed_steps = 0
+            return result, {}
+        except Exception as exc:
+            if not so.chunks:
+                raise
+            log.exception("a step of %d requests failed", len(so.chunks))
+            first_error = f"{type(exc).__name__}: {exc}"
+        merged, failures = ModelRunnerOutput(), {}
+        if len(so.chunks) == 1:
+            failures[so.chunks[0].request_id] = first_error
+        for c in so.chunks if len(so.chunks) > 1 else ():
+            part = SchedulerOutput(
+                chunks=[c],
+                new_requests=[n for n in so.new_requests if n.request_id == c.request_id],
+                finished_ids=list(so.finished_ids),
+            )
+            try:
+                r = self._run(part)
+            except Exception as exc:
+                log.warning("request %s failed in its step: %r", c.request_id, exc)
+                failures[c.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            merged.sampled.update(r.sampled)
+            merged.logprobs.update(r.logprobs)
+            merged.prompt_logprobs.update(r.prompt_logprobs)
+        self._failed_steps = self._failed_steps + 1 if len(failures) == len(so.chunks) else 0
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineBrokenError(f"every request failed in {self._failed_steps} steps in a row")
+        return merged, failures
 
     def _occupancy(self, so) -> tuple[int, int]:
         """(slots holding K/V, slots allocated) right after the forward, before anything is freed."""

@@ -90,8 +90,10 @@ class ModelRunner:
         for rid in so.finished_ids:
             self.states.pop(rid, None)
         for new in so.new_requests:
-            gen = torch.Generator(device="cpu").manual_seed(new.seed)
-            self.states[new.request_id] = SamplingState(new.params, gen, new.prompt_token_ids)
+            if new.request_id not in self.states:  # a step retried after a failure sees it again
+                self.states[new.request_id] = SamplingState(
+                    new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids)
+                )
         if not so.chunks:
             return ModelRunnerOutput()
 

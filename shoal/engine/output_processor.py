@@ -20,6 +20,8 @@ class _Group:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [0] is always None: nothing predicts it
     metrics: dict[str, float] = field(default_factory=dict)
+    num_seen: list[int] = field(default_factory=list)  # output tokens of each choice already processed
+    error: str | None = None
 
 
 class OutputProcessor:
@@ -27,9 +29,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.groups: dict[str, _Group] = {}
 
-    def add(self, req: Request, prompt: str | None) -> None:
+    def add(self, req: Request, prompt: str | None, prior_text_sent: int | None = None) -> None:
+        """A resumed request's prior output is decoded, not emitted, except for the text past
+        `prior_text_sent` characters that its client has not received yet."""
         p = req.params
-        self.groups[req.group_id] = _Group(
+        group = self.groups[req.group_id] = _Group(
             req.group_id,
             prompt,
             req.prompt_token_ids,
@@ -45,7 +49,15 @@ class OutputProcessor:
                 for _ in range(p.n)
             ],
             prompt_logprobs=[None] * len(req.prompt_token_ids) if p.prompt_logprobs is not None else None,
+            num_seen=[req.num_output_tokens] * p.n,
         )
+        prior = req.output_token_ids
+        if prior:
+            detok = group.detokenizers[0]
+            for token in prior:
+                detok.add_token(token)
+            detok.emitted = min(prior_text_sent or 0, len(detok.text))
+            group.outputs[0].token_ids = prior
 
     def add_prompt_logprobs(self, found: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
         for rid, (start, lps) in found.items():
@@ -78,16 +90,20 @@ class OutputProcessor:
                 }
             comp = group.outputs[req.index]
             detok = group.detokenizers[req.index]
-            token = req.token_ids[-1]
+            new_tokens = req.output_token_ids[group.num_seen[req.index] :]
+            group.num_seen[req.index] += len(new_tokens)
             comp.token_ids = req.output_token_ids
-            comp.delta_token_ids = [token]
-            lp = logprobs.get(req.request_id)
+            comp.delta_token_ids = new_tokens
+            lp = logprobs.get(req.request_id) if new_tokens else None
             comp.delta_logprobs = [lp] if lp is not None else []
             if comp.logprobs is not None and lp is not None:
                 comp.logprobs.append(lp)
-            stop = detok.add_token(token)
-            if stop is not None and not req.is_finished:
-                on_stop_string(req, stop)
+            for token in new_tokens:
+                stop = detok.add_token(token)
+                if stop is not None and not req.is_finished:
+                    on_stop_string(req, stop)
+            if req.error is not None:
+                group.error = req.error
             if req.is_finished:
                 comp.finish_reason = req.status.value
                 comp.stop_reason = req.stop_reason
@@ -95,7 +111,8 @@ class OutputProcessor:
             comp.text = detok.text[: detok.emitted]
         results = []
         for gid, group in touched.items():
-            finished = all(o.finished for o in group.outputs)
+            # One failed choice fails the request: its siblings are dropped, not waited for.
+            finished = group.error is not None or all(o.finished for o in group.outputs)
             results.append(
                 RequestOutput(
                     gid,
@@ -106,6 +123,7 @@ class OutputProcessor:
                     num_cached_tokens=group.num_cached_tokens,
                     prompt_logprobs=group.prompt_logprobs,
                     metrics=dict(group.metrics),
+                    error=group.error,
                 )
             )
             if finished:

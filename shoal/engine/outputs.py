@@ -19,7 +19,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     # What this step added (for streaming).
     delta_text: str = ""
@@ -41,3 +41,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # a step failed for this request (it finished with it)

@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step failed for this request; the engine went on without it
 
     @property
     def finished(self) -> bool:
@@ -22,6 +23,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -41,7 +43,10 @@ class Request:
         extra_keys: tuple = (),
         group_id: str | None = None,
         index: int = 0,
+        num_prompt_tokens: int | None = None,
     ):
+        """`num_prompt_tokens` below len(prompt_token_ids) resumes a request: the ids past it are
+        output the request already produced (elsewhere), and count as such."""
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
@@ -52,7 +57,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.extra_keys = extra_keys
         self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.error: str | None = None
         self.num_computed_tokens = 0
         self.block_hashes: list[int] = []
         self.status = RequestStatus.WAITING

@@ -1,7 +1,8 @@
 """Turns logits into tokens, row by row with each request's own options and RNG.
 
-Every request carries its own torch.Generator, so a seeded request draws the same tokens whatever
-else shares the batch.
+A request's draw for the token at position p comes from a generator seeded with (its seed, p), so
+a seeded request draws the same tokens whatever else shares the batch, after a preemption, after
+a failed step is retried, and when another replica resumes it from its streamed tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampling_params import SamplingParams
+from shoal.protocol.seeds import derive_seed
 
 
 @dataclass
@@ -19,9 +21,14 @@ class SamplingState:
     """Runner-side state of one request."""
 
     params: SamplingParams
-    generator: torch.Generator
+    seed: int
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+    def generator_for_next(self) -> torch.Generator:
+        position = len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.generator.manual_seed(derive_seed(self.seed, position))
 
 
 class Sampler:
@@ -31,11 +38,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         logits = logits.float()
-        if all(s.params.greedy and not s.params.has_penalties and s.params.min_tokens == 0 for s in states):
+        if all(s.params.greedy and not s.params.shapes_logits and s.params.min_tokens == 0 for s in states):
             return logits.argmax(dim=-1).tolist()
         logits = logits.clone()
         self._mask_early_stop(logits, states)
         self._apply_penalties(logits, states)
+        self._apply_bias(logits, states)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
@@ -43,7 +51,7 @@ class Sampler:
             probs = self._filtered_probs(logits[rows], [states[i].params for i in random_rows])
             for j, i in enumerate(random_rows):
                 # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
-                noise = torch.empty_like(probs[j]).exponential_(generator=states[i].generator)
+                noise = torch.empty_like(probs[j]).exponential_(generator=states[i].generator_for_next())
                 tokens[i] = (probs[j] / noise).argmax()
         return tokens.tolist()
 
@@ -70,6 +78,20 @@ class Sampler:
                 banned = [t for t in banned if t < logits.shape[1]]
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        vocab = logits.shape[1]
+        for i, s in enumerate(states):
+            p = s.params
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+                logits[i, ids] += torch.tensor([b for t, b in p.logit_bias.items() if t < vocab])
+            if p.allowed_token_ids is not None:
+                keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)
+                masked = torch.full((vocab,), float("-inf"))
+                masked[keep] = logits[i, keep]
+                logits[i] = masked
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         vocab = logits.shape[1]
@@ -99,15 +121,15 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(tp < 1 for tp in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[1]
-            ks = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+            ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k]).unsqueeze(1)
             positions = torch.arange(vocab).unsqueeze(0)
             sorted_logits = sorted_logits.masked_fill(positions >= ks, float("-inf"))
             probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(
-                before >= torch.tensor(top_p).unsqueeze(1), float("-inf")
-            )
+            cut = before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+            cut[:, 0] = False  # a top_p that rounds to 0 in float32 must still leave one token
+            sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Below this temperature sampling is greedy: dividing logits by it would overflow to inf and NaN.
+MIN_TEMPERATURE = 1e-5
+# Bounds on per-request lists: each is consulted every step, for every row.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 2048
 
 
 class InvalidParamError(ValueError):
@@ -26,7 +34,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: score the prompt only (with prompt_logprobs), generate nothing
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -37,21 +45,39 @@ class SamplingParams:
     # prefix cache, since cached tokens are never run through the model.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # when set, only these tokens can be sampled
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        floats = (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        )
+        for name in floats:
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidParamError(f"{name} must be a finite number", name)
         checks = [
             (self.n >= 1, "n", "n must be at least 1"),
             (self.temperature >= 0, "temperature", "temperature must be non-negative"),
-            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (0 <= self.top_p <= 1, "top_p", "top_p must be in [0, 1]"),
             (self.top_k >= -1, "top_k", "top_k must be -1, 0 (disabled) or positive"),
             (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be positive"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+            (
+                self.max_tokens is None or self.max_tokens >= 0,
+                "max_tokens",
+                "max_tokens must be non-negative",
+            ),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -69,6 +95,33 @@ class SamplingParams:
                 f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
             ),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be non-negative"),
+            (
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids",
+            ),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings"),
+            (
+                all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+                "stop",
+                f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters",
+            ),
+            (
+                len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"at most {MAX_LOGIT_BIAS} logit_bias entries",
+            ),
+            (
+                all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "logit_bias",
+                "logit_bias maps token ids to biases in [-100, 100]",
+            ),
+            (
+                self.allowed_token_ids is None
+                or (len(self.allowed_token_ids) > 0 and min(self.allowed_token_ids) >= 0),
+                "allowed_token_ids",
+                "allowed_token_ids must be a non-empty list of token ids",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -76,8 +129,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1 or self.top_p == 0
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything but the model decides the logits the sampler sees."""
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the request names, for a check against the vocabulary."""
+        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]

@@ -16,6 +16,7 @@ from shoal.engine.config import SchedulerConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.sampling_params import SamplingParams
+from shoal.protocol.seeds import derive_seed
 
 
 @dataclass
@@ -26,6 +27,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    output_token_ids: list[int] = field(default_factory=list)  # produced before (a resumed request)
 
 
 @dataclass
@@ -81,6 +83,16 @@ class Scheduler:
         self.groups.setdefault(req.group_id, []).append(req)
         self._unseen.add(req.request_id)
         self._enqueue(req)
+
+    def fail(self, request_id: str, error: str) -> Request | None:
+        """Finishes one request whose step failed; the rest of its batch goes on."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        req.error = error
+        req.pending_children = 0  # its n-1 siblings were never forked: the choice set fails whole
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        return req
 
     def abort(self, group_id: str) -> list[Request]:
         aborted = [r for r in self.groups.get(group_id, ()) if not r.is_finished]
@@ -182,7 +194,9 @@ class Scheduler:
             req = self.requests[rid]
             if rid in self._unseen:
                 self._unseen.discard(rid)
-                out.new_requests.append(NewRequestData(rid, req.prompt_token_ids, req.params, req.seed))
+                out.new_requests.append(
+                    NewRequestData(rid, req.prompt_token_ids, req.params, req.seed, req.output_token_ids)
+                )
             start = req.num_computed_tokens
             out.chunks.append(
                 ScheduledChunk(
@@ -202,10 +216,14 @@ class Scheduler:
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted (or failed) while the step ran
             req.num_computed_tokens += len(chunk.token_ids)
             self.kv.commit(req)
             if not chunk.sample:
+                continue
+            if req.max_tokens == 0:  # prompt scoring: the prefill was the whole job
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                changed.append(req)
                 continue
             token = sampled[chunk.request_id]
             req.token_ids.append(token)
@@ -227,7 +245,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
+            if token in req.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -244,7 +262,7 @@ class Scheduler:
                 parent.prompt_token_ids,
                 parent.params,
                 max_tokens=parent.max_tokens,
-                seed=parent.seed + index,
+                seed=derive_seed(parent.seed, index),
                 priority=parent.priority,
                 arrival_time=parent.arrival_time,
                 extra_keys=parent.extra_keys,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for (a vocabulary entry's length:
+        byte-level and sentencepiece entries spell each byte or character once), so that a text
+        longer than `n * max_token_chars` surely has more than n tokens, without tokenizing it."""
+        return max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
 
     @property
     def eos_token_id(self) -> int | None:

@@ -17,6 +17,7 @@ TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
 }
@@ -54,8 +55,8 @@ def overloaded(message: str) -> APIError:
     return APIError(503, message, code="overloaded", headers={"Retry-After": "1"})
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def validation_message(errors) -> tuple[str, str | None]:
+    """(message, param) for pydantic's list of validation errors."""
     if not errors:
         return "invalid request body", None
     first = errors[0]
@@ -64,6 +65,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     msg = first.get("msg", "invalid value")
+    cause = (first.get("ctx") or {}).get("error")
+    if getattr(cause, "param", None):  # a validator's own error names its field
+        param, msg = cause.param, str(cause)
+        return msg, param
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
@@ -75,7 +80,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return JSONResponse(error_body(400, message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -10,16 +10,19 @@ from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 
 from shoal.protocol.auth import bearer_matches
-from shoal.protocol.errors import APIError, error_body, install_error_handlers
+from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, parse_json_object
+from shoal.protocol.errors import APIError, error_body, install_error_handlers, validation_message
 from shoal.server.chat import chat_prompt, create_chat_completion
 from shoal.server.common import ServingContext
 from shoal.server.completions import create_completion
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-# Routes anyone may call even when an API key is set: probes and scrapes.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load", "/kv_events", "/docs", "/openapi.json"})
+# Routes anyone may call even when an API key is set: probes, scrapes and the API's own schema.
+# /load and /kv_events are the fleet's internal routes and need the key like the API does.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json"})
 
 
 @dataclass
@@ -30,6 +33,8 @@ class ServerState:
     ctx: ServingContext | None = None
     load_error: str | None = None
     started: float = 0.0
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES
+    exit_code: int = 0  # set when the server stops itself (engine loop dead)
 
     def serving(self) -> ServingContext:
         if self.ctx is None:
@@ -83,14 +88,27 @@ class FrontMiddleware:
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="shoal", lifespan=lifespan)
     install_error_handlers(app)
+    # Added last, runs first: a body is size-checked only after the key is.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes)
     app.add_middleware(FrontMiddleware, state=state)
 
+    async def body_of(raw: Request, model: type[BaseModel]):
+        """The body, parsed strictly (see shoal.protocol.bodies) and validated, or a 400."""
+        obj = parse_json_object(await raw.body())
+        try:
+            return model.model_validate(obj)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise APIError(400, message, param) from None
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    async def completions(raw: Request):
+        body = await body_of(raw, CompletionRequest)
         return await create_completion(body, raw, state.serving())
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request):
+        body = await body_of(raw, ChatCompletionRequest)
         return await create_chat_completion(body, raw, state.serving())
 
     @app.get("/v1/models")
@@ -106,26 +124,31 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(raw: Request):
+        body = await body_of(raw, TokenizeRequest)
         ctx = state.serving()
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            ids = chat_prompt(ctx, body.messages, body.add_generation_prompt)
+            ids = await chat_prompt(ctx, body.messages, body.add_generation_prompt)
         else:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await ctx.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(raw: Request):
+        body = await body_of(raw, DetokenizeRequest)
         ctx = state.serving()
         ctx.check_model(body.model)
         vocab = ctx.tokenizer.vocab_size
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)}
+        text = await ctx.run_off_loop(
+            ctx.tokenizer.decode, body.tokens, skip_special_tokens=body.skip_special_tokens
+        )
+        return {"prompt": text}
 
     @app.get("/health")
     async def health():

@@ -14,11 +14,13 @@ from shoal.server.common import (
     SSE_DONE,
     ServingContext,
     close_all,
+    close_timers,
     merged,
     now_s,
     open_streams,
     params_or_400,
     request_id,
+    resumed_params,
     run_to_end,
     sse,
     stream_error,
@@ -27,10 +29,13 @@ from shoal.server.common import (
 from shoal.server.protocol import ChatCompletionRequest
 
 
-def chat_prompt(ctx: ServingContext, messages, add_generation_prompt: bool) -> list[int]:
+async def chat_prompt(ctx: ServingContext, messages, add_generation_prompt: bool) -> list[int]:
+    """The rendered, tokenized conversation (off the event loop: it may be long)."""
+    flat = [m.as_template_message() for m in messages]
+    ctx.check_text_length(sum(len(m.get("content") or "") for m in flat), "messages")
     try:
-        return ctx.tokenizer.encode_chat(
-            [m.as_template_message() for m in messages], add_generation_prompt=add_generation_prompt
+        return await ctx.run_off_loop(
+            ctx.tokenizer.encode_chat, flat, add_generation_prompt=add_generation_prompt
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), "messages") from None
@@ -53,14 +58,21 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = params_or_400(lambda: req.sampling_params(req.token_limit, logprobs))
-    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    resume = req.resume
+    params = params_or_400(lambda: resumed_params(req.sampling_params(req.token_limit, logprobs), resume))
+    if resume is not None:
+        prompt = resume.prompt_token_ids
+    else:
+        prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
     rid = request_id("chatcmpl")
-    streams = await open_streams(ctx, rid, [prompt], params, req.priority)
+    streams = await open_streams(ctx, rid, [prompt], params, req.priority, resume)
     timer = ctx.metrics.timer(raw.state.arrival)
     head = {"id": rid, "created": now_s(), "model": ctx.model_name}
+    # A resumed stream answers for one choice of the original request, under that choice's index.
+    first_index = resume.index if resume is not None else 0
     texts = [""] * req.n
-    counts = [0] * req.n
+    counts = [len(resume.output_token_ids) if resume is not None else 0] * req.n
+    cached = [0]
     finish: list[str | None] = [None] * req.n
     content_lps: list[list[dict]] = [[] for _ in range(req.n)]
 
@@ -70,6 +82,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         """(choice, new text, new logprobs, finished now, new token ids) as outputs arrive."""
         async for _, out in merged(streams):
             timer.observe(out)
+            cached[0] = out.num_cached_tokens
             for o in out.outputs:
                 i = o.index
                 part = (
@@ -89,15 +102,21 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 if o.delta_text or part or finished_now or ids:
                     yield i, o.delta_text, part, finished_now, ids
 
+    def total_usage() -> dict:
+        return usage(len(prompt), sum(counts), cached[0])
+
     if not req.stream:
-        await run_to_end(raw, events(), streams)
+        try:
+            await run_to_end(raw, events(), streams)
+        finally:
+            close_timers([timer])
         body = {
             **head,
             "object": "chat.completion",
             "choices": [
                 {
-                    "index": i,
-                    "message": {"role": "assistant", "content": texts[i]},
+                    "index": first_index + i,
+                    "message": {"role": "assistant", "content": texts[i], "refusal": None},
                     "logprobs": None if logprobs is None else {"content": content_lps[i]},
                     "finish_reason": finish[i],
                     **(
@@ -108,7 +127,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 }
                 for i in range(req.n)
             ],
-            "usage": usage(len(prompt), sum(counts)),
+            "usage": total_usage(),
         }
         return JSONResponse(body)
 
@@ -116,7 +135,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
 
     def chunk(i: int, delta: dict, part, finish_reason, ids: list[int] | None = None, **top) -> str:
         choice = {
-            "index": i,
+            "index": first_index + i,
             "delta": delta,
             "logprobs": None if part is None else {"content": part},
             "finish_reason": finish_reason,
@@ -127,7 +146,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
 
     async def stream():
         try:
-            for i in range(req.n):
+            for i in range(req.n if resume is None else 0):  # a resumed stream's client has its role
                 top = {"prompt_token_ids": prompt} if req.return_token_ids else {}
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None, **top)
             async for i, text, part, finished_now, ids in events():
@@ -136,11 +155,12 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                     i, delta, part, finish[i] if finished_now else None, ids if req.return_token_ids else None
                 )
             if req.include_usage:
-                yield sse({**chunk_head, "choices": [], "usage": usage(len(prompt), sum(counts))})
+                yield sse({**chunk_head, "choices": [], "usage": total_usage()})
         except Exception as exc:
             yield sse(stream_error(exc))
         finally:
             close_all(streams)
+            close_timers([timer])
         yield SSE_DONE
 
     return StreamingResponse(stream(), media_type="text/event-stream")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -17,7 +20,9 @@ from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer
 from shoal.protocol.errors import APIError, overloaded
-from shoal.server.metrics import ServerMetrics
+from shoal.protocol.seeds import derive_seed
+from shoal.server.metrics import RequestTimer, ServerMetrics
+from shoal.server.protocol import Resume
 
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL_S = 0.05
@@ -30,7 +35,37 @@ class ServingContext:
     model_name: str
     max_model_len: int
     metrics: ServerMetrics
+    trust_request_priority: bool = False
+    # Tokenizing a long prompt takes a while: it must never stall the event loop (and with it
+    # /health and every other stream), so it runs here.
+    text_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="shoal-tokenize")
+    )
     _token_text: dict[int, str] = field(default_factory=dict)
+
+    async def run_off_loop(self, fn: Callable, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.text_pool, functools.partial(fn, *args, **kwargs))
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """A fast 400 for text that surely has more tokens than any request may (see
+        Tokenizer.max_token_chars), before anything tokenizes it."""
+        if chars > self.max_model_len * self.tokenizer.max_token_chars:
+            raise APIError(
+                400,
+                f"the {param} has {chars} characters, more than this model's maximum context length of "
+                f"{self.max_model_len} tokens can hold",
+                param,
+                "context_length_exceeded",
+            )
+
+    async def encode(self, text: str, param: str, **kwargs) -> list[int]:
+        self.check_text_length(len(text), param)
+        return await self.run_off_loop(self.tokenizer.encode, text, **kwargs)
+
+    def priority(self, requested: int) -> int:
+        """Lower runs first, 0 is the default: an untrusted client may only lower its own."""
+        return requested if self.trust_request_priority else max(requested, 0)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -61,14 +96,22 @@ def params_or_400(build) -> SamplingParams:
 
 
 async def open_streams(
-    ctx: ServingContext, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int
+    ctx: ServingContext,
+    rid: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    priority: int,
+    resume: Resume | None = None,
 ) -> list[RequestStream]:
     """Admits one engine request per prompt, all or none."""
     streams: list[RequestStream] = []
+    extra = {}
+    if resume is not None:
+        extra = {"prior_output_ids": resume.output_token_ids, "prior_text_sent": resume.text_offset}
     try:
         for i, ids in enumerate(prompts):
             name = rid if len(prompts) == 1 else f"{rid}-{i}"
-            streams.append(await ctx.engine.add_request(name, ids, params, priority))
+            streams.append(await ctx.engine.add_request(name, ids, params, ctx.priority(priority), **extra))
     except BaseException as exc:
         for s in streams:
             s.abort()
@@ -76,7 +119,26 @@ async def open_streams(
     return streams
 
 
+class RequestFailedError(Exception):
+    """A step failed for this request; the engine went on without it."""
+
+
+def check_output(out: RequestOutput) -> RequestOutput:
+    if out.error is not None:
+        raise RequestFailedError(out.error)
+    return out
+
+
+def resumed_params(params: SamplingParams, resume: Resume | None) -> SamplingParams:
+    """A resumed choice draws as choice `index` of the original request would have."""
+    if resume is None or resume.index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=derive_seed(params.seed, resume.index))
+
+
 def engine_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"the request failed in the engine: {exc}", code="internal_error")
     if isinstance(exc, RequestRejectedError):
         return APIError(400, str(exc), exc.param, exc.code)
     if isinstance(exc, EngineOverloadedError):
@@ -90,14 +152,14 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
-            yield 0, out
+            yield 0, check_output(out)
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream):
         try:
             async for out in s:
-                await queue.put((i, out, None))
+                await queue.put((i, check_output(out), None))
         except BaseException as exc:
             await queue.put((i, None, exc))
         await queue.put((i, None, None))
@@ -155,6 +217,12 @@ def close_all(streams: list[RequestStream]) -> None:
         s.abort()
 
 
+def close_timers(timers: list[RequestTimer]) -> None:
+    """Counts the requests that ended without finishing (client gone, failed) as aborted."""
+    for t in timers:
+        t.close()
+
+
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -162,11 +230,12 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -14,11 +14,13 @@ from shoal.server.common import (
     SSE_DONE,
     ServingContext,
     close_all,
+    close_timers,
     merged,
     now_s,
     open_streams,
     params_or_400,
     request_id,
+    resumed_params,
     run_to_end,
     sse,
     stream_error,
@@ -77,19 +79,33 @@ def _check(req: CompletionRequest) -> None:
 async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingContext):
     ctx.check_model(req.model)
     _check(req)
-    prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
+    resume = req.resume
+    echo = req.echo and resume is None
+    prompt_lp = req.logprobs if echo and req.logprobs is not None else None
     params = params_or_400(
-        lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=prompt_lp)
+        lambda: resumed_params(
+            req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=prompt_lp), resume
+        )
     )
-    prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
+    if resume is not None:
+        prompts = [resume.prompt_token_ids]
+    else:
+        texts = [p for p in req.prompts() if isinstance(p, str)]
+        ctx.check_text_length(sum(map(len, texts)), "prompt")
+        prompts = [await ctx.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts()]
     if any(not p for p in prompts):
         raise APIError(400, "prompt is empty", "prompt")
     rid = request_id("cmpl")
-    streams = await open_streams(ctx, rid, prompts, params, req.priority)
+    streams = await open_streams(ctx, rid, prompts, params, req.priority, resume)
     start = raw.state.arrival
     timers = [ctx.metrics.timer(start) for _ in streams]
     lp = _Logprobs(ctx) if req.logprobs is not None else None
-    choices = [_Choice(i, prompt=i // req.n) for i in range(len(prompts) * req.n)]
+    prior = len(resume.output_token_ids) if resume is not None else 0
+    first_index = resume.index if resume is not None else 0
+    choices = [
+        _Choice(first_index + i, prompt=i // req.n, num_tokens=prior) for i in range(len(prompts) * req.n)
+    ]
+    cached = [0] * len(prompts)
     head = {"id": rid, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
 
     def echo_prefix(p: int, c: _Choice, out) -> dict | None:
@@ -104,10 +120,11 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
         started: set[int] = set()
         async for p, out in merged(streams):
             timers[p].observe(out)
+            cached[p] = out.num_cached_tokens
             for o in out.outputs:
                 c = choices[p * req.n + o.index]
                 part, text = None, ""
-                if req.echo and c.index not in started:
+                if echo and c.index not in started:
                     part = echo_prefix(p, c, out)
                     text = c.text
                 started.add(c.index)
@@ -129,8 +146,15 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
         return sum(c.num_tokens for c in choices)
 
     num_prompt = sum(len(p) for p in prompts)
+
+    def total_usage() -> dict:
+        return usage(num_prompt, num_completion(), sum(cached))
+
     if not req.stream:
-        await run_to_end(raw, events(), streams)
+        try:
+            await run_to_end(raw, events(), streams)
+        finally:
+            close_timers(timers)
         body = {
             **head,
             "choices": [
@@ -151,7 +175,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
                 }
                 for c in choices
             ],
-            "usage": usage(num_prompt, num_completion()),
+            "usage": total_usage(),
         }
         return JSONResponse(body)
 
@@ -172,11 +196,12 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
                         choice["prompt_token_ids"] = prompts[c.prompt]
                 yield sse({**head, "choices": [choice]})
             if req.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(num_prompt, num_completion())})
+                yield sse({**head, "choices": [], "usage": total_usage()})
         except Exception as exc:
             yield sse(stream_error(exc))
         finally:
             close_all(streams)
+            close_timers(timers)
         yield SSE_DONE
 
     return StreamingResponse(stream(), media_type="text/event-stream")

@@ -5,19 +5,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import uvicorn
 
 from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
+from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
+from shoal.protocol.secrets import kv_salt
 from shoal.server.app import ServerState, build_app
 from shoal.server.common import ServingContext
 from shoal.server.metrics import ServerMetrics
+
+# Exit status of a replica whose engine loop died: its supervisor restarts it.
+EXIT_ENGINE_DEAD = 3
+# A supervisor that wants its replicas to die with it names itself here.
+PARENT_PID_ENV = "SHOAL_PARENT_PID"
+WATCH_INTERVAL_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +39,14 @@ class ServerConfig:
     served_model_name: str | None = None
     log_level: str = "warning"
     front: AsyncEngineConfig | None = None
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES
+    trust_request_priority: bool = False
+    kv_salt: str | None = None
 
 
 def load_serving_context(engine_config: EngineConfig, server_config: ServerConfig) -> ServingContext:
-    engine = LLMEngine(engine_config)
+    salt = kv_salt(server_config.kv_salt, server_config.api_key)
+    engine = LLMEngine(replace(engine_config, cache=replace(engine_config.cache, hash_salt=salt)))
     front = AsyncEngine(engine, server_config.front).start()
     name = server_config.served_model_name or engine.model_name
     return ServingContext(
@@ -42,13 +55,16 @@ def load_serving_context(engine_config: EngineConfig, server_config: ServerConfi
         model_name=name,
         max_model_len=engine.max_model_len,
         metrics=ServerMetrics(name, front.stats),
+        trust_request_priority=server_config.trust_request_priority,
     )
 
 
 def create_server(
     engine_config: EngineConfig, server_config: ServerConfig
 ) -> tuple[uvicorn.Server, ServerState]:
-    state = ServerState(api_key=server_config.api_key, started=time.time())
+    state = ServerState(
+        api_key=server_config.api_key, started=time.time(), max_request_bytes=server_config.max_request_bytes
+    )
     url = f"http://{server_config.host}:{server_config.port}"
 
     def load():
@@ -65,13 +81,34 @@ def create_server(
             flush=True,
         )
 
+    server: uvicorn.Server | None = None
+
+    def stop(reason: str, code: int) -> None:
+        print(f"shoal: {reason}; exiting", file=sys.stderr, flush=True)
+        state.exit_code = code
+        if server is not None:
+            server.should_exit = True
+
+    async def watch() -> None:
+        """A dead engine loop exits the process, so that its supervisor restarts it instead of
+        probing a 503 forever; so does the death of a supervisor that asked for it."""
+        parent = os.environ.get(PARENT_PID_ENV)
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if state.ctx is not None and not state.ctx.engine.is_alive:
+                return stop(f"the engine loop died ({state.ctx.engine.error!r})", EXIT_ENGINE_DEAD)
+            if parent and os.getppid() != int(parent):
+                return stop(f"the supervisor (pid {parent}) is gone", 0)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         loader = threading.Thread(target=load, name="shoal-load", daemon=True)
         loader.start()
+        watcher = asyncio.create_task(watch())
         try:
             yield
         finally:
+            watcher.cancel()
             await asyncio.to_thread(loader.join)
             if state.ctx is not None:
                 await asyncio.to_thread(state.ctx.engine.shutdown)
@@ -84,13 +121,16 @@ def create_server(
         log_level=server_config.log_level,
         timeout_graceful_shutdown=5,
     )
-    return uvicorn.Server(config), state
+    server = uvicorn.Server(config)
+    return server, state
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    server, _ = create_server(engine_config, server_config)
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Runs until stopped; the exit status says why (EXIT_ENGINE_DEAD: restart me)."""
+    server, state = create_server(engine_config, server_config)
     print(
         f"shoal: loading the model; the API will be at http://{server_config.host}:{server_config.port}/v1",
         flush=True,
     )
     server.run()
+    return state.exit_code

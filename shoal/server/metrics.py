@@ -99,6 +99,7 @@ class RequestTimer:
         self.m = metrics
         self.start = start
         self.last: float | None = None
+        self.done = False
 
     def observe(self, out: RequestOutput) -> None:
         m, name = self.m, self.m.model_name
@@ -115,7 +116,13 @@ class RequestTimer:
             self.last = now
             m.generation_tokens.labels(name).inc(tokens)
         if out.finished:
+            self.done = True
             m.e2e.labels(name).observe(now - self.start)
             m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
             for o in out.outputs:
                 m.request_success.labels(name, o.finish_reason or "abort").inc()
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.m.request_success.labels(self.m.model_name, "abort").inc()

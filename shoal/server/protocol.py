@@ -4,17 +4,57 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from shoal.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from shoal.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    InvalidParamError,
+    SamplingParams,
+)
 from shoal.models.chat_template import template_message
+from shoal.protocol.seeds import SEED_MAX, SEED_MIN
 
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# Prompts in one completions request (each is an engine request, times n).
+MAX_PROMPTS = 64
+# OpenAI fields shoal does not implement yet. Ignoring them would hand a client plain text where
+# it asked for a tool call or JSON, so each is refused by name; the value that means "off" passes.
+UNSUPPORTED = {
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+}
 
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class Resume(_Request):
+    """shoal's extension for a gateway continuing a stream whose replica died: the prompt as
+    token ids, the tokens already streamed for choice `index`, and how many characters of its
+    text the client already has."""
+
+    prompt_token_ids: TokenIds
+    output_token_ids: list[TokenId] = Field(default_factory=list)
+    index: Annotated[StrictInt, Field(ge=0, le=255)] = 0
+    text_offset: Annotated[StrictInt, Field(ge=0)] = 0
 
 
 class StreamOptions(_Request):
@@ -22,14 +62,14 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    model: StrictStr | None = None
+    model: StrictStr
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -39,8 +79,28 @@ class _SamplingFields(_Request):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     ignore_eos: StrictBool = False
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
-    priority: StrictInt = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    logit_bias: Annotated[dict[StrictStr, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18)] | None = None
+    # Lower runs first. A client can only lower its own priority unless the server trusts it.
+    priority: Annotated[StrictInt, Field(ge=-(2**31), le=2**31)] = 0
+    resume: Resume | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, is_off in UNSUPPORTED.items():
+                if not is_off(data.get(name)):
+                    raise InvalidParamError(f"{name} is not supported by this server yet", name)
+        return data
+
+    @model_validator(mode="after")
+    def _resume_one_choice(self):
+        if self.resume is not None and self.n != 1:
+            raise InvalidParamError("resume continues one choice: n must be 1", "n")
+        return self
+
     # shoal's extension (vLLM has the same): token ids of the prompt and of every delta, which a
     # gateway needs to continue a stream on another replica token for token.
     return_token_ids: StrictBool = False
@@ -62,8 +122,18 @@ class _SamplingFields(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             **extra,
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise InvalidParamError(f"logit_bias keys are token ids; got {key[:20]!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -73,11 +143,12 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: (
         StrictStr
-        | Annotated[list[StrictStr], Field(min_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
         | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    # 0 scores the prompt (with echo and logprobs) without generating.
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
