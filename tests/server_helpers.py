@@ -20,12 +20,15 @@ class ServerProcess:
     url: str
     proc: subprocess.Popen
     log_path: str
+    api_key: str | None = None  # sent on the internal routes this helper reads (/load)
 
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
 
     def get(self, path: str, **kw) -> httpx.Response:
+        if self.api_key and "headers" not in kw:
+            kw["headers"] = {"Authorization": f"Bearer {self.api_key}"}
         return httpx.get(self.url + path, timeout=30, **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
@@ -59,7 +62,8 @@ def start_server(*args: str, timeout: float = 180.0) -> ServerProcess:
     fd, log_path = tempfile.mkstemp(prefix="shoal-serve-", suffix=".log")
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

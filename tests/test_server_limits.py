@@ -114,7 +114,7 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
                 pending = asyncio.create_task(
                     c.post(
                         "/v1/completions",
-                        json={"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 4},
+                        json={"model": "m", "prompt": "hi", "max_tokens": 4},
                     )
                 )
                 await asyncio.sleep(1.5)  # past the 1 s stall timeout
@@ -129,7 +129,7 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
                     await c.get("/ready"),
                     await c.post(
                         "/v1/completions",
-                        json={"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 4},
+                        json={"model": "m", "prompt": "hi", "max_tokens": 4},
                     ),
                 )
 

@@ -297,12 +297,17 @@ def test_health_answers_fast_while_the_engine_is_saturated(server, model):
                 latencies.append(time.perf_counter() - t0)
                 assert r.status_code == 200
                 await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            steps0 = server.get("/load").json()["num_steps"]
             results = await asyncio.gather(*work)
-            return latencies, results
+            step_s = (time.perf_counter() - t0) / max(1, server.get("/load").json()["num_steps"] - steps0)
+            return latencies, results, step_s
 
-    latencies, results = asyncio.run(run())
+    latencies, results, step_s = asyncio.run(run())
     assert all(r.status_code == 200 for r in results)
-    assert statistics.median(latencies) < 0.1, latencies
+    # Measured against the engine's own step time, so a loaded machine slows both alike: a probe
+    # that waited for steps would take about half a step at the median.
+    assert statistics.median(latencies) < 0.25 * step_s, (latencies, step_s)
     server.wait_idle()
 
 

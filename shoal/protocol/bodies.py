@@ -10,6 +10,10 @@ import math
 from shoal.protocol.errors import APIError, error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+# A body over the limit is still read and dropped up to this size before the 413, so that an
+# ordinary client still uploading sees the answer rather than a reset connection; past it, the
+# connection is cut at once.
+DRAIN_LIMIT_BYTES = 64 << 20
 MAX_JSON_DEPTH = 64
 
 
@@ -69,7 +73,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
             return await self._too_large(send)
         chunks, size = [], 0
         while True:
@@ -79,7 +83,10 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await self._too_large(send)
+                chunks = []  # keep reading (up to a bound) without keeping: see DRAIN_LIMIT_BYTES
+                if size > DRAIN_LIMIT_BYTES or not message.get("more_body"):
+                    return await self._too_large(send)
+                continue
             chunks.append(chunk)
             if not message.get("more_body"):
                 break

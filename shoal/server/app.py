@@ -101,12 +101,21 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             message, param = validation_message(exc.errors())
             raise APIError(400, message, param) from None
 
-    @app.post("/v1/completions")
+    def documented(model: type[BaseModel]) -> dict:
+        """The request body in the OpenAPI schema, which routes that parse their own body lack."""
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        defs.update(schema.pop("$defs", {}))
+        content = {"application/json": {"schema": schema}}
+        return {"openapi_extra": {"requestBody": {"required": True, "content": content}}}
+
+    defs: dict = {}
+
+    @app.post("/v1/completions", **documented(CompletionRequest))
     async def completions(raw: Request):
         body = await body_of(raw, CompletionRequest)
         return await create_completion(body, raw, state.serving())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **documented(ChatCompletionRequest))
     async def chat_completions(raw: Request):
         body = await body_of(raw, ChatCompletionRequest)
         return await create_chat_completion(body, raw, state.serving())
@@ -123,7 +132,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **documented(TokenizeRequest))
     async def tokenize(raw: Request):
         body = await body_of(raw, TokenizeRequest)
         ctx = state.serving()
@@ -136,7 +145,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             ids = await ctx.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **documented(DetokenizeRequest))
     async def detokenize(raw: Request):
         body = await body_of(raw, DetokenizeRequest)
         ctx = state.serving()
@@ -182,4 +191,12 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         """Blocks stored in and evicted from this replica's prefix cache, for the fleet router."""
         return state.serving().engine.kv_events(after)
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        schema = base_openapi()
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+        return schema
+
+    app.openapi = openapi
     return app
