@@ -63,3 +63,23 @@ def test_stop_string_inside_a_multibyte_run(tok):
     deltas, hit, _ = stream(tok, "Q:", "fish 🐟 and waves 🌊 end", stop=["🌊"])
     assert hit == "🌊"
     assert "".join(deltas) == "fish 🐟 and waves "
+
+
+def test_prefix_matcher_finds_the_longest_partial_stop():
+    """The KMP tracker against the obvious quadratic search, on random streams."""
+    import random
+
+    from shoal.engine.detokenizer import PrefixMatcher
+
+    def longest(text: str, stop: str) -> int:
+        return next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 8)))
+        m, text = PrefixMatcher(stop), ""
+        for _ in range(rng.randint(1, 6)):
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
+            text += piece
+            m.feed(piece)
+            assert m.state == longest(text, stop), (stop, text)
