@@ -205,7 +205,7 @@ def cmd_fleet_up(args) -> int:
     import shlex
 
     from shoal.fleet.gateway import Gateway
-    from shoal.fleet.launcher import LocalLauncher
+    from shoal.fleet.launcher import LocalLauncher, port_in_use
 
     fleet = _gateway_config(args)
     if args.replicas is not None:
@@ -217,6 +217,16 @@ def cmd_fleet_up(args) -> int:
         fleet.replica_args = shlex.split(args.replica_args)
     fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model
     launcher = LocalLauncher(fleet)
+    busy = launcher.busy_ports()
+    if port_in_use(fleet.gateway.port, fleet.gateway.host):
+        busy.insert(0, fleet.gateway.port)
+    if busy:
+        print(
+            f"shoal: port {', '.join(map(str, busy))} already in use (another fleet, or replicas left "
+            "over from one?); free it or choose other --port / --base-port",
+            file=sys.stderr,
+        )
+        return 1
     names = ", ".join(f"{r.name} :{r.port}" for r in launcher.replicas)
     print(f"shoal: starting {fleet.replicas} replicas ({names}); logs in {launcher.log_dir}", flush=True)
     return _run_gateway(Gateway(fleet.gateway, launcher), "fleet gateway up")

@@ -5,15 +5,20 @@ client priority, salted KV hashes, a frozen replica (SIGSTOP) mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from tests.fleet_helpers import auth, replicas, start_fleet, start_gateway
+from shoal.protocol.block_hash import hash_blocks, root_hash
+from tests.fleet_helpers import auth, metric, replicas, start_fleet, start_gateway, wait_replicas_ready
 from tests.server_helpers import free_port
 
 KEY = "sk-fleet-test"
@@ -86,7 +91,7 @@ def test_a_huge_prompt_stalls_neither_health_nor_other_streams(big_gateway):
     """A 5 MB prompt passes this gateway's limit (8 MiB); tokenizing it for routing would hold the
     event loop for seconds. The replica refuses it; the gateway meanwhile keeps answering."""
     huge = "the river bends near the stone. " * (5_000_000 // 32)
-    body = {"prompt": "Count to twenty:", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    body = {"model": MODEL, "prompt": "Count to twenty:", "max_tokens": 40, "ignore_eos": True}
 
     async def run():
         async with httpx.AsyncClient(base_url=big_gateway.url, timeout=120, headers=auth(KEY)) as c:
@@ -116,7 +121,7 @@ def test_a_huge_prompt_stalls_neither_health_nor_other_streams(big_gateway):
             await asyncio.sleep(0.3)
             probing = asyncio.create_task(health())
             hostile = await asyncio.gather(
-                *(c.post("/v1/completions", json={"prompt": huge}) for _ in range(2))
+                *(c.post("/v1/completions", json={"model": MODEL, "prompt": huge}) for _ in range(2))
             )
             worst = await probing
             await streaming
@@ -142,7 +147,7 @@ def test_keys_guard_the_api_and_the_replica_list_but_not_probes(fleet):
     # The gateway forwards its key to the replicas, which require it too.
     models = fleet.get("/v1/models", headers=auth(KEY)).json()["data"]
     assert [m["id"] for m in models] == [MODEL]
-    r = post(fleet, "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    r = post(fleet, "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     # The polls of replica load and KV events carry the key as well.
     for rep in replicas(fleet, KEY).values():
@@ -196,3 +201,116 @@ def test_clients_may_only_lower_their_priority(trust):
     finally:
         gw.stop()
         backend.close()
+
+
+# --- salted KV hashes -----------------------------------------------------------------------
+
+
+def _proc_env(pid: int) -> dict[bytes, bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
+def test_the_fleet_salts_kv_hashes_and_the_router_hashes_as_replicas_do(fleet):
+    reps = replicas(fleet, KEY)
+    salts = set()
+    for rep in reps.values():
+        env = _proc_env(rep["pid"])
+        with open(f"/proc/{rep['pid']}/cmdline", "rb") as f:
+            argv = f.read()
+        salt = env[b"SHOAL_KV_SALT"]
+        assert len(salt) >= 16 and salt not in argv  # a secret: not in argv, which anyone can read
+        assert env[b"SHOAL_PARENT_PID"] == str(fleet.proc.pid).encode()
+        salts.add(salt)
+    assert len(salts) == 1  # one salt per fleet
+    salt = salts.pop()
+    ids = list(range(3000, 3064))  # four full blocks of 16
+    cached = {name: rep["cached_blocks"] for name, rep in reps.items()}
+    r = post(fleet, "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
+    name = r.headers["x-replica"]
+    salted, plain = hash_blocks(ids, 16, root=root_hash(salt)), hash_blocks(ids, 16)
+    feed = httpx.get(reps[name]["url"] + "/kv_events", headers=auth(KEY), timeout=10).json()
+    stored = {e["block_hash"] for e in feed["events"] if e["kind"] == "stored"}
+    assert set(salted) <= stored and not set(plain) & stored
+    # The gateway indexed what it routed and what the replica reported as the same four blocks.
+    time.sleep(1.0)  # several KV polls
+    assert replicas(fleet, KEY)[name]["cached_blocks"] - cached[name] == 4
+
+
+# --- frozen replicas and timeouts -----------------------------------------------------------
+
+
+def test_a_frozen_replica_fails_its_streams_over_at_once(fleet):
+    prompts = [f"Describe the harbour of city number {i}." for i in range(4)]
+    body = {"model": MODEL, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    expected = {
+        p: post(fleet, "/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
+        for p in prompts
+    }
+    before = replicas(fleet, KEY)
+
+    async def stream(c, p, seen):
+        text, stamps = "", []
+        async with c.stream("POST", "/v1/completions", json={**body, "prompt": p, "stream": True}) as r:
+            assert r.status_code == 200
+            seen[p] = [r.headers["x-replica"], 0]
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    obj = json.loads(line[6:])
+                    assert "error" not in obj, obj
+                    text += "".join(ch["text"] for ch in obj["choices"])
+                    stamps.append(time.monotonic())
+                    seen[p][1] = len(text)
+        return text, stamps
+
+    async def run():
+        seen: dict = {}
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=300, headers=auth(KEY)) as c:
+            tasks = [asyncio.create_task(stream(c, p, seen)) for p in prompts]
+            while len(seen) < len(prompts) or min(n for _, n in seen.values()) < 30:
+                await asyncio.sleep(0.02)
+            victim = Counter(rep for rep, _ in seen.values()).most_common(1)[0][0]
+            pid = before[victim]["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                outs = await asyncio.gather(*tasks)
+                state_while_stopped = replicas(fleet, KEY)[victim]["state"]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return victim, stopped, outs, seen, state_while_stopped
+
+    victim, stopped, outs, seen, state = asyncio.run(run())
+    assert state == "down"
+    for p, (text, stamps) in zip(prompts, outs):
+        assert text == expected[p], p  # greedy: as if nothing had happened
+        if seen[p][0] == victim:
+            resumed = next(t for t in stamps if t > stopped)
+            assert resumed - stopped < 10, resumed - stopped  # detection ~2-3 s, not a timeout
+    assert metric(fleet.url, "shoal:gateway_failovers_total") >= 1
+    wait_replicas_ready(fleet, 2, api_key=KEY)  # the thawed replica takes traffic again
+
+
+def test_timeouts_bound_streams_not_long_requests_and_never_run_twice(fleet, tmp_path):
+    urls = [r["url"] for r in replicas(fleet, KEY).values()]
+    body = {"model": MODEL, "prompt": "Write a long story.", "ignore_eos": True, "temperature": 0}
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text("[gateway]\nfirst_byte_timeout_s = 0.3\n")
+    gw = start_gateway(urls, "--config", str(cfg), api_key=KEY)
+    try:  # a non-streamed request is not bound by the first-byte timeout
+        r = post(gw, "/v1/completions", json={**body, "max_tokens": 64})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64
+    finally:
+        gw.stop()
+    cfg.write_text("[gateway]\nrequest_timeout_s = 1.0\n")
+    gw = start_gateway(urls, "--config", str(cfg), api_key=KEY)
+    try:
+        sent = sum(r["requests_total"] for r in replicas(gw, KEY).values())
+        r = post(gw, "/v1/completions", json={**body, "max_tokens": 1500})
+        assert is_openai_error(r, 504)["code"] == "timeout"
+        after = replicas(gw, KEY)
+        assert sum(r["requests_total"] for r in after.values()) == sent + 1  # not run a second time
+        assert all(r["state"] == "ready" and r["consecutive_failures"] == 0 for r in after.values())
+    finally:
+        gw.stop()

@@ -49,7 +49,7 @@ def _prompt_chars(path: str, body: dict) -> int:
                 total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
         return total
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     return len(prompt) if isinstance(prompt, str | list) else 0
 
@@ -83,7 +83,7 @@ class Gateway:
                 add_generation_prompt=body.get("add_generation_prompt") is not False,
             )
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # several prompts: route by the first
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
@@ -226,13 +226,17 @@ class Gateway:
             self.check_key(raw)  # it shows replica URLs and process ids
             return {
                 "policy": self.policy.name,
-                "replicas": [r.snapshot() for r in self.registry.replicas.values()],
+                "replicas": [
+                    {**r.snapshot(), "cached_blocks": self.index.size(r.name)}
+                    for r in self.registry.replicas.values()
+                ],
             }
 
         return app
 
     async def start(self) -> None:
         self.kv_root = root_hash(kv_salt(self.config.kv_salt, self.config.replica_key))
+        self.registry.kv_root = self.kv_root
         self.proxy = Proxy(self.config, self.registry, self.metrics)
         if self.launcher is not None:
             await self.launcher.start(self.registry)

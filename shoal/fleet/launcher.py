@@ -1,27 +1,77 @@
-"""Local replicas: `shoal serve` processes on loopback ports, restarted when they die."""
+"""Local replicas: `shoal serve` processes on loopback ports, restarted when they die.
+
+Crash safety. Replicas die with their supervisor, however it dies: each child asks the kernel for
+SIGKILL when its parent goes (Linux, prctl PR_SET_PDEATHSIG), and is told its parent's pid
+(SHOAL_PARENT_PID) so that `shoal serve` can exit by itself where there is no prctl. A port that is
+already taken is never started on: whatever holds it (an orphan of an earlier fleet, a stranger)
+would answer the probes as if it were ours. Restarts back off exponentially, and a replica that
+stayed up a while starts again from the shortest backoff.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
+import secrets
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from shoal.fleet.config import FleetConfig
 from shoal.fleet.registry import Registry
+from shoal.protocol.secrets import KV_SALT_ENV
 
 log = logging.getLogger(__name__)
+
+PARENT_PID_ENV = "SHOAL_PARENT_PID"  # read by `shoal serve`
+PR_SET_PDEATHSIG = 1
+SUPERVISE_INTERVAL_S = 0.1
+PORT_RECHECK_S = 1.0
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether binding `port` would fail (SO_REUSEADDR as servers set it: a socket in TIME_WAIT
+    does not count, a listening one does)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _die_with_parent():
+    """A preexec_fn that makes the child get SIGKILL when the thread that spawned it exits (so
+    spawn only from a thread that lives as long as the supervisor: the event loop's)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return preexec
 
 
 @dataclass
@@ -31,6 +81,9 @@ class LocalReplica:
     log_path: str
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    started_at: float = 0.0
+    quick_deaths: int = 0  # deaths in a row, each before it had stayed up restart_reset_after_s
+    next_start: float = 0.0
 
     @property
     def url(self) -> str:
@@ -40,6 +93,11 @@ class LocalReplica:
 class LocalLauncher:
     def __init__(self, config: FleetConfig):
         self.config = config
+        gw = config.gateway
+        # One salt per fleet, shared by its replicas (through the environment: argv is public)
+        # and its gateway, so that the router's block hashes are the replicas' own.
+        if not gw.kv_salt:
+            gw.kv_salt = os.environ.get(KV_SALT_ENV) or secrets.token_hex(16)
         self.log_dir = tempfile.mkdtemp(prefix="shoal-fleet-")
         self.replicas: list[LocalReplica] = []
         for i in range(config.replicas):
@@ -50,35 +108,81 @@ class LocalLauncher:
         self._task: asyncio.Task | None = None
         self.registry: Registry | None = None
 
-    def _spawn(self, r: LocalReplica) -> None:
+    def busy_ports(self) -> list[int]:
+        return [r.port for r in self.replicas if port_in_use(r.port)]
+
+    def _command(self, r: LocalReplica) -> list[str]:
         cfg = self.config
         cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(r.port), *cfg.replica_args]
         if cfg.model:
             cmd.insert(4, cfg.model)
         if cfg.gateway.replica_key:
             cmd += ["--api-key", cfg.gateway.replica_key]
+        return cmd
+
+    def _start(self, r: LocalReplica) -> bool:
+        """Starts `r` unless its port is taken (then it shows as port_in_use until it is free)."""
+        if port_in_use(r.port):
+            rep = self.registry.replicas.get(r.name)
+            if rep is None or rep.state != "port_in_use":
+                log.warning("%s: port %d is in use by another process; not starting it", r.name, r.port)
+            self.registry.port_in_use(
+                r.name, f"port {r.port} is in use by another process; {r.name} waits for it to be free"
+            )
+            return False
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            KV_SALT_ENV: self.config.gateway.kv_salt,
+            PARENT_PID_ENV: str(os.getpid()),
+        }
         with open(r.log_path, "a") as out:
-            r.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.registry.add(r.name, r.url, r.proc.pid)
+            r.proc = subprocess.Popen(
+                self._command(r),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops them
+                preexec_fn=_die_with_parent(),  # only prctl runs between fork and exec
+            )
+        r.started_at = time.monotonic()
+        rep = self.registry.add(r.name, r.url, r.proc.pid, r.proc.poll)
+        rep.restarts = r.restarts
+        return True
 
     async def start(self, registry: Registry) -> None:
+        """Called on the event loop's thread, which spawns every replica (see _die_with_parent)."""
         self.registry = registry
         for r in self.replicas:
-            self._spawn(r)
+            registry.add(r.name, r.url)
+            self._start(r)
         self._task = asyncio.create_task(self._supervise())
+
+    def _backoff(self, r: LocalReplica, now: float) -> float:
+        cfg = self.config
+        if now - r.started_at >= cfg.restart_reset_after_s:
+            r.quick_deaths = 0
+        delay = min(cfg.restart_backoff_max_s, cfg.restart_backoff_s * 2**r.quick_deaths)
+        r.quick_deaths += 1
+        return delay
 
     async def _supervise(self) -> None:
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            now = time.monotonic()
             for r in self.replicas:
-                if r.proc is not None and r.proc.poll() is not None:
-                    code = r.proc.returncode
-                    log.warning("%s exited with %s; restarting", r.name, code)
-                    self.registry.mark_down(r.name, f"process exited with {code}")
+                if r.proc is not None:
+                    code = r.proc.poll()
+                    if code is None:
+                        continue
+                    self.registry.mark_down(r.name, f"process exited with {code}", code)
                     r.proc = None
                     r.restarts += 1
-                    await asyncio.sleep(self.config.restart_backoff_s)
-                    self._spawn(r)
+                    delay = self._backoff(r, now)
+                    r.next_start = now + delay
+                    log.warning("%s exited with %s; restarting in %.1f s", r.name, code, delay)
+                elif now >= r.next_start and not self._start(r):
+                    r.next_start = now + PORT_RECHECK_S
 
     async def stop(self) -> None:
         if self._task is not None:

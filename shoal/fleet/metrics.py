@@ -30,6 +30,11 @@ class GatewayMetrics:
             "Streams continued on another replica after a failure mid-stream.",
             registry=r,
         )
+        self.poison = Counter(
+            "shoal:gateway_poison_requests",
+            "Requests that took a replica down and were failed instead of sent to another.",
+            registry=r,
+        )
         self.ejections = Counter(
             "shoal:gateway_ejections", "Circuit breaker openings.", ["replica"], registry=r
         )

@@ -1,24 +1,32 @@
-"""Forwards OpenAI requests to replicas: retries before the first byte, continuation after it."""
+"""Forwards OpenAI requests to replicas: retries where the request provably did not run (or the
+replica said so), continuation of streams after the first byte, no second replica for poison.
+
+Timeouts: `first_byte_timeout_s` for a stream's headers and first event, `stream_idle_timeout_s`
+between events, `request_timeout_s` for the whole of a non-streamed request. A timeout on a
+replica that still passes probes is not held against it, and a non-streamed request that timed
+out is not run again (it may still be running). A replica marked down (probe failure) interrupts
+its requests at once: streams continue elsewhere, non-streamed requests run again elsewhere.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.poison import PoisonGuard, fingerprint, poison_error
 from shoal.fleet.policies import RouteRequest
 from shoal.fleet.registry import NoReplicaError, Registry
 from shoal.fleet.replica import Replica
-from shoal.fleet.stream_state import StreamState
-from shoal.protocol.block_hash import hash_blocks
-from shoal.protocol.errors import error_body
+from shoal.fleet.upstream import Attempt, Outcome, error_outcome
+from shoal.protocol.errors import APIError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +40,7 @@ HOP_HEADERS = {
     "server",
     "date",
 }
-
-
-class UpstreamBroken(Exception):
-    """A replica failed mid-stream (connection lost, in-band error, or no [DONE])."""
+ENCODE_INLINE_BYTES = 64 * 1024  # larger bodies are serialized (and fingerprinted) on a thread
 
 
 @dataclass
@@ -46,22 +51,25 @@ class Forward:
     route: RouteRequest
     started: float
     size: int = 0  # bytes of the client's body
+    fp: str | None = field(default=None, repr=False)  # fingerprint, computed when needed
 
 
-def _unavailable(message: str) -> JSONResponse:
+def unavailable(message: str) -> JSONResponse:
     return JSONResponse(
         error_body(503, message, code="no_replica"), status_code=503, headers={"Retry-After": "1"}
     )
 
 
-def _sse_error(status: int, message: str) -> str:
-    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n"
+def passthrough(resp: httpx.Response, content: bytes) -> Response:
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+    return Response(content, status_code=resp.status_code, headers=headers)
 
 
-async def _sse_data(resp: httpx.Response) -> AsyncIterator[str]:
-    async for line in resp.aiter_lines():
-        if line.startswith("data:"):
-            yield line[5:].strip()
+def _json_or_none(content: bytes):
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
 
 
 class Proxy:
@@ -70,17 +78,19 @@ class Proxy:
         self.registry = registry
         self.metrics = metrics
         key = config.replica_key
+        # Deadlines are the attempt's own (see Attempt.deadline); httpx only bounds connecting.
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.first_byte_timeout_s, connect=config.connect_timeout_s),
+            timeout=httpx.Timeout(None, connect=config.connect_timeout_s, pool=config.queue_timeout_s),
             limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500),
             headers={"authorization": f"Bearer {key}"} if key else None,
         )
+        self.guard = PoisonGuard(config.poison_ttl_s)
         self._retry_tokens = 3.0
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    def _may_retry(self, reason: str) -> bool:
+    def may_retry(self, reason: str) -> bool:
         # A retry budget: each request earns a fraction of a retry, so a sick fleet is not hammered.
         if self._retry_tokens < 1:
             return False
@@ -88,162 +98,167 @@ class Proxy:
         self.metrics.retries.labels(reason).inc()
         return True
 
-    def _wants_token_ids(self, replica: Replica) -> bool:
+    def wants_token_ids(self, replica: Replica) -> bool:
         return replica.kv_events  # a shoal replica: it can return token ids for continuation
 
-    async def _open(
-        self, replica: Replica, path: str, body: dict, headers: dict, stream: bool
-    ) -> httpx.Response:
-        req = self.client.build_request("POST", replica.url + path, json=body, headers=headers)
-        return await self.client.send(req, stream=stream)
+    async def fingerprint(self, fwd: Forward) -> str:
+        if fwd.fp is None:
+            if fwd.size > ENCODE_INLINE_BYTES:
+                fwd.fp = await asyncio.to_thread(fingerprint, fwd.path, fwd.body)
+            else:
+                fwd.fp = fingerprint(fwd.path, fwd.body)
+        return fwd.fp
+
+    async def encode(self, body: dict, size: int) -> bytes:
+        if size > ENCODE_INLINE_BYTES:
+            return await asyncio.to_thread(lambda: json.dumps(body, ensure_ascii=False).encode())
+        return json.dumps(body, ensure_ascii=False).encode()
+
+    async def send(self, replica: Replica, path: str, content: bytes, headers: dict) -> httpx.Response:
+        req = self.client.build_request(
+            "POST",
+            replica.url + path,
+            content=content,
+            headers={**headers, "content-type": "application/json"},
+        )
+        return await self.client.send(req, stream=True)
+
+    async def judge_death(self, fwd: Forward, attempt: Attempt, outcome: Outcome, seen: dict) -> str:
+        """After an attempt ended with its replica possibly dead: "retry" (the replica is fine, or
+        the request came after the death), "continue" (struck once), or "poison". `seen` maps the
+        deaths already judged for this request to their verdict: one verdict per death."""
+        r = attempt.replica
+        if outcome.kind == "engine_dead":
+            self.registry.mark_down(r.name, f"engine died: {outcome.message}")
+            death = r.death
+        elif outcome.kind == "interrupted":
+            death = r.death
+        else:
+            death = await self.registry.fate(r)
+        if death is None:
+            return "retry"
+        key = id(death)
+        if key not in seen:
+            if death.suspects and attempt not in death.suspects:
+                seen[key] = "retry"  # it reached a replica that was already dead
+            else:
+                fp = await self.fingerprint(fwd)
+                poison = self.guard.judge(fp, death, attempt, outcome.kind == "engine_dead")
+                seen[key] = "poison" if poison else "continue"
+                if poison:
+                    self.metrics.poison.inc()
+                    log.warning("poison request %s: %s died under it (%s)", fp[:12], r.name, death.reason)
+        return seen[key]
+
+    # --- requests ------------------------------------------------------------------------
 
     async def handle(self, fwd: Forward) -> Response:
         self._retry_tokens = min(10.0, self._retry_tokens + self.config.retry_budget)
-        stream = bool(fwd.body.get("stream"))
+        if self.guard.active:
+            left = self.guard.refused(await self.fingerprint(fwd))
+            if left:
+                self.metrics.e2e.observe(time.monotonic() - fwd.started)
+                return poison_error(
+                    f"this request took a replica down; identical requests are refused for {left:.0f} s"
+                ).response()
+        if fwd.body.get("stream") is True:
+            from shoal.fleet.relay import Relay  # relay imports this module
+
+            return await Relay(self, fwd).start()
+        try:
+            return await self._unary(fwd)
+        finally:
+            self.metrics.e2e.observe(time.monotonic() - fwd.started)
+
+    async def _unary(self, fwd: Forward) -> Response:
+        cfg = self.config
         tried: set[str] = set()
+        seen: dict = {}
         last: Response | None = None
-        for attempt in range(self.config.max_retries + 1):
+        content_out = await self.encode(fwd.body, fwd.size)
+        for attempt_no in range(cfg.max_retries + 1):
+            can_retry = attempt_no < cfg.max_retries
             try:
                 replica = await self.registry.acquire(fwd.route, tried)
             except NoReplicaError as exc:
                 if last is None:
                     self.metrics.rejections.inc()
-                    last = _unavailable(str(exc))
+                    last = unavailable(str(exc))
                 break
             tried.add(replica.name)
-            body = dict(fwd.body)
-            if stream and self._wants_token_ids(replica):
-                body["return_token_ids"] = True
+            attempt = Attempt(replica)
             try:
-                resp = await self._open(replica, fwd.path, body, fwd.headers, stream=True)
-                if not stream or resp.status_code != 200:  # a body to pass on or retry, never relayed
-                    content = await resp.aread()
-                    await resp.aclose()
-            except httpx.HTTPError as exc:
-                await self.registry.release(replica, False, f"{type(exc).__name__} before the first byte")
-                last = _unavailable(f"replica {replica.name} failed: {type(exc).__name__}")
-                if attempt < self.config.max_retries and self._may_retry("connect"):
-                    continue
-                break
-            if resp.status_code >= 500:
-                # A 503 is a busy replica shedding load: try another, but it is not sick.
-                busy = resp.status_code == 503
-                await self.registry.release(replica, busy, f"HTTP {resp.status_code}")
-                last = self._passthrough(resp, content)
-                if attempt < self.config.max_retries and self._may_retry(f"http_{resp.status_code}"):
-                    continue
-                break
-            if not stream or resp.status_code != 200:
-                await self.registry.release(replica, True)  # 4xx is the client's doing, not the replica's
-                self.metrics.e2e.observe(time.monotonic() - fwd.started)
-                out = self._passthrough(resp, content)
-                out.headers["x-replica"] = replica.name
+                out = await self._try_unary(fwd, attempt, content_out, seen)
+            finally:
+                attempt.done()  # only now: a death judged above must count it among its suspects
+            if isinstance(out, Response):
                 return out
-            state = StreamState(
-                chat=fwd.path.endswith("chat/completions"),
-                body=fwd.body,
-                client_wants_ids=bool(fwd.body.get("return_token_ids")),
-            )
-            return StreamingResponse(
-                self._relay(fwd, replica, resp, state, tried),
-                media_type="text/event-stream",
-                headers={
-                    "x-replica": replica.name,
-                    **({"x-request-id": rid} if (rid := resp.headers.get("x-request-id")) else {}),
-                },
-            )
-        self.metrics.e2e.observe(time.monotonic() - fwd.started)
-        return last or _unavailable("no replica could serve the request")
+            retry, last = out
+            if not can_retry:
+                break
+            if retry in ("interrupted", "dropped", "engine_dead"):
+                # Its replica died: running it once more is the continuation the poison rule allows.
+                self.metrics.retries.labels(retry).inc()
+            elif not self.may_retry(retry):
+                break
+        return last or unavailable("no replica could serve the request")
 
-    def _passthrough(self, resp: httpx.Response, content: bytes) -> Response:
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
-        return Response(content, status_code=resp.status_code, headers=headers)
-
-    async def _relay(
-        self, fwd: Forward, replica: Replica, resp: httpx.Response, state: StreamState, tried: set[str]
-    ) -> AsyncIterator[str]:
-        first = True
+    async def _try_unary(
+        self, fwd: Forward, attempt: Attempt, content_out: bytes, seen: dict
+    ) -> Response | tuple[str | None, Response]:
+        """One attempt: the client's response, or (why to retry or None, the response so far)."""
+        cfg = self.config
+        replica = attempt.replica
         try:
-            while True:
+            async with attempt.deadline(cfg.request_timeout_s):
+                resp = await self.send(replica, fwd.path, content_out, fwd.headers)
                 try:
-                    done = False
-                    async for data in _sse_data(resp):
-                        if data == "[DONE]":
-                            done = True
-                            break
-                        obj = json.loads(data)
-                        if "error" in obj:
-                            raise UpstreamBroken(obj["error"].get("message", "in-band error"))
-                        out = state.relay(obj)
-                        if first:
-                            self.metrics.ttft.observe(time.monotonic() - fwd.started)
-                            first = False
-                        yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
-                    if not done:
-                        raise UpstreamBroken("the stream ended without [DONE]")
-                    await self.registry.release(replica, True)
-                    replica = None
-                    yield "data: [DONE]\n\n"
-                    return
-                except (httpx.HTTPError, UpstreamBroken, json.JSONDecodeError) as exc:
+                    content = await resp.aread()
+                finally:
                     await resp.aclose()
-                    await self.registry.release(replica, False, f"mid-stream: {type(exc).__name__}: {exc}")
-                    replica = None
-                    log.warning("stream broke after %d chunks: %s", state.chunks, exc)
-                    if not state.can_continue:
-                        yield _sse_error(502, f"the replica failed mid-stream: {exc}")
-                        return
-                    replica, resp = await self._continue(fwd, state, tried)
-                    if replica is None:
-                        yield _sse_error(503, "no replica left to continue the stream")
-                        return
-                    self.metrics.failovers.inc()
-        finally:
-            if replica is not None:  # the client went away mid-stream
-                await resp.aclose()
-                await self.registry.release(replica, True)
-            self.metrics.e2e.observe(time.monotonic() - fwd.started)
+        except (httpx.HTTPError, TimeoutError) as exc:
+            outcome = attempt.outcome(exc)
+            if outcome.kind == "timeout":
+                await self.registry.release(replica, None)  # slow, not sick: not held against it
+                return APIError(
+                    504,
+                    f"replica {replica.name} did not answer within {cfg.request_timeout_s:.0f} s; "
+                    "the request was not sent elsewhere (it may still be running)",
+                    code="timeout",
+                ).response()
+            await self.registry.release(replica, False, outcome.message)
+            last = unavailable(f"replica {replica.name} failed: {outcome.message}")
+            if outcome.kind == "not_sent":
+                return "connect", last
+            verdict = await self.judge_death(fwd, attempt, outcome, seen)
+            if verdict == "poison":
+                return poison_error(f"this request took replica {replica.name} down").response()
+            return outcome.kind, last
+        if resp.status_code >= 500:
+            answer = await self._replica_error(fwd, attempt, resp, content, seen)
+            if answer is not None:
+                return answer
+            return f"http_{resp.status_code}", passthrough(resp, content)
+        await self.registry.release(replica, True)  # 4xx is the client's doing, not the replica's
+        out = passthrough(resp, content)
+        out.headers["x-replica"] = replica.name
+        return out
 
-    async def _continue(self, fwd: Forward, state: StreamState, tried: set[str]):
-        """Opens the rest of the stream on another replica: the original request when nothing was
-        streamed yet, else a completion of prompt + streamed tokens."""
-        for _ in range(self.config.max_retries + 1):
-            if state.chunks == 0:
-                route, path, body = fwd.route, fwd.path, dict(fwd.body)
-            else:
-                ids = state.prompt_ids + state.ids
-                route = RouteRequest(hash_blocks(ids, self.registry.block_size), fwd.route.session)
-                path, body = "/v1/completions", state.continuation_body()
-            try:
-                replica = await self.registry.acquire(route, tried)
-            except NoReplicaError:
-                return None, None
-            tried.add(replica.name)
-            if state.chunks == 0 and self._wants_token_ids(replica):
-                body["return_token_ids"] = True
-            try:
-                pending = await self._held_back_text(replica, state) if state.chunks else ""
-                resp = await self._open(replica, path, body, fwd.headers, stream=True)
-            except httpx.HTTPError as exc:
-                await self.registry.release(replica, False, f"continuation: {type(exc).__name__}")
-                continue
-            if resp.status_code != 200:
-                await resp.aread()
-                await resp.aclose()
-                await self.registry.release(
-                    replica, resp.status_code < 500, f"continuation: HTTP {resp.status_code}"
-                )
-                continue
-            if state.chunks:
-                state.begin_continuation(pending)
-            return replica, resp
-        return None, None
-
-    async def _held_back_text(self, replica: Replica, state: StreamState) -> str:
-        """Text of the streamed tokens that the failed replica had not sent yet (an incomplete
-        character at the cut), so the client's text stays whole."""
-        r = await self.client.post(
-            replica.url + "/detokenize", json={"tokens": state.ids, "skip_special_tokens": True}, timeout=5
-        )
-        full = r.json().get("prompt", "") if r.status_code == 200 else ""
-        return full[len(state.text) :] if full.startswith(state.text) else ""
+    async def _replica_error(self, fwd: Forward, attempt: Attempt, resp, content: bytes, seen: dict):
+        """A 5xx answer: None to retry it elsewhere, or the response to give the client."""
+        replica = attempt.replica
+        outcome = error_outcome(_json_or_none(content))
+        if outcome.kind == "internal_error" and resp.status_code == 500:
+            # The engine failed this request alone and went on: it would fail anywhere.
+            await self.registry.release(replica, True)
+            self.guard.strike(await self.fingerprint(fwd))
+            return passthrough(resp, content)
+        if outcome.kind == "engine_dead":
+            await self.registry.release(replica, False, f"HTTP {resp.status_code}: {outcome.message}")
+            verdict = await self.judge_death(fwd, attempt, outcome, seen)
+            if verdict == "poison":
+                return poison_error(f"this request took replica {replica.name} down").response()
+            return None
+        # A 503 is a busy replica shedding load: try another, but it is not sick.
+        await self.registry.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}")
+        return None

@@ -13,7 +13,7 @@ from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.policies import Policy, RouteRequest
 from shoal.fleet.prefix_index import PrefixIndex
-from shoal.fleet.replica import Replica, ReplicaState
+from shoal.fleet.replica import Death, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +33,65 @@ class Registry:
         self._waiters = 0
         self._tasks: list[asyncio.Task] = []
         self.client: httpx.AsyncClient | None = None
+        self.kv_root = 0  # root of the prompt block hashes (the deployment's salt), set by the gateway
 
-    def add(self, name: str, url: str, pid: int | None = None) -> Replica:
+    def add(self, name: str, url: str, pid: int | None = None, proc_exit=None) -> Replica:
+        """A replica, or a new life of one (its process restarted): probes decide when it is ready."""
         r = self.replicas.get(name)
         if r is None:
             r = self.replicas[name] = Replica(name, url.rstrip("/"))
         r.pid = pid
+        if proc_exit is not None:
+            r.proc_exit = proc_exit
+            r.state, r.death, r.note, r.probe_misses = ReplicaState.LOADING, None, None, 0
         return r
 
-    def mark_down(self, name: str, reason: str) -> None:
+    def witness(self, r: Replica, reason: str, exit_code: int | None = None) -> Death:
+        """Records (once per life) that `r` died, with the requests in flight on it then."""
+        if r.death is None:
+            r.death = Death(time.monotonic(), reason, frozenset(r.attempts), exit_code)
+        elif exit_code is not None:
+            r.death.exit_code = exit_code
+        return r.death
+
+    def mark_down(self, name: str, reason: str, exit_code: int | None = None) -> None:
+        """Takes a replica out of routing and fails over every request relayed from it at once."""
         r = self.replicas[name]
+        if r.state != ReplicaState.DOWN:
+            r.recent_errors.append((time.time(), reason))
         r.state = ReplicaState.DOWN
-        r.recent_errors.append((time.time(), reason))
+        self.witness(r, reason, exit_code)
         self.index.reset(name)
+        for attempt in list(r.attempts):
+            attempt.interrupt()
+
+    def port_in_use(self, name: str, note: str) -> None:
+        r = self.replicas[name]
+        if r.state != ReplicaState.PORT_IN_USE:
+            r.recent_errors.append((time.time(), note))
+        r.state, r.note, r.pid, r.proc_exit = ReplicaState.PORT_IN_USE, note, None, None
+        self.index.reset(name)
+
+    async def fate(self, r: Replica, exit_wait_s: float = 0.5) -> Death | None:
+        """After a connection to `r` dropped: whether it died (None: it is alive and well, the
+        connection alone failed). A dead process's exit code is waited for briefly: it tells a
+        crash from a kill."""
+        if r.death is None:
+            try:
+                health = await self.client.get(r.url + "/health", timeout=self.config.probe_timeout_s)
+                alive = health.status_code == 200
+            except httpx.HTTPError:
+                alive = False
+            if alive and r.process_alive:
+                return None
+            self.mark_down(r.name, "a request's connection dropped and /health failed")
+        if r.proc_exit is not None and r.death.exit_code is None:
+            deadline = time.monotonic() + exit_wait_s
+            while (code := r.proc_exit()) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if code is not None:
+                r.death.exit_code = code
+        return r.death
 
     # --- background loops ----------------------------------------------------------------
 
@@ -81,18 +127,42 @@ class Registry:
 
     async def _probe(self, r: Replica) -> None:
         """Active checks: /health says alive, /ready says loaded. The circuit breaker is left to
-        passive checks, since a replica can pass probes and still fail requests."""
+        passive checks, since a replica can pass probes and still fail requests.
+
+        A replica the fleet started is only ever probed while its own process runs: after a crash
+        of the supervisor, an orphan of the old fleet may still answer on the port, and what
+        answers there is not ours to route to."""
+        if r.state == ReplicaState.PORT_IN_USE:
+            return
+        if not r.process_alive:
+            if r.state != ReplicaState.DOWN:
+                self.mark_down(r.name, f"process exited with {r.proc_exit()}", r.proc_exit())
+            return
+        timeout = self.config.probe_timeout_s
         try:
-            health = await self.client.get(r.url + "/health", timeout=1.0)
+            health = await self.client.get(r.url + "/health", timeout=timeout)
             ready = (
-                await self.client.get(r.url + "/ready", timeout=1.0) if health.status_code == 200 else None
+                await self.client.get(r.url + "/ready", timeout=timeout)
+                if health.status_code == 200
+                else None
             )
-        except httpx.HTTPError as exc:
+        except httpx.TimeoutException as exc:
+            # Frozen (SIGSTOP, a stuck event loop) or just slow: down after a few misses in a row.
+            r.probe_misses += 1
+            if r.probe_misses >= self.config.probe_misses and r.state != ReplicaState.DOWN:
+                self.mark_down(r.name, f"probe: {type(exc).__name__} {r.probe_misses} times")
+            return
+        except httpx.HTTPError as exc:  # refused or reset: nothing serves there now
+            if r.state == ReplicaState.LOADING and r.proc_exit is not None:
+                return  # our process, still starting
             if r.state != ReplicaState.DOWN:
                 self.mark_down(r.name, f"probe: {type(exc).__name__}")
             return
+        r.probe_misses = 0
+        if not r.process_alive:
+            return  # it exited while the probe ran: whatever answered is not ours
         if health.status_code != 200:
-            if r.state != ReplicaState.DOWN:
+            if r.state not in (ReplicaState.DOWN, ReplicaState.LOADING):
                 self.mark_down(r.name, f"probe: /health {health.status_code}")
             return
         is_ready = ready is not None and ready.status_code in (200, 404)  # 404: a server without /ready
@@ -100,13 +170,14 @@ class Registry:
             r.state = ReplicaState.READY if is_ready else ReplicaState.LOADING
             if is_ready:
                 r.consecutive_failures = 0
+                r.death = None  # a new life
                 async with self._changed:
                     self._changed.notify_all()
         elif not is_ready and r.state == ReplicaState.READY:
             r.state = ReplicaState.LOADING
 
     async def _poll_load(self, r: Replica) -> None:
-        if r.state == ReplicaState.DOWN or r.load.get("unsupported"):
+        if r.state in (ReplicaState.DOWN, ReplicaState.PORT_IN_USE) or r.load.get("unsupported"):
             return
         try:
             resp = await self.client.get(r.url + "/load", timeout=1.0)
@@ -118,7 +189,7 @@ class Registry:
             r.load = resp.json()
 
     async def _poll_kv(self, r: Replica) -> None:
-        if r.state == ReplicaState.DOWN:
+        if r.state in (ReplicaState.DOWN, ReplicaState.PORT_IN_USE):
             return
         try:
             resp = await self.client.get(r.url + "/kv_events", params={"after": r.kv_cursor}, timeout=1.0)
@@ -190,11 +261,15 @@ class Registry:
             if queued:
                 self._waiters -= 1
 
-    async def release(self, r: Replica, ok: bool, reason: str = "") -> None:
+    async def release(self, r: Replica, ok: bool | None, reason: str = "") -> None:
+        """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
+        neither (a timeout on a replica that still passes probes)."""
         r.inflight -= 1
         self.metrics.inflight.labels(r.name).set(r.inflight)
         if ok:
             r.on_success()
+        elif ok is None:
+            r.trial_inflight = False
         elif r.on_failure(reason, self.config.eject_after_errors, self.config.eject_for_s):
             self.metrics.ejections.labels(r.name).inc()
             log.warning("replica %s ejected after: %s", r.name, reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -13,7 +14,19 @@ class ReplicaState(StrEnum):
     READY = "ready"
     EJECTED = "ejected"  # circuit open after consecutive failures
     HALF_OPEN = "half_open"  # one trial request decides
-    DOWN = "down"  # unreachable or unhealthy by probe
+    DOWN = "down"  # unreachable or unhealthy by probe, or its process exited (restart pending)
+    PORT_IN_USE = "port_in_use"  # another process holds its port: the launcher does not start it
+
+
+@dataclass
+class Death:
+    """The end of one life of a replica (it died, froze or its engine failed), as first seen.
+    `suspects` are the attempts in flight on it then: the requests that may have caused it."""
+
+    at: float
+    reason: str
+    suspects: frozenset = frozenset()
+    exit_code: int | None = None  # of its process, when the launcher saw it exit
 
 
 @dataclass
@@ -33,6 +46,18 @@ class Replica:
     kv_instance: str | None = None
     kv_cursor: int = 0
     block_size: int | None = None
+    # Lifecycle, for replicas the fleet starts itself: the process's exit code (None while it runs),
+    # a note such as "port in use", restarts so far.
+    proc_exit: Callable[[], int | None] | None = None
+    note: str | None = None
+    restarts: int = 0
+    probe_misses: int = 0
+    attempts: set = field(default_factory=set)  # requests in flight, interrupted when it goes down
+    death: Death | None = None
+
+    @property
+    def process_alive(self) -> bool:
+        return self.proc_exit is None or self.proc_exit() is None
 
     @property
     def outstanding(self) -> float:
@@ -84,4 +109,6 @@ class Replica:
             "recent_errors": [{"time": t, "error": e} for t, e in self.recent_errors],
             "pid": self.pid,
             "kv_events": self.kv_events,
+            "restarts": self.restarts,
+            "note": self.note,
         }

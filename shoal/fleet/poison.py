@@ -1,0 +1,127 @@
+"""Poison requests: a request that takes replicas down must not be handed from one to the next.
+
+Every request present when its replica died gets a strike against its fingerprint (path and
+canonical body), kept for `poison_ttl_s`. The rule, per death:
+
+- It was struck before (this death is its second): poison. So a request is continued or re-run
+  after a replica's death at most once: a kill -9 from outside costs an innocent request nothing,
+  a request that kills whatever serves it kills at most two replicas.
+- The death was a crash (the replica said its engine died under the request, or its process
+  exited on its own rather than by a signal) and the request is the prime suspect: the only
+  request in flight there, or the only one that had not produced a token yet (crashes strike when
+  a request is first scheduled; one that has streamed for a while is unlikely the cause): poison
+  at once, so it kills only the one replica.
+- Else (a kill, a freeze, a crash with other suspects): continue elsewhere, once.
+
+A poison request fails once with 500 `poison_request`, and the same fingerprint is then refused
+at the door until the strike expires: a client's automatic retries are cheap and kill nothing.
+A request the replica failed on its own (`internal_error`: the engine isolated it and went on) is
+not retried either, and is struck, so that a second such failure also convicts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from shoal.fleet.replica import Death
+from shoal.protocol.errors import APIError
+
+# Exit by these signals is someone ending the process; anything else it did itself.
+KILL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+MAX_ENTRIES = 100_000
+
+
+def fingerprint(path: str, body: dict) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"{path}\0{canonical}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def crashed(death: Death, reported_engine_dead: bool) -> bool:
+    """Whether the replica failed by itself (vs. killed or frozen from outside)."""
+    if reported_engine_dead:
+        return True
+    code = death.exit_code
+    return code is not None and (code >= 0 or -code not in KILL_SIGNALS)
+
+
+def poison_error(message: str) -> APIError:
+    return APIError(500, message, code="poison_request")
+
+
+@dataclass
+class _Entry:
+    strikes: int
+    expires: float
+    convicted: bool = False
+
+
+class PoisonGuard:
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+
+    def _live(self, fp: str) -> _Entry | None:
+        e = self._entries.get(fp)
+        if e is not None and e.expires < time.monotonic():
+            del self._entries[fp]
+            return None
+        return e
+
+    @property
+    def active(self) -> bool:
+        """Whether any fingerprint is held (else requests need not be fingerprinted at all)."""
+        while self._entries:
+            fp, e = next(iter(self._entries.items()))
+            if e.expires >= time.monotonic():
+                return True
+            del self._entries[fp]
+        return False
+
+    def refused(self, fp: str) -> float:
+        """Seconds for which this fingerprint is still refused, or 0."""
+        e = self._live(fp)
+        return max(0.0, e.expires - time.monotonic()) if e is not None and e.convicted else 0.0
+
+    def strike(self, fp: str) -> int:
+        e = self._live(fp) or _Entry(0, 0.0)
+        e.strikes += 1
+        e.expires = time.monotonic() + self.ttl_s
+        self._entries[fp] = e
+        self._entries.move_to_end(fp)
+        while len(self._entries) > MAX_ENTRIES:
+            self._entries.popitem(last=False)
+        return e.strikes
+
+    def convict(self, fp: str) -> None:
+        e = self._live(fp)
+        if e is None:
+            self.strike(fp)
+            e = self._entries[fp]
+        e.convicted = True
+        e.expires = time.monotonic() + self.ttl_s
+
+    def judge(self, fp: str, death: Death, attempt, engine_dead: bool) -> bool:
+        """Strikes the request for `death`; True when it is poison now (see the module doc)."""
+        strikes = self.strike(fp)
+        if strikes >= 2:
+            self.convict(fp)
+            return True
+        if crashed(death, engine_dead) and _prime_suspect(death, attempt):
+            self.convict(fp)
+            return True
+        return False
+
+
+def _prime_suspect(death: Death, attempt) -> bool:
+    suspects = death.suspects or frozenset({attempt})
+    if attempt not in suspects:
+        return False
+    if len(suspects) == 1:
+        return True
+    fresh = [a for a in suspects if a.tokens == 0]
+    return fresh == [attempt]

@@ -1,0 +1,274 @@
+"""A streamed request: opened before the first byte (with retries), relayed, and continued on
+other replicas when its replica dies, one resume request per unfinished choice, merged back into
+the client's one stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from shoal.fleet.policies import RouteRequest
+from shoal.fleet.proxy import Forward, Proxy, passthrough, unavailable
+from shoal.fleet.registry import NoReplicaError
+from shoal.fleet.replica import ReplicaState
+from shoal.fleet.stream_state import ORIGINAL, StreamState, Tag
+from shoal.fleet.upstream import Attempt, Outcome, sse_events
+from shoal.protocol.block_hash import hash_blocks
+from shoal.protocol.errors import error_body
+
+log = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class StopRelay(Exception):
+    """Ends the client's stream with an in-band error."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.event = sse(error_body(status, message, code=code))
+
+
+class Upstream:
+    def __init__(self, attempt: Attempt, resp: httpx.Response, tag: Tag, with_ids: bool):
+        self.attempt = attempt
+        self.resp = resp
+        self.tag = tag
+        self.with_ids = with_ids  # asked for token ids: its output can be continued exactly
+        self.released = False
+
+    @property
+    def replica(self):
+        return self.attempt.replica
+
+
+class Relay:
+    def __init__(self, proxy: Proxy, fwd: Forward):
+        self.proxy = proxy
+        self.fwd = fwd
+        self.cfg = proxy.config
+        self.registry = proxy.registry
+        self.metrics = proxy.metrics
+        self.state = StreamState(fwd.path, fwd.body)
+        self.failed: set[str] = set()  # replicas that failed this request: not tried again
+        self.seen: dict = {}  # deaths already judged for this request
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self.pumps: dict[Upstream, asyncio.Task] = {}
+        self.upstreams: list[Upstream] = []
+        self.ids_complete = True  # every upstream so far gave token ids
+        self.first_event = True
+
+    # --- opening -------------------------------------------------------------------------
+
+    async def start(self) -> Response:
+        up = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=True)
+        if not isinstance(up, Upstream):
+            self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
+            return up
+        self.launch(up)
+        rid = up.resp.headers.get("x-request-id")
+        return StreamingResponse(
+            self.run(),
+            media_type="text/event-stream",
+            headers={"x-replica": up.replica.name, **({"x-request-id": rid} if rid else {})},
+        )
+
+    async def open(self, tag: Tag, route: RouteRequest, body: dict, budget: bool) -> Upstream | Response:
+        """A replica's stream for `body`, trying others while it provably did not run there (or
+        the replica said so). `budget`: retries draw on the retry budget (before the first byte)."""
+        cfg, proxy = self.cfg, self.proxy
+        last: Response | None = None
+        for attempt_no in range(cfg.max_retries + 1):
+            try:
+                replica = await self.registry.acquire(route, self.failed)
+            except NoReplicaError as exc:
+                if last is None:
+                    self.metrics.rejections.inc()
+                    last = unavailable(str(exc))
+                break
+            with_ids = bool(body.get("return_token_ids")) or proxy.wants_token_ids(replica)
+            out = {**body, "return_token_ids": True} if with_ids else body
+            content = await proxy.encode(out, self.fwd.size)
+            attempt = Attempt(replica)
+            try:
+                async with attempt.deadline(cfg.first_byte_timeout_s):
+                    resp = await proxy.send(replica, self.fwd.path, content, self.fwd.headers)
+                    if resp.status_code != 200:
+                        try:
+                            data = await resp.aread()
+                        finally:
+                            await resp.aclose()
+            except (httpx.HTTPError, TimeoutError) as exc:
+                attempt.done()
+                outcome = attempt.outcome(exc)
+                # Headers come once the replica admitted the request: until then it did not run.
+                timeout = outcome.kind == "timeout"
+                await self.registry.release(replica, None if timeout else False, outcome.message)
+                self.failed.add(replica.name)
+                last = unavailable(f"replica {replica.name} failed: {outcome.message}")
+                reason = "connect" if outcome.kind == "not_sent" else outcome.kind
+                if attempt_no < cfg.max_retries and (not budget or proxy.may_retry(reason)):
+                    continue
+                break
+            if resp.status_code != 200:
+                attempt.done()
+                if resp.status_code < 500:  # the client's doing (or a resume the replica refused)
+                    await self.registry.release(replica, True)
+                    out_resp = passthrough(resp, data)
+                    out_resp.headers["x-replica"] = replica.name
+                    return out_resp
+                # Refused before the stream began, so it did not run: any 5xx may go elsewhere.
+                busy = resp.status_code == 503
+                await self.registry.release(replica, busy, f"HTTP {resp.status_code}")
+                self.failed.add(replica.name)
+                last = passthrough(resp, data)
+                reason = f"http_{resp.status_code}"
+                if attempt_no < cfg.max_retries and (not budget or proxy.may_retry(reason)):
+                    continue
+                break
+            self.ids_complete &= with_ids
+            up = Upstream(attempt, resp, tag, with_ids)
+            self.upstreams.append(up)
+            return up
+        return last or unavailable("no replica could serve the request")
+
+    # --- relaying ------------------------------------------------------------------------
+
+    def launch(self, up: Upstream) -> None:
+        self.pumps[up] = asyncio.create_task(self._pump(up))
+
+    async def _pump(self, up: Upstream) -> None:
+        cfg = self.cfg
+        try:
+            async for obj in sse_events(
+                up.resp, up.attempt, cfg.first_byte_timeout_s, cfg.stream_idle_timeout_s
+            ):
+                await self.queue.put((up, obj, None))
+            outcome = None
+        except Exception as exc:  # every failure is reported, as an outcome
+            outcome = up.attempt.outcome(exc)
+        finally:
+            await up.resp.aclose()
+        await self.queue.put((up, None, outcome))
+
+    async def finish(self, up: Upstream, ok: bool | None, reason: str = "") -> None:
+        if not up.released:
+            up.released = True
+            await self.registry.release(up.replica, ok, reason)
+
+    async def run(self):
+        state = self.state
+        try:
+            while self.pumps:
+                up, obj, outcome = await self.queue.get()
+                if obj is not None:
+                    out, tokens = state.relay(up.tag, obj)
+                    up.attempt.tokens += tokens
+                    if out is not None:
+                        if self.first_event:
+                            self.first_event = False
+                            self.metrics.ttft.observe(time.monotonic() - self.fwd.started)
+                        yield sse(out)
+                    continue
+                self.pumps.pop(up, None)
+                if outcome is None:
+                    await self.finish(up, True)
+                    up.attempt.done()
+                    continue
+                await self.recover(up, outcome)
+            usage = state.final_usage()
+            if usage is not None:
+                yield sse(usage)
+            yield SSE_DONE
+        except StopRelay as stop:
+            yield stop.event
+            yield SSE_DONE
+        finally:
+            tasks = list(self.pumps.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for up in self.upstreams:  # the client went away, or the stream was stopped
+                await self.finish(up, None)
+                up.attempt.done()
+            self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
+
+    # --- failover ------------------------------------------------------------------------
+
+    async def recover(self, up: Upstream, outcome: Outcome) -> None:
+        """After `up` failed: continue its unfinished choices elsewhere, or raise StopRelay."""
+        state, r = self.state, up.replica
+        log.warning("stream from %s broke after %d events: %s", r.name, state.events, outcome.message)
+        self.failed.add(r.name)
+        if outcome.kind == "internal_error":
+            # The engine failed this request alone and went on: it would fail anywhere.
+            await self.finish(up, True)
+            self.proxy.guard.strike(await self.proxy.fingerprint(self.fwd))
+            raise StopRelay(500, f"the request failed in the engine: {outcome.message}", "internal_error")
+        await self.finish(up, None if outcome.kind == "timeout" else False, f"mid-stream: {outcome.message}")
+        if outcome.is_death:
+            verdict = await self.proxy.judge_death(self.fwd, up.attempt, outcome, self.seen)
+            if verdict == "poison":
+                raise StopRelay(500, f"this request took replica {r.name} down", "poison_request")
+        up.attempt.done()
+        if up.tag is ORIGINAL and state.events == 0:
+            # Nothing reached the client: the original request, from the start, elsewhere.
+            again = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=False)
+            if not isinstance(again, Upstream):
+                raise StopRelay(503, "no replica left to serve the stream", "no_replica")
+            self.metrics.failovers.inc()
+            self.launch(again)
+            return
+        choices = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
+        for i in choices:
+            if state.choices[i].finished:
+                continue
+            await self._resume(i)
+
+    async def _resume(self, index: int) -> None:
+        state = self.state
+        c = state.choices[index]
+        if not self.ids_complete:
+            raise StopRelay(502, "the replica failed mid-stream and its output cannot be continued")
+        if c.reopened > self.cfg.max_retries:
+            raise StopRelay(502, f"the stream failed {c.reopened + 1} times; giving up")
+        prompt_ids = state.prompt_ids_for(index) or await self._tokenize(index)
+        if prompt_ids is None:
+            raise StopRelay(502, "the replica failed mid-stream before its prompt was known")
+        body, tag = state.resume_body(index, prompt_ids)
+        hashes = hash_blocks(prompt_ids + c.ids, self.registry.block_size, root=self.registry.kv_root)
+        up = await self.open(tag, RouteRequest(hashes, self.fwd.route.session), body, budget=False)
+        if isinstance(up, Response) and up.status_code < 500:
+            raise StopRelay(502, f"the continuation was refused: {up.body.decode(errors='replace')[:300]}")
+        if not isinstance(up, Upstream):
+            raise StopRelay(503, "no replica left to continue the stream", "no_replica")
+        self.metrics.failovers.inc()
+        self.launch(up)
+
+    async def _tokenize(self, index: int) -> list[int] | None:
+        """The prompt's ids from a live replica, for a choice that failed before it said them."""
+        text = self.state.prompt_text_for(index)
+        if text is None:
+            return None
+        for r in self.registry.replicas.values():
+            if r.state == ReplicaState.READY and r.name not in self.failed:
+                try:
+                    resp = await self.proxy.client.post(
+                        r.url + "/tokenize",
+                        json={"model": self.fwd.body.get("model"), "prompt": text},
+                        timeout=self.cfg.first_byte_timeout_s,
+                    )
+                    if resp.status_code == 200:
+                        return resp.json()["tokens"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    continue
+        return None

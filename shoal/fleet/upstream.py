@@ -1,0 +1,125 @@
+"""One request sent to one replica: its deadlines, its interruption when the replica goes down,
+and how it ended when it ended badly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from shoal.fleet.replica import Replica
+
+# Errors that prove the request never reached the replica's application: safe to send elsewhere.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError, httpx.WriteTimeout)
+
+
+@dataclass
+class Outcome:
+    """How an attempt failed.
+
+    kind: "not_sent" (connect or write failed), "timeout" (our deadline, the replica still up),
+    "interrupted" (the registry marked the replica down mid-request), "dropped" (the connection
+    or stream broke), "engine_dead" (the replica says its engine died under the request),
+    "internal_error" (the replica says the request itself failed in the engine), "error" (any
+    other error the replica sent in-band)."""
+
+    kind: str
+    message: str
+
+    @property
+    def is_death(self) -> bool:
+        """The replica may have died under the request (its fault or not)."""
+        return self.kind in ("interrupted", "dropped", "engine_dead")
+
+
+class Attempt:
+    """Registered with its replica while in flight, so that the registry can interrupt it."""
+
+    def __init__(self, replica: Replica):
+        self.replica = replica
+        self.tokens = 0  # output tokens the replica has sent for it
+        self.interrupted = False
+        self._timeout: asyncio.Timeout | None = None
+        replica.attempts.add(self)
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+        if self._timeout is not None:
+            self._timeout.reschedule(asyncio.get_running_loop().time())
+
+    @contextlib.asynccontextmanager
+    async def deadline(self, seconds: float):
+        """Raises TimeoutError past `seconds`, or at once when the replica is marked down."""
+        async with asyncio.timeout(seconds) as cm:
+            self._timeout = cm
+            if self.interrupted:
+                cm.reschedule(asyncio.get_running_loop().time())
+            try:
+                yield
+            finally:
+                self._timeout = None
+
+    def done(self) -> None:
+        self.replica.attempts.discard(self)
+
+    def outcome(self, exc: BaseException) -> Outcome:
+        if isinstance(exc, TimeoutError):
+            if self.interrupted:
+                return Outcome("interrupted", f"replica {self.replica.name} went down")
+            return Outcome("timeout", f"replica {self.replica.name} did not answer in time")
+        if isinstance(exc, NOT_SENT):
+            return Outcome("not_sent", f"replica {self.replica.name}: {type(exc).__name__}")
+        if isinstance(exc, InBandError):
+            return exc.outcome
+        return Outcome("dropped", f"replica {self.replica.name}: {type(exc).__name__}: {exc}")
+
+
+class InBandError(Exception):
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome.message)
+        self.outcome = outcome
+
+
+def error_outcome(body: object) -> Outcome:
+    """The outcome an error body from a replica stands for."""
+    err = body.get("error") if isinstance(body, dict) else None
+    err = err if isinstance(err, dict) else {}
+    code, message = err.get("code"), str(err.get("message") or "error")
+    if code == "engine_dead":
+        return Outcome("engine_dead", message)
+    if code == "internal_error":  # a shoal replica's word: the engine failed this request alone
+        return Outcome("internal_error", message)
+    return Outcome("error", message)
+
+
+async def sse_events(
+    resp: httpx.Response, attempt: Attempt, first_timeout: float, idle_timeout: float
+) -> AsyncIterator[dict]:
+    """The JSON events of an SSE response up to [DONE]. Raises on a broken stream (no [DONE]),
+    an in-band error, a gap past the timeouts, or the replica marked down."""
+    lines = resp.aiter_lines()
+    timeout = first_timeout
+    while True:
+        async with attempt.deadline(timeout):
+            line = await anext(lines, None)
+        if line is None:
+            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise httpx.RemoteProtocolError(f"a malformed event: {data[:80]!r}") from None
+        if not isinstance(obj, dict):
+            raise httpx.RemoteProtocolError(f"a malformed event: {data[:80]!r}")
+        if "error" in obj:
+            raise InBandError(error_outcome(obj))
+        timeout = idle_timeout
+        yield obj
