@@ -1,7 +1,7 @@
 """Poison requests: a request that takes replicas down must not be handed from one to the next.
 
 Every request present when its replica died gets a strike against its fingerprint (path and
-canonical body), kept for `poison_ttl_s`. The rule, per death:
+canonical body, less how it streams), kept for `poison_ttl_s`. The rule, per death:
 
 - It was struck before (this death is its second): poison. So a request is continued or re-run
   after a replica's death at most once: a kill -9 from outside costs an innocent request nothing,
@@ -36,8 +36,14 @@ KILL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.
 MAX_ENTRIES = 100_000
 
 
+# Fields that change how an answer travels, not what the engine runs.
+TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "return_token_ids", "user"})
+
+
 def fingerprint(path: str, body: dict) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The request as the engine sees it: streamed or not, it is the same poison."""
+    engine_part = {k: v for k, v in body.items() if k not in TRANSPORT_FIELDS}
+    canonical = json.dumps(engine_part, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"{path}\0{canonical}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
