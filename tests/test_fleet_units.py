@@ -1,15 +1,21 @@
-"""Routing logic on its own: prefix index, policies, circuit breaker, config file."""
+"""Fleet logic on its own: prefix index, policies, circuit breaker, config file, poison strikes,
+restart backoff, stream continuation bookkeeping."""
 
 from __future__ import annotations
 
+import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from shoal.fleet.config import load_fleet_config
+from shoal.fleet.config import FleetConfig, load_fleet_config
+from shoal.fleet.launcher import LocalLauncher, LocalReplica, port_in_use
+from shoal.fleet.poison import PoisonGuard, crashed, fingerprint
 from shoal.fleet.policies import KVAware, RouteRequest, Session
 from shoal.fleet.prefix_index import PrefixIndex
-from shoal.fleet.replica import Replica, ReplicaState
+from shoal.fleet.replica import Death, Replica, ReplicaState
+from shoal.fleet.stream_state import ORIGINAL, StreamState
 from shoal.protocol.block_hash import hash_blocks
 
 
@@ -92,3 +98,109 @@ def test_fleet_config_file(tmp_path):
     path.write_text("replicaz = 3\n")
     with pytest.raises(ValueError, match="replicaz"):
         load_fleet_config(path)
+
+
+# --- failure handling -------------------------------------------------------------------------
+
+
+class _Attempt:
+    def __init__(self, tokens: int = 0):
+        self.tokens = tokens
+
+
+def test_a_kill_costs_one_strike_and_a_second_death_convicts():
+    guard = PoisonGuard(ttl_s=60)
+    a = _Attempt(tokens=5)
+    killed = Death(0.0, "kill -9", frozenset({a}), exit_code=-9)
+    assert not crashed(killed, reported_engine_dead=False)
+    assert not guard.judge("fp", killed, a, engine_dead=False)  # continued once
+    assert not guard.refused("fp")
+    assert guard.judge("fp", Death(1.0, "frozen", frozenset({a})), a, engine_dead=False)
+    assert guard.refused("fp") > 0
+    assert not guard.refused("other")
+
+
+def test_a_crash_convicts_at_once_only_its_prime_suspect():
+    guard = PoisonGuard(ttl_s=60)
+    alone = _Attempt()
+    assert guard.judge("p1", Death(0.0, "engine", frozenset({alone})), alone, engine_dead=True)
+    fresh, running = _Attempt(0), _Attempt(40)
+    crash = Death(0.0, "exit 3", frozenset({fresh, running}), exit_code=3)
+    assert crashed(crash, reported_engine_dead=False)
+    assert guard.judge("p2", crash, fresh, engine_dead=False)  # the only one without a token yet
+    assert not guard.judge("p3", crash, running, engine_dead=False)  # a bystander: continued
+    two_fresh = Death(0.0, "segv", frozenset({_Attempt(0), fresh}), exit_code=-11)
+    assert not guard.judge("p4", two_fresh, fresh, engine_dead=False)  # not sure which: once more
+
+
+def test_strikes_expire():
+    guard = PoisonGuard(ttl_s=0.05)
+    a = _Attempt()
+    guard.convict("fp")
+    assert guard.refused("fp") and guard.active
+    time.sleep(0.06)
+    assert not guard.refused("fp") and not guard.active
+    assert not guard.judge("fp", Death(0.0, "kill", frozenset({a}), -9), a, engine_dead=False)
+
+
+def test_fingerprints_ignore_how_the_answer_streams():
+    body = {"model": "m", "prompt": "x", "max_tokens": 3}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    assert fingerprint("/v1/completions", body) == fingerprint("/v1/completions", streamed)
+    assert fingerprint("/v1/completions", body) != fingerprint("/v1/completions", {**body, "max_tokens": 4})
+    assert fingerprint("/v1/completions", body) != fingerprint("/v1/chat/completions", body)
+
+
+def test_restarts_back_off_exponentially_and_reset_after_a_good_run():
+    launcher = SimpleNamespace(
+        config=FleetConfig(restart_backoff_s=1.0, restart_backoff_max_s=8.0, restart_reset_after_s=60.0)
+    )
+    r = LocalReplica("replica-0", 1, "/dev/null", started_at=100.0)
+    delays = [LocalLauncher._backoff(launcher, r, 101.0) for _ in range(5)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 8.0]
+    r.started_at = 100.0
+    assert LocalLauncher._backoff(launcher, r, 200.0) == 1.0  # it had stayed up 100 s
+
+
+def test_a_listening_port_is_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.listen()
+        assert port_in_use(port)
+    assert not port_in_use(port)
+
+
+def test_stream_state_resumes_each_choice_and_merges_the_answers():
+    body = {"model": "m", "prompt": "Hi", "n": 2, "best_of": 2, "stream": True, "logprobs": 1}
+    body["stream_options"] = {"include_usage": True}
+    st = StreamState("/v1/completions", body)
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m"}
+
+    def chunk(i, text, ids, offsets, **extra):
+        lp = {"tokens": ["t"] * len(ids), "token_logprobs": [-0.5] * len(ids), "top_logprobs": None}
+        lp["text_offset"] = offsets
+        return {**head, "choices": [{"index": i, "text": text, "logprobs": lp, "token_ids": ids, **extra}]}
+
+    out, n = st.relay(ORIGINAL, chunk(0, "Hel", [5, 6], [0, 2], prompt_token_ids=[1, 2]))
+    assert n == 2 and "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out["choices"][0]
+    st.relay(ORIGINAL, chunk(1, "Yo", [9], [0], prompt_token_ids=[1, 2]))
+    st.relay(ORIGINAL, chunk(0, "lo", [7], [3], finish_reason="length"))
+    assert st.unfinished == [1]
+    resumed, tag = st.resume_body(1, st.prompt_ids_for(1))
+    want = {"prompt_token_ids": [1, 2], "output_token_ids": [9], "index": 1, "text_offset": 2}
+    assert resumed["resume"] == want
+    assert "n" not in resumed and "best_of" not in resumed and resumed["return_token_ids"] is True
+    other = {"id": "cmpl-2", "object": "text_completion", "created": 9, "model": "m"}
+    late = {**other, "choices": [{**chunk(1, "!", [4], [0])["choices"][0], "prompt_token_ids": [1, 2]}]}
+    out, _ = st.relay(tag, late)
+    assert out["id"] == "cmpl-1" and out["created"] == 7 and out["choices"][0]["index"] == 1
+    assert out["choices"][0]["logprobs"]["text_offset"] == [2]  # after the 2 characters sent before
+    assert "prompt_token_ids" not in out["choices"][0]
+    usage = {**other, "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}}
+    assert st.relay(tag, usage)[0] is None  # one choice's usage: the gateway sums its own
+    st.relay(tag, {**other, "choices": [{"index": 1, "text": "", "logprobs": None, "finish_reason": "stop"}]})
+    assert st.all_finished
+    final = st.final_usage()
+    assert final["id"] == "cmpl-1" and final["usage"]["prompt_tokens"] == 2
+    assert final["usage"]["completion_tokens"] == 5 and final["usage"]["total_tokens"] == 7

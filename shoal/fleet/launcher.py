@@ -181,8 +181,16 @@ class LocalLauncher:
                     delay = self._backoff(r, now)
                     r.next_start = now + delay
                     log.warning("%s exited with %s; restarting in %.1f s", r.name, code, delay)
-                elif now >= r.next_start and not self._start(r):
-                    r.next_start = now + PORT_RECHECK_S
+                elif now >= r.next_start:
+                    try:
+                        started = self._start(r)
+                    except OSError as exc:  # cannot spawn at all (fork failed, no executable)
+                        log.error("%s: could not start: %s", r.name, exc)
+                        self.registry.mark_down(r.name, f"could not start: {exc}")
+                        r.next_start = now + self._backoff(r, now)
+                        continue
+                    if not started:
+                        r.next_start = now + PORT_RECHECK_S
 
     async def stop(self) -> None:
         if self._task is not None:

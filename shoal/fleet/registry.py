@@ -162,7 +162,9 @@ class Registry:
         if not r.process_alive:
             return  # it exited while the probe ran: whatever answered is not ours
         if health.status_code != 200:
-            if r.state not in (ReplicaState.DOWN, ReplicaState.LOADING):
+            if r.state == ReplicaState.LOADING:
+                r.note = f"/health {health.status_code}: {health.text[:200]}"  # e.g. the model failed to load
+            elif r.state != ReplicaState.DOWN:
                 self.mark_down(r.name, f"probe: /health {health.status_code}")
             return
         is_ready = ready is not None and ready.status_code in (200, 404)  # 404: a server without /ready
@@ -170,7 +172,7 @@ class Registry:
             r.state = ReplicaState.READY if is_ready else ReplicaState.LOADING
             if is_ready:
                 r.consecutive_failures = 0
-                r.death = None  # a new life
+                r.death, r.note = None, None  # a new life
                 async with self._changed:
                     self._changed.notify_all()
         elif not is_ready and r.state == ReplicaState.READY:
