@@ -314,3 +314,27 @@ def test_timeouts_bound_streams_not_long_requests_and_never_run_twice(fleet, tmp
         assert all(r["state"] == "ready" and r["consecutive_failures"] == 0 for r in after.values())
     finally:
         gw.stop()
+
+
+def test_a_client_leaving_mid_stream_frees_its_replica(fleet):
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=60, headers=auth(KEY)) as c:
+            for _ in range(3):
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n >= 5:
+                            break
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        reps = replicas(fleet, KEY).values()
+        if all(r["inflight"] == 0 and r["load"].get("running") == 0 for r in reps):
+            break
+        time.sleep(0.1)
+    assert all(r["inflight"] == 0 and r["load"].get("running") == 0 for r in reps), list(reps)

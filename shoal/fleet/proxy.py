@@ -236,16 +236,18 @@ class Proxy:
             return outcome.kind, last
         if resp.status_code >= 500:
             answer = await self._replica_error(fwd, attempt, resp, content, seen)
-            if answer is not None:
+            if isinstance(answer, Response):
                 return answer
-            return f"http_{resp.status_code}", passthrough(resp, content)
+            return answer, passthrough(resp, content)
         await self.registry.release(replica, True)  # 4xx is the client's doing, not the replica's
         out = passthrough(resp, content)
         out.headers["x-replica"] = replica.name
         return out
 
-    async def _replica_error(self, fwd: Forward, attempt: Attempt, resp, content: bytes, seen: dict):
-        """A 5xx answer: None to retry it elsewhere, or the response to give the client."""
+    async def _replica_error(
+        self, fwd: Forward, attempt: Attempt, resp, content: bytes, seen: dict
+    ) -> Response | str:
+        """A 5xx answer: the response to give the client, or why to retry it elsewhere."""
         replica = attempt.replica
         outcome = error_outcome(_json_or_none(content))
         if outcome.kind == "internal_error" and resp.status_code == 500:
@@ -258,7 +260,7 @@ class Proxy:
             verdict = await self.judge_death(fwd, attempt, outcome, seen)
             if verdict == "poison":
                 return poison_error(f"this request took replica {replica.name} down").response()
-            return None
+            return "engine_dead"
         # A 503 is a busy replica shedding load: try another, but it is not sick.
         await self.registry.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}")
-        return None
+        return f"http_{resp.status_code}"

@@ -32,6 +32,7 @@ class Registry:
         self._changed = asyncio.Condition()
         self._waiters = 0
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
         self.client: httpx.AsyncClient | None = None
         self.kv_root = 0  # root of the prompt block hashes (the deployment's salt), set by the gateway
 
@@ -266,6 +267,23 @@ class Registry:
     async def release(self, r: Replica, ok: bool | None, reason: str = "") -> None:
         """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
         neither (a timeout on a replica that still passes probes)."""
+        self._account(r, ok, reason)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def release_nowait(self, r: Replica, ok: bool | None, reason: str = "") -> None:
+        """`release` for cleanup that must not await (a cancelled stream's, which anyio would
+        cancel again at each await)."""
+        self._account(r, ok, reason)
+        task = asyncio.get_running_loop().create_task(self._notify())
+        self._background.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._background.discard)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _account(self, r: Replica, ok: bool | None, reason: str) -> None:
         r.inflight -= 1
         self.metrics.inflight.labels(r.name).set(r.inflight)
         if ok:
@@ -275,5 +293,3 @@ class Registry:
         elif r.on_failure(reason, self.config.eject_after_errors, self.config.eject_for_s):
             self.metrics.ejections.labels(r.name).inc()
             log.warning("replica %s ejected after: %s", r.name, reason)
-        async with self._changed:
-            self._changed.notify_all()

@@ -19,11 +19,17 @@ from shoal.fleet.replica import ReplicaState
 from shoal.fleet.stream_state import ORIGINAL, StreamState, Tag
 from shoal.fleet.upstream import Attempt, Outcome, sse_events
 from shoal.protocol.block_hash import hash_blocks
-from shoal.protocol.errors import error_body
+from shoal.protocol.errors import APIError, error_body
 
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+_closing: set[asyncio.Task] = set()  # cleanup tasks outliving their relay (the loop holds tasks weakly)
+
+
+def _keep(task: asyncio.Task) -> None:
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
 
 
 def sse(obj: dict) -> str:
@@ -35,6 +41,7 @@ class StopRelay(Exception):
 
     def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
+        self.status, self.message, self.code = status, message, code
         self.event = sse(error_body(status, message, code=code))
 
 
@@ -70,7 +77,10 @@ class Relay:
     # --- opening -------------------------------------------------------------------------
 
     async def start(self) -> Response:
-        up = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=True)
+        try:
+            up = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=True)
+        except StopRelay as stop:
+            up = APIError(stop.status, stop.message, code=stop.code).response()
         if not isinstance(up, Upstream):
             self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
             return up
@@ -108,13 +118,23 @@ class Relay:
                         finally:
                             await resp.aclose()
             except (httpx.HTTPError, TimeoutError) as exc:
-                attempt.done()
                 outcome = attempt.outcome(exc)
-                # Headers come once the replica admitted the request: until then it did not run.
-                timeout = outcome.kind == "timeout"
+                timeout = outcome.kind == "timeout"  # aborted by closing it: it runs nowhere now
                 await self.registry.release(replica, None if timeout else False, outcome.message)
                 self.failed.add(replica.name)
                 last = unavailable(f"replica {replica.name} failed: {outcome.message}")
+                if outcome.is_death:
+                    # Sent but no answer: it may have run, and its replica may have died of it.
+                    verdict = await proxy.judge_death(self.fwd, attempt, outcome, self.seen)
+                    attempt.done()
+                    if verdict == "poison":
+                        message = f"this request took replica {replica.name} down"
+                        raise StopRelay(500, message, "poison_request") from None
+                    if attempt_no < cfg.max_retries:
+                        self.metrics.retries.labels(outcome.kind).inc()
+                        continue
+                    break
+                attempt.done()
                 reason = "connect" if outcome.kind == "not_sent" else outcome.kind
                 if attempt_no < cfg.max_retries and (not budget or proxy.may_retry(reason)):
                     continue
@@ -193,13 +213,18 @@ class Relay:
             yield stop.event
             yield SSE_DONE
         finally:
-            tasks = list(self.pumps.values())
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for up in self.upstreams:  # the client went away, or the stream was stopped
-                await self.finish(up, None)
+            # Without awaiting: a client that went away cancels this generator, and anyio's cancel
+            # scope would cancel every await here again. The pumps close their own responses.
+            for up in self.upstreams:
+                if not up.released:
+                    up.released = True
+                    self.registry.release_nowait(up.replica, None)
                 up.attempt.done()
+                if up not in self.pumps:
+                    _keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
+            for t in self.pumps.values():
+                t.cancel()
+                _keep(t)
             self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
 
     # --- failover ------------------------------------------------------------------------
