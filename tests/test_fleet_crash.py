@@ -307,3 +307,33 @@ def test_a_busy_port_is_never_started_on_nor_called_ready():
         assert reps[0]["pid"] != pid and reps[0]["restarts"] >= 1
     finally:
         gw.stop()
+
+
+def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
+    wait_replicas_ready(fleet, 3)
+    body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    prompts = [f"Tell me about river number {i}." for i in range(4)]
+    expected = {}
+    for p in prompts:
+        r = httpx.post(fleet.url + "/v1/completions", json={**body, "prompt": p}, timeout=120)
+        expected[p] = r.json()["choices"][0]["text"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            tasks = [
+                asyncio.create_task(c.post(fleet.url + "/v1/completions", json={**body, "prompt": p}))
+                for p in prompts
+            ]
+            while True:  # kill the replica holding the most of them, once they run
+                busy = max(replicas(fleet).values(), key=lambda r: r["inflight"])
+                if busy["load"].get("running", 0) >= 1 and busy["inflight"] >= 1:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            os.kill(busy["pid"], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    for p, r in zip(prompts, asyncio.run(run())):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected[p]
+    wait_replicas_ready(fleet, 3)

@@ -157,9 +157,9 @@ class Gateway:
         self.metrics.responses.labels(str(resp.status_code)).inc()
         return resp
 
-    async def list_models(self) -> dict[str, Any]:
+    async def list_models(self, raw: Request) -> dict[str, Any]:
         ready = [r for r in self.registry.replicas.values() if r.state == ReplicaState.READY]
-        headers = self.upstream_headers()
+        headers = self.upstream_headers(raw)
         answers = await asyncio.gather(
             *(self.proxy.client.get(r.url + "/v1/models", headers=headers, timeout=5) for r in ready),
             return_exceptions=True,
@@ -206,7 +206,7 @@ class Gateway:
         @app.get("/v1/models")
         async def models(raw: Request):
             self.check_key(raw)
-            return await self.list_models()
+            return await self.list_models(raw)
 
         @app.get("/health")
         async def health():
