@@ -169,28 +169,26 @@ class LocalLauncher:
     async def _supervise(self) -> None:
         while True:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
-            now = time.monotonic()
             for r in self.replicas:
-                if r.proc is not None:
-                    code = r.proc.poll()
-                    if code is None:
-                        continue
-                    self.registry.mark_down(r.name, f"process exited with {code}", code)
-                    r.proc = None
-                    r.restarts += 1
-                    delay = self._backoff(r, now)
-                    r.next_start = now + delay
-                    log.warning("%s exited with %s; restarting in %.1f s", r.name, code, delay)
-                elif now >= r.next_start:
-                    try:
-                        started = self._start(r)
-                    except OSError as exc:  # cannot spawn at all (fork failed, no executable)
-                        log.error("%s: could not start: %s", r.name, exc)
-                        self.registry.mark_down(r.name, f"could not start: {exc}")
-                        r.next_start = now + self._backoff(r, now)
-                        continue
-                    if not started:
-                        r.next_start = now + PORT_RECHECK_S
+                try:
+                    self._tend(r, time.monotonic())
+                except Exception:  # the supervisor must outlive any one replica's trouble
+                    log.exception("%s: supervision failed; retrying", r.name)
+                    r.next_start = time.monotonic() + self._backoff(r, time.monotonic())
+
+    def _tend(self, r: LocalReplica, now: float) -> None:
+        if r.proc is not None:
+            code = r.proc.poll()
+            if code is None:
+                return
+            self.registry.mark_down(r.name, f"process exited with {code}", code)
+            r.proc = None
+            r.restarts += 1
+            delay = self._backoff(r, now)
+            r.next_start = now + delay
+            log.warning("%s exited with %s; restarting in %.1f s", r.name, code, delay)
+        elif now >= r.next_start and not self._start(r):
+            r.next_start = now + PORT_RECHECK_S
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -49,7 +49,7 @@ def fingerprint(path: str, body: dict) -> str:
 
 def crashed(death: Death, reported_engine_dead: bool) -> bool:
     """Whether the replica failed by itself (vs. killed or frozen from outside)."""
-    if reported_engine_dead:
+    if reported_engine_dead or death.engine_dead:
         return True
     code = death.exit_code
     return code is not None and (code >= 0 or -code not in KILL_SIGNALS)

@@ -129,8 +129,11 @@ class Proxy:
         deaths already judged for this request to their verdict: one verdict per death."""
         r = attempt.replica
         if outcome.kind == "engine_dead":
+            # Marked down now, so its other requests fail over at once; they learn from the
+            # death record that it was a crash, whichever of them hears of it first.
             self.registry.mark_down(r.name, f"engine died: {outcome.message}")
             death = r.death
+            death.engine_dead = True
         elif outcome.kind == "interrupted":
             death = r.death
         else:

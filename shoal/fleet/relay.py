@@ -234,6 +234,11 @@ class Relay:
         state, r = self.state, up.replica
         log.warning("stream from %s broke after %d events: %s", r.name, state.events, outcome.message)
         self.failed.add(r.name)
+        served = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
+        if not any(i in state.unfinished for i in served):  # it died after its last token
+            await self.finish(up, None)
+            up.attempt.done()
+            return
         if outcome.kind == "internal_error":
             # The engine failed this request alone and went on: it would fail anywhere.
             await self.finish(up, True)
@@ -253,11 +258,9 @@ class Relay:
             self.metrics.failovers.inc()
             self.launch(again)
             return
-        choices = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
-        for i in choices:
-            if state.choices[i].finished:
-                continue
-            await self._resume(i)
+        for i in served:
+            if not state.choices[i].finished:
+                await self._resume(i)
 
     async def _resume(self, index: int) -> None:
         state = self.state

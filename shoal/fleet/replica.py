@@ -27,6 +27,7 @@ class Death:
     reason: str
     suspects: frozenset = frozenset()
     exit_code: int | None = None  # of its process, when the launcher saw it exit
+    engine_dead: bool = False  # the replica said its engine died (to any of its requests)
 
 
 @dataclass

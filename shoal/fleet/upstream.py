@@ -49,7 +49,8 @@ class Attempt:
     def interrupt(self) -> None:
         self.interrupted = True
         if self._timeout is not None:
-            self._timeout.reschedule(asyncio.get_running_loop().time())
+            with contextlib.suppress(RuntimeError):  # it is expiring already
+                self._timeout.reschedule(asyncio.get_running_loop().time())
 
     @contextlib.asynccontextmanager
     async def deadline(self, seconds: float):
