@@ -130,8 +130,8 @@ def test_a_huge_prompt_stalls_neither_health_nor_other_streams(big_gateway):
     hostile, worst, gaps = asyncio.run(run())
     for r in hostile:
         assert r.status_code in (400, 413, 503), r.text[:300]  # refused by the replica, however it does
-    assert worst < 1.0, worst  # tokenizing 5 MB takes ~4 s here
-    assert max(gaps) < 2.0, max(gaps)
+    assert worst < 2.0, worst  # tokenizing 5 MB takes ~4 s here
+    assert max(gaps) < 3.0, max(gaps)
 
 
 # --- API keys -------------------------------------------------------------------------------
