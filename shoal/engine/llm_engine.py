@@ -242,11 +242,10 @@ class LLMEngine:
             if not so.chunks:
                 raise
             log.exception("a step of %d requests failed", len(so.chunks))
-            first_error = f"{type(exc).__name__}: {exc}"
+            if len(so.chunks) == 1:  # nothing to tell apart: the one request is the culprit
+                return ModelRunnerOutput(), self._after_failures(1, {so.chunks[0].request_id: _describe(exc)})
         merged, failures = ModelRunnerOutput(), {}
-        if len(so.chunks) == 1:
-            failures[so.chunks[0].request_id] = first_error
-        for c in so.chunks if len(so.chunks) > 1 else ():
+        for c in so.chunks:
             part = SchedulerOutput(
                 chunks=[c],
                 new_requests=[n for n in so.new_requests if n.request_id == c.request_id],
@@ -256,15 +255,19 @@ class LLMEngine:
                 r = self._run(part)
             except Exception as exc:
                 log.warning("request %s failed in its step: %r", c.request_id, exc)
-                failures[c.request_id] = f"{type(exc).__name__}: {exc}"
+                failures[c.request_id] = _describe(exc)
                 continue
             merged.sampled.update(r.sampled)
             merged.logprobs.update(r.logprobs)
             merged.prompt_logprobs.update(r.prompt_logprobs)
-        self._failed_steps = self._failed_steps + 1 if len(failures) == len(so.chunks) else 0
+        return merged, self._after_failures(len(so.chunks), failures)
+
+    def _after_failures(self, num_chunks: int, failures: dict[str, str]) -> dict[str, str]:
+        """Counts steps in which every request failed; enough in a row is the engine's fault."""
+        self._failed_steps = self._failed_steps + 1 if len(failures) == num_chunks else 0
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise EngineBrokenError(f"every request failed in {self._failed_steps} steps in a row")
-        return merged, failures
+        return failures
 
     def _occupancy(self, so) -> tuple[int, int]:
         """(slots holding K/V, slots allocated) right after the forward, before anything is freed."""
@@ -290,3 +293,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -139,7 +139,3 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether anything but the model decides the logits the sampler sees."""
         return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-
-    def token_ids_used(self) -> list[int]:
-        """Every token id the request names, for a check against the vocabulary."""
-        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]

@@ -101,14 +101,14 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             message, param = validation_message(exc.errors())
             raise APIError(400, message, param) from None
 
+    defs: dict = {}  # schemas the request bodies refer to, for the OpenAPI components
+
     def documented(model: type[BaseModel]) -> dict:
         """The request body in the OpenAPI schema, which routes that parse their own body lack."""
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         defs.update(schema.pop("$defs", {}))
         content = {"application/json": {"schema": schema}}
         return {"openapi_extra": {"requestBody": {"required": True, "content": content}}}
-
-    defs: dict = {}
 
     @app.post("/v1/completions", **documented(CompletionRequest))
     async def completions(raw: Request):

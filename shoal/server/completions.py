@@ -90,8 +90,6 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
     if resume is not None:
         prompts = [resume.prompt_token_ids]
     else:
-        texts = [p for p in req.prompts() if isinstance(p, str)]
-        ctx.check_text_length(sum(map(len, texts)), "prompt")
         prompts = [await ctx.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts()]
     if any(not p for p in prompts):
         raise APIError(400, "prompt is empty", "prompt")
