@@ -2,7 +2,7 @@
 (the first start on a machine: GGUF conversion and kernel build) and with it filled (every start
 after).
 
-    python benchmarks/startup.py [--quantization int8|int4]
+    python benchmarks/startup.py [--quantization auto|none|int8|int4]  (default: auto, as `shoal serve`)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def start_to_ready(env: dict, extra: list[str]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    ap.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None)
     args = ap.parse_args()
     extra = ["--quantization", args.quantization] if args.quantization else []
     with tempfile.TemporaryDirectory() as cache:

@@ -27,6 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the budget)"
     )
     g.add_argument("--block-size", type=int, default=None)
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="KV cache element type; auto: the model's. 16 bits: half the attention reads, twice the tokens",
+    )
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -35,12 +41,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps (slower)"
+    )
+    g.add_argument(
         "--quantization",
         "-q",
         default=None,
-        choices=["int8", "int4"],
-        help="int8: per-channel int8 weights and int8 matmuls (the fastest mode on CPU); int4: 4-bit "
-        "blocks, a GGUF's own Q4/Q8 tensors as stored (fewest bytes, closest to fp32)",
+        choices=["auto", "none", "int8", "int4"],
+        help="auto (default): a GGUF runs as stored (int4 for Q4 files, int8 for Q8), other "
+        "checkpoints unquantized; none: unquantized, the fp32 reference; int8: per-channel int8 "
+        "weights; int4: 4-bit blocks, a GGUF's own Q4/Q8 tensors as stored",
     )
 
 
@@ -49,6 +59,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory",
         "num_blocks",
         "block_size",
+        "kv_cache_dtype",
         "max_num_seqs",
         "max_num_batched_tokens",
         "max_model_len",
@@ -61,6 +72,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["enable_prefix_caching"] = False
     if args.threads:
         opts["num_threads"] = args.threads
+    if getattr(args, "enforce_eager", False):
+        opts["enforce_eager"] = True
     return opts
 
 

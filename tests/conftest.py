@@ -25,8 +25,9 @@ def _converted_model_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def bundled():
-    """shoal's load of the bundled GGUF, shared by every engine built in the session."""
-    return load_model()
+    """shoal's unquantized (fp32) load of the bundled GGUF, the one compared token for token with
+    HF; shared by every engine built in the session."""
+    return load_model(quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -72,7 +72,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     would ban EOS under min_new_tokens, which ignore_eos does not do.
     """
     tokens, logprobs = [], []
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     past = None
     with torch.inference_mode():
         for _ in range(max_new_tokens):
@@ -82,8 +82,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
             token = int(lp.argmax())
             tokens.append(token)
             logprobs.append(lp)
-            ids = torch.tensor([[token]])
-    return tokens, torch.stack(logprobs)
+            ids = torch.tensor([[token]], device=model.device)
+    return tokens, torch.stack(logprobs).cpu()
 
 
 def closeness_to_reference(llm, reference: dict, new_tokens: int) -> dict:

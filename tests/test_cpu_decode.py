@@ -36,18 +36,22 @@ def chunk(rid: int, tokens: list[int], start: int, blocks: list[int]) -> Schedul
     return ScheduledChunk(str(rid), tokens, start, blocks, sample=True)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{"head_dim": 64}, {"qkv_bias": True, "sliding_window": 5}],
-    ids=["llama-like", "bias+window"],
-)
-@pytest.mark.parametrize("method", ["int4", "int8", None], ids=["int4", "int8", "fp32"])
+FUSED_CASES = [
+    (method, overrides, None)
+    for method in ("int4", "int8", None)
+    for overrides in ({"head_dim": 64}, {"qkv_bias": True, "sliding_window": 5})
+] + [(method, {"head_dim": 64}, kv) for method in ("int4", None) for kv in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("method, overrides, kv_dtype", FUSED_CASES)
 @torch.inference_mode()
-def test_fused_decode_layers_match_the_model_forward(method, overrides):
+def test_fused_decode_layers_match_the_model_forward(method, overrides, kv_dtype):
+    """The C layer against the model's forward, on weights of each format and caches of each KV
+    element type (16-bit caches: both paths round each key and value the same way)."""
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels here")
     model = random_model(method, **overrides)
-    runner = ModelRunner(model, num_blocks=64, block_size=BS, eos_token_ids=frozenset())
+    runner = ModelRunner(model, num_blocks=64, block_size=BS, eos_token_ids=frozenset(), kv_dtype=kv_dtype)
     assert runner.fused_decoder is not None
     g = torch.Generator().manual_seed(1)
     lengths = [3, 9, 30, 70]  # the longest spans several of the attention kernel's key chunks
@@ -56,14 +60,15 @@ def test_fused_decode_layers_match_the_model_forward(method, overrides):
     tables = [[free.pop() for _ in range(-(-(n + 3) // BS))] for n in lengths]
     attend = lambda md: lambda layer, q, k, v: runner.attention.forward(layer, q, k, v, md)  # noqa: E731
 
-    prefill = [chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))]
-    ids, pos, md = runner._prepare(prefill)
-    assert not runner.fused_decoder.handles(md)
-    model(ids, pos, attend(md))
+    runner.fused_decoder.max_rows = None  # the kernel, not this CPU's crossover, is under test here
 
-    for step in range(3):
-        decode = [chunk(i, [7 * i + step], n + step, t) for i, (n, t) in enumerate(zip(lengths, tables))]
-        ids, pos, md = runner._prepare(decode)
+    prefill = [chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))]
+    steps = [prefill] + [
+        [chunk(i, [7 * i + step], n + step, t) for i, (n, t) in enumerate(zip(lengths, tables))]
+        for step in range(3)
+    ]
+    for scheduled in steps:  # the prompts (rows of several tokens each), then decode steps
+        ids, pos, md = runner._prepare(scheduled)
         assert runner.fused_decoder.handles(md)
         expected = model(ids, pos, attend(md))
         caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
@@ -71,10 +76,66 @@ def test_fused_decode_layers_match_the_model_forward(method, overrides):
             k[md.slot_mapping] = 0
             v[md.slot_mapping] = 0
         got = runner.fused_decoder.forward(ids, pos, md)
+        if kv_dtype is not None and method is None:
+            # A last-bit difference before rounding can move a 16-bit key by one of its own steps
+            # (2^-11 or 2^-8 of it): the paths agree to the cache's precision, not to float32's.
+            torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+            continue
+        if method is not None and (scheduled is prefill or kv_dtype is not None):
+            # Over a hundred prompt rows, the last-bit differences between SDPA and the C attention
+            # flip the int8 rounding of an activation somewhere, and later rows attend to it: the
+            # same computation, compared on the whole rather than element by element.
+            assert (got - expected).abs().mean() < 0.01 * expected.abs().mean()
+            for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, caches):  # decode on torch's K/V
+                k.copy_(k_ref)
+                v.copy_(v_ref)
+            continue
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
         for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, caches):
-            torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "method, kv_dtype", [("int4", None), ("int8", None), (None, None), ("int4", torch.float16)]
+)
+@torch.inference_mode()
+def test_a_token_computes_the_same_bits_in_any_step(method, kv_dtype):
+    """A position's hidden state is bit-identical whether it was decoded one token at a time, or
+    recomputed as part of a prompt in one chunk or several, beside other requests or alone: what
+    preemption by recompute and a gateway's resume on another replica rely on."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    model = random_model(method, head_dim=64)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 300, (37,), generator=g).tolist()
+    extra = torch.randint(0, 300, (6,), generator=g).tolist()
+    full = prompt + extra
+    blocks = list(range(-(-len(full) // BS)))
+    other = chunk(9, torch.randint(0, 300, (11,), generator=g).tolist(), 0, list(range(40, 43)))
+
+    def run(schedule) -> torch.Tensor:
+        """The hidden state of the last position of `full`, running `schedule` (lists of chunks)."""
+        runner = ModelRunner(
+            model, num_blocks=64, block_size=BS, eos_token_ids=frozenset(), kv_dtype=kv_dtype
+        )
+        runner.fused_decoder.max_rows = None
+        for scheduled in schedule:
+            ids, pos, md = runner._prepare(scheduled)
+            assert runner.fused_decoder.handles(md)
+            hidden = runner.fused_decoder.forward(ids, pos, md)
+        rows = [len(c.token_ids) for c in scheduled]
+        last = [c.request_id for c in scheduled].index("0")
+        return hidden[sum(rows[: last + 1]) - 1].clone()
+
+    decoded = run(
+        [[chunk(0, prompt, 0, blocks)]] + [[chunk(0, [t], 37 + i, blocks)] for i, t in enumerate(extra)]
+    )
+    one_chunk = run([[chunk(0, full, 0, blocks)]])
+    chunked = run([[chunk(0, full[:20], 0, blocks)], [chunk(0, full[20:], 20, blocks), other]])
+    beside = run([[other, chunk(0, full, 0, blocks)]])
+    for got in (one_chunk, chunked, beside):
+        assert torch.equal(got, decoded)
 
 
 def test_qk_norm_models_keep_the_model_forward():

@@ -100,7 +100,7 @@ def test_gguf_type_matches_transformers(qtype, tmp_path):
 
     write_gguf(tmp_path / "m.gguf", qtype)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
-    loaded = load_model(str(tmp_path / "m.gguf"))
+    loaded = load_model(str(tmp_path / "m.gguf"), quantization="none")
     ref_embed = hf.model.embed_tokens.weight
     assert torch.equal(loaded.model.embed_tokens.weight, ref_embed)  # same dequantization
     llm = LLM(loaded=loaded, num_blocks=32)

@@ -41,7 +41,7 @@ def test_bundled_gguf_matches_hf_in_one_batch(bundled, reference):
 def test_bfloat16_stays_close_to_hf_fp32(reference):
     """bfloat16 takes the portable torch paths (SDPA paged attention, torch matmuls) that a GPU runs;
     on the CPU they can be checked against HF here."""
-    llm = LLM(loaded=load_model(dtype=torch.bfloat16), num_blocks=512)
+    llm = LLM(loaded=load_model(dtype=torch.bfloat16, quantization="none"), num_blocks=512)
     assert llm.engine.executor.runner.fused_decoder is None
     c = closeness_to_reference(llm, reference, REF_TOKENS)
     print("\n" + describe_closeness("bfloat16", c, REF_TOKENS))

@@ -20,7 +20,7 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--kv-cache-memory", "512MiB", "--max-num-seqs", "48")
+    s = start_server("--kv-cache-memory", "512MiB", "--max-num-seqs", "48", "--quantization", "none")
     yield s
     s.stop()
 

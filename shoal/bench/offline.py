@@ -141,7 +141,7 @@ def run_offline_bench(cfg: OfflineBenchConfig, model: str | None, engine_options
         model,
         dtype=DTYPES[options.get("dtype", "float32")],
         device=options.get("device", "cpu"),
-        quantization=options.get("quantization"),
+        quantization=options.get("quantization", "auto"),
     )
     work = make_workload(cfg, loaded.config.vocab_size)
     if "kv_cache_memory" not in options and "num_blocks" not in options:

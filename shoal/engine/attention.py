@@ -61,6 +61,10 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     decode_batch: DecodeBatch | None = None
+    # Every row of the step (prompt rows too) as one query over its own context, for the fused CPU
+    # layer: it runs prompt rows exactly as it runs decode rows, so a request's tokens do not depend
+    # on how its prompt was chunked, preempted and recomputed, or resumed elsewhere.
+    token_batch: DecodeBatch | None = None
 
 
 def group_by_length(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> list[tuple[int, int]]:
@@ -96,8 +100,11 @@ class TorchPagedAttention(AttentionBackend):
         block_size: int,
         scale: float,
         sliding_window: int | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.kv_caches = kv_caches
+        # The model's dtype, which attention computes in whatever the cache stores.
+        self.compute_dtype = compute_dtype or kv_caches[0][0].dtype
         self.block_size = block_size
         self.scale = scale
         self.sliding_window = sliding_window
@@ -105,12 +112,18 @@ class TorchPagedAttention(AttentionBackend):
     def _blocks(self, cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
         """[*table.shape[:-1], length, kv_heads, head_dim]: the keys or values of the tabled blocks."""
         blocks = cache.view(-1, self.block_size, *cache.shape[1:])[table]
-        return blocks.flatten(-4, -3)[..., :length, :, :]
+        return blocks.flatten(-4, -3)[..., :length, :, :].to(self.compute_dtype)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata):
         k_cache, v_cache = self.kv_caches[layer]
+        if k_cache.dtype != k.dtype:
+            # A 16-bit cache: this step's own keys and values are attended as rounded for it, so a
+            # token sees the same K/V whichever step computed them.
+            k = k.to(k_cache.dtype)
+            v = v.to(v_cache.dtype)
         k_cache.index_copy_(0, md.slot_mapping, k)
         v_cache.index_copy_(0, md.slot_mapping, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         out = torch.empty_like(q)
         self._decode(layer, q, out, md)
         self._prefill(layer, q, k, v, out, md)

@@ -13,6 +13,9 @@ class CacheConfig:
     # The KV pool is sized from this budget (bytes); num_blocks overrides it when set.
     kv_cache_memory: int = 2 * GiB
     num_blocks: int | None = None
+    # "auto": the model's dtype; "float16" or "bfloat16" halve the bytes attention reads and double
+    # the tokens the pool holds, for a rounding of each key and value.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False
     # Secret root of the block-hash chains (see shoal.protocol.block_hash.root_hash).
@@ -34,8 +37,11 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    quantization: str | None = None  # None, "int8" or "int4": see shoal.models.quant
+    # "auto" (a GGUF as stored), "none" (the fp32 reference), "int8" or "int4": see shoal.models.quant
+    quantization: str | None = "auto"
     seed: int = 0
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,11 +1,12 @@
-"""Decode steps on CPU: each decoder layer runs as one C call.
+"""Steps on CPU with each decoder layer as one C call.
 
 A decode step at small batch is a few microseconds of arithmetic per op; dispatching the dozen ops
 of a layer from Python costs as much as the weights take to read. The C layer (shoal/kernels/
 cpu_layer.c) does what `DecoderLayer.forward` does, in the same order, and matches it to float
-rounding (tests/test_cpu_decode.py), so it stands in for steps where every row is a single token;
-prefill steps keep the model's forward. A change to the layer's maths must be made in both.
-"""
+rounding (tests/test_cpu_decode.py). It takes prompt rows too, each as one query over its own
+context, so a token's computation is the same whichever step, chunk or replica computes it; steps
+larger than the measured crossover (float32 and int8 layers only) keep the model's forward. A
+change to the layer's maths must be made in both."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from shoal.kernels.cpu import (
     BLOCK_FORMAT_IDS,
     F32_ROWS_FORMAT_ID,
     INT8_ROWS_FORMAT_ID,
+    KV_TYPE_IDS,
     QK,
-    SMALL_BATCH_ROWS,
     CpuKernels,
     LayerParams,
     ProjectionParams,
@@ -75,10 +76,17 @@ class CpuFusedDecoder:
         self.kernels = kernels
         self.model = model
         self.params = params
-        # int8 and float32 layers: at larger batches torch's matmuls are the faster path.
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        # int8 and float32 layers: from some batch size (measured on this CPU) torch's matmuls are
+        # the faster path, and the model's own forward takes those steps.
         formats = {proj.format for p in params for proj in (p.qkv, p.o, p.gate_up, p.down)}
-        torch_wins = bool(formats & {INT8_ROWS_FORMAT_ID, F32_ROWS_FORMAT_ID})
-        self.max_rows = SMALL_BATCH_ROWS if torch_wins else None
+        limits = []
+        if INT8_ROWS_FORMAT_ID in formats:
+            limits.append(kernels.choices.int8_torch_from_rows)
+        if F32_ROWS_FORMAT_ID in formats:
+            limits.append(kernels.choices.f32_torch_from_rows)
+        limits = [n - 1 for n in limits if n is not None]
+        self.max_rows = min(limits) if limits else None
 
     @classmethod
     def build(
@@ -103,6 +111,7 @@ class CpuFusedDecoder:
                     cfg.intermediate_size,
                     block_size,
                     cfg.sliding_window or 0,
+                    KV_TYPE_IDS[k_cache.dtype],
                     cfg.rms_norm_eps,
                     cfg.head_dim**-0.5,
                     layer.input_layernorm.weight.data_ptr(),
@@ -114,11 +123,21 @@ class CpuFusedDecoder:
             )
         return cls(kernels, model, params)
 
+    def _scratch(self, rows: int) -> torch.Tensor:
+        """The layers' shared work area, grown to the largest step so far and then reused: a step
+        allocates nothing, and the pages it touches stay mapped from one step to the next."""
+        need = self.kernels.decode_layer_scratch(self.params[0], rows) + 64
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.uint8)
+        offset = -self.scratch.data_ptr() % 64
+        return self.scratch[offset:]
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether a step of this many rows is faster here than through the model's forward."""
+        return self.max_rows is None or rows <= self.max_rows
+
     def handles(self, md: AttentionMetadata) -> bool:
-        batch = md.decode_batch
-        if md.prefills or batch is None:
-            return False
-        return self.max_rows is None or batch.rows <= self.max_rows
+        return md.token_batch is not None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -128,10 +147,11 @@ class CpuFusedDecoder:
         cos, sin = (
             t.reshape(t.shape[0], -1).contiguous() for t in self.model.rope.tables(positions, x.dtype)
         )
-        batch = md.decode_batch
+        batch = md.token_batch
+        scratch = self._scratch(batch.rows)
         delta = None
         for params in self.params:
             delta = self.kernels.decode_layer(
-                params, x, delta, cos, sin, md.slot_mapping, batch.block_tables, batch.context_lens
+                params, x, delta, cos, sin, md.slot_mapping, batch.block_tables, batch.context_lens, scratch
             )
         return x.add_(delta)

@@ -13,12 +13,13 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.executor import UniprocExecutor
 from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
+from shoal.engine.model_runner import GraphOptions, ModelRunner, ModelRunnerOutput, kv_bytes_per_block
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.request import Request
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.engine.scheduler import Scheduler, SchedulerOutput
+from shoal.engine.structured import GrammarBackend
 from shoal.models.loader import LoadedModel, load_model
 from shoal.protocol.block_hash import root_hash
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Steps in a row in which every request failed: the fault is the engine's, not a request's.
 MAX_FAILED_STEPS = 3
+# Decode batches up to this size replay CUDA graphs; larger ones are few and run eagerly.
+MAX_GRAPH_ROWS = 256
 
 
 class EngineBrokenError(RuntimeError):
@@ -66,10 +69,17 @@ class LLMEngine:
                 config.model, dtype=dtype, device=config.device, quantization=config.quantization
             )
         self.loaded = loaded
+        log.info(
+            "%s: weights %s (--quantization %s)",
+            loaded.name,
+            loaded.quantization or f"unquantized {config.dtype}",
+            config.quantization or "none",
+        )
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
+        kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         num_blocks = cache.num_blocks or cache.kv_cache_memory // kv_bytes_per_block(
-            mcfg, cache.block_size, dtype
+            mcfg, cache.block_size, kv_dtype
         )
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory")
@@ -81,7 +91,14 @@ class LLMEngine:
         self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt))
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos)
-        runner = ModelRunner(loaded.model, num_blocks, cache.block_size, eos, config.device)
+        graphs = None
+        if not config.enforce_eager:
+            rows = min(config.scheduler.max_num_seqs, MAX_GRAPH_ROWS)
+            graphs = GraphOptions(rows, self.max_model_len)
+        grammars = GrammarBackend(self.tokenizer.backend, mcfg.vocab_size, sorted(eos))
+        runner = ModelRunner(
+            loaded.model, num_blocks, cache.block_size, eos, config.device, graphs, kv_dtype, grammars
+        )
         self.executor = UniprocExecutor(runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)

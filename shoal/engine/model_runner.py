@@ -21,10 +21,13 @@ from shoal.engine.attention import (
     prefill_mask,
 )
 from shoal.engine.cpu_decode import CpuFusedDecoder
+from shoal.engine.cuda_graphs import CudaGraphDecoder
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
+from shoal.engine.structured import GrammarBackend
 from shoal.kernels.cpu import cpu_kernels, decode_attention_supports
+from shoal.kernels.triton_attention import triton_available
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 
@@ -54,6 +57,19 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+@dataclass
+class GraphOptions:
+    """CUDA graphs for decode steps of up to `max_rows` rows and contexts of `max_model_len`."""
+
+    max_rows: int
+    max_model_len: int
+
+    def usable(self, device: torch.device, block_size: int) -> bool:
+        # The Triton kernel takes power-of-two blocks; off CUDA there is nothing to capture.
+        pow2 = block_size & (block_size - 1) == 0
+        return device.type == "cuda" and pow2 and self.max_rows > 0 and triton_available()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -62,6 +78,9 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: frozenset[int],
         device: torch.device | str = "cpu",
+        graphs: GraphOptions | None = None,
+        kv_dtype: torch.dtype | None = None,
+        grammars: GrammarBackend | None = None,
     ):
         self.model = model
         self.cfg = model.cfg
@@ -69,12 +88,16 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         dtype = model.embed_tokens.weight.dtype
-        shape = (num_blocks * block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        kv_dtype = kv_dtype or dtype
+        use_graphs = graphs is not None and graphs.usable(self.device, block_size)
+        # With CUDA graphs, one more block that no sequence owns takes the K/V of padded rows.
+        slots = (num_blocks + use_graphs) * block_size
+        shape = (slots, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_caches = [
-            (zeroed(shape, dtype, self.device), zeroed(shape, dtype, self.device))
+            (zeroed(shape, kv_dtype, self.device), zeroed(shape, kv_dtype, self.device))
             for _ in range(self.cfg.num_layers)
         ]
-        args = (self.kv_caches, block_size, self.cfg.head_dim**-0.5, self.cfg.sliding_window)
+        args = (self.kv_caches, block_size, self.cfg.head_dim**-0.5, self.cfg.sliding_window, dtype)
         kernels = cpu_kernels() if self.device.type == "cpu" and dtype == torch.float32 else None
         self.fused_decoder = None
         if kernels is not None and decode_attention_supports(self.cfg.head_dim):
@@ -82,7 +105,13 @@ class ModelRunner:
             self.fused_decoder = CpuFusedDecoder.build(kernels, model, self.kv_caches, block_size)
         else:
             self.attention = TorchPagedAttention(*args)
-        self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size)
+        self.graph_decoder = None
+        if use_graphs:
+            max_blocks = -(-graphs.max_model_len // block_size)
+            self.graph_decoder = CudaGraphDecoder(
+                model, self.kv_caches, block_size, graphs.max_rows, max_blocks, num_blocks * block_size
+            )
+        self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size, grammars)
         self.states: dict[str, SamplingState] = {}
 
     @torch.inference_mode()
@@ -91,18 +120,30 @@ class ModelRunner:
             self.states.pop(rid, None)
         for new in so.new_requests:
             if new.request_id not in self.states:  # a step retried after a failure sees it again
-                self.states[new.request_id] = SamplingState(
-                    new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids)
-                )
+                state = SamplingState(new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids))
+                if new.params.structured is not None:
+                    if self.sampler.grammars is None:
+                        raise ValueError("structured output needs a grammar backend (the engine's tokenizer)")
+                    # A resumed request's grammar picks up after the tokens it already produced.
+                    state.matcher = self.sampler.grammars.matcher(
+                        new.params.structured, state.output_token_ids
+                    )
+                self.states[new.request_id] = state
         if not so.chunks:
             return ModelRunnerOutput()
 
+        for c in so.chunks:
+            state = self.states[c.request_id]
+            if c.sample and state.matcher is not None:
+                state.next_mask = self.sampler.grammars.prefetch(state.matcher)
         # Single-token rows first, shortest context first, so that rows of similar length share
         # one batched attention call.
         chunks = sorted(so.chunks, key=lambda c: (len(c.token_ids) > 1, c.start_pos))
         input_ids, positions, md = self._prepare(chunks)
         if self.fused_decoder is not None and self.fused_decoder.handles(md):
             hidden = self.fused_decoder.forward(input_ids, positions, md)
+        elif self.graph_decoder is not None and self.graph_decoder.handles(md):
+            hidden = self.graph_decoder.forward(input_ids, positions, md)
         else:
             hidden = self.model(
                 input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md)
@@ -124,6 +165,8 @@ class ModelRunner:
         logprobs = self.sampler.logprobs(logits, tokens, states)
         for c, s, tok, lp in zip(sample_chunks, states, tokens, logprobs):
             s.output_token_ids.append(tok)
+            if s.matcher is not None:
+                s.matcher.consume_token(tok)
             out.sampled[c.request_id] = tok
             if lp is not None:
                 out.logprobs[c.request_id] = lp
@@ -186,4 +229,20 @@ class ModelRunner:
             prefills.append(PrefillSpan(row, row + n, context, table, prefill_mask(n, context, window, dev)))
             row += n
         md = AttentionMetadata(torch.tensor(slots, device=dev), groups, prefills, batch)
+        if self._wants_token_batch(len(ids), bool(prefills)):
+            md.token_batch = self._token_batch(chunks, pos)
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md
+
+    def _wants_token_batch(self, rows: int, has_prefills: bool) -> bool:
+        if self.fused_decoder is not None:
+            return self.fused_decoder.takes_rows(rows)
+        return self.graph_decoder is not None and self.graph_decoder.takes_step(rows, has_prefills)
+
+    def _token_batch(self, chunks: list[ScheduledChunk], pos: list[int]) -> DecodeBatch:
+        """Each row's block table (its chunk's, padded) and context length (its position + 1)."""
+        width = max(-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks)
+        tables = []
+        for c in chunks:
+            ids = c.block_ids[:width]
+            tables.append(torch.tensor(ids + [0] * (width - len(ids))).expand(len(c.token_ids), width))
+        return DecodeBatch(len(pos), torch.cat(tables), torch.tensor(pos) + 1)

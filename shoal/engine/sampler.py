@@ -8,11 +8,13 @@ a failed step is retried, and when another replica resumes it from its streamed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.structured import GrammarBackend
 from shoal.protocol.seeds import derive_seed
 
 
@@ -25,6 +27,8 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator = field(default_factory=torch.Generator)
+    matcher: Any = None  # the grammar's state, for a request with structured output
+    next_mask: Any = None  # its next token mask, being computed while the forward pass runs
 
     def generator_for_next(self) -> torch.Generator:
         position = len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -32,18 +36,24 @@ class SamplingState:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: frozenset[int], vocab_size: int):
+    def __init__(
+        self, eos_token_ids: frozenset[int], vocab_size: int, grammars: GrammarBackend | None = None
+    ):
         self.eos_token_ids = sorted(eos_token_ids)
         self.vocab_size = vocab_size
+        self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         logits = logits.float()
         if all(s.params.greedy and not s.params.shapes_logits and s.params.min_tokens == 0 for s in states):
             return logits.argmax(dim=-1).tolist()
-        logits = logits.clone()
+        # Shaping and drawing run on the host: the per-position generators are CPU generators, so
+        # a seed means the same draw whichever device computed the logits.
+        logits = logits.clone() if logits.device.type == "cpu" else logits.cpu()
         self._mask_early_stop(logits, states)
         self._apply_penalties(logits, states)
         self._apply_bias(logits, states)
+        self._apply_grammars(logits, states)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
@@ -69,6 +79,22 @@ class Sampler:
             for i, lp in zip(rows, found):
                 out[i] = lp
         return out
+
+    def _apply_grammars(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not rows:
+            return
+        masks = []
+        for i in rows:
+            s = states[i]
+            pending, s.next_mask = s.next_mask, None
+            masks.append(pending.result() if pending is not None else self.grammars.fill(s.matcher))
+        self.grammars.apply(logits, rows, masks)
+        for i in rows:
+            # Other constraints left no token the grammar allows (min_tokens against a finished
+            # JSON value, say): the grammar has the last word, and the output ends.
+            if torch.isneginf(logits[i]).all():
+                logits[i, self.eos_token_ids] = 0.0
 
     def _mask_early_stop(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         for i, s in enumerate(states):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Below this temperature sampling is greedy: dividing logits by it would overflow to inf and NaN.
@@ -47,6 +48,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # when set, only these tokens can be sampled
+    # A grammar the output must follow (shoal.engine.structured.StructuredOutput), or None.
+    structured: Any = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -138,4 +141,9 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether anything but the model decides the logits the sampler sees."""
-        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.structured is not None
+        )

@@ -8,6 +8,7 @@ Where the CPU lacks AVX2/FMA or no compiler is found, callers fall back to plain
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("cpu_quant.c", "cpu_int8.c", "cpu_f32.c", "cpu_ops.c", "cpu_layer.c")
+    for n in ("cpu_quant.c", "cpu_x8.c", "cpu_int8.c", "cpu_f32.c", "cpu_ops.c", "cpu_layer.c")
 ]
 HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
@@ -63,32 +64,57 @@ def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
 
 
-def _cache_dir() -> Path:
+def kernels_cache_dir() -> Path:
     return (cache_root() or Path(tempfile.gettempdir()) / "shoal-kernels") / "kernels"
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's model name ("AMD EPYC 7B13"), or the platform's processor string."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _unavailable_reason() -> str | None:
+    if os.environ.get("SHOAL_NO_KERNELS"):
+        return "SHOAL_NO_KERNELS is set"
+    if not cpu_supports_kernels():
+        return f"this CPU lacks {sorted(REQUIRED_CPU_FLAGS)}"
+    if _compiler() is None:
+        return "no C compiler found (set CC); quantized layers run in plain torch"
+    return None
+
+
+@functools.cache
+def kernel_library_key() -> str | None:
+    """What the library is built from (sources, flags, compiler), or None where it cannot be built."""
+    if _unavailable_reason() is not None:
+        return None
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    return hashlib.sha256(source + " ".join([cc, *compile_flags(), version]).encode()).hexdigest()[:16]
 
 
 @functools.cache
 def load_cpu_library() -> ctypes.CDLL | None:
     """The compiled CPU kernels, or None where they cannot run here (the reason is logged)."""
-    if os.environ.get("SHOAL_NO_KERNELS"):
-        return None
-    if not cpu_supports_kernels():
-        log.info("CPU kernels off: this CPU lacks %s", sorted(REQUIRED_CPU_FLAGS))
+    reason = _unavailable_reason()
+    if reason is not None:
+        log.log(logging.WARNING if "compiler" in reason else logging.INFO, "CPU kernels off: %s", reason)
         return None
     cc = _compiler()
-    if cc is None:
-        log.warning("CPU kernels off: no C compiler found (set CC); quantized layers run in plain torch")
-        return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    flags = compile_flags()
-    key = hashlib.sha256(source + " ".join([cc, *flags, version]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"libshoal_cpu-{key}.so"
+    target = kernels_cache_dir() / f"libshoal_cpu-{kernel_library_key()}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [cc, *compile_flags(), "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             os.unlink(tmp)
             log.warning("CPU kernels off: %s failed:\n%s", cc, proc.stderr[-2000:])

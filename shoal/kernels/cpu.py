@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.kernels.build import load_cpu_library
+
+if TYPE_CHECKING:
+    from shoal.kernels.tuning import KernelChoices
 
 QK = 32  # values per quantized block
 
@@ -17,13 +21,12 @@ def decode_attention_supports(head_dim: int) -> bool:
     return head_dim <= 256 and head_dim % 8 == 0
 
 
-BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1}
+# q4_1x8, q8_0x8: the same blocks repacked 8 rows at a time (cpu_x8.c)
+BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1, "q4_1x8": 4, "q8_0x8": 5}
+# Element types of the KV cache the C attention reads and the fused layer writes (simd.h's KV_*).
+KV_TYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 INT8_ROWS_FORMAT_ID = 2  # int8 weights with one scale per output row (cpu_int8.c)
 F32_ROWS_FORMAT_ID = 3  # float32 weights (cpu_f32.c)
-# Up to this many rows, the int8 and float32 C kernels beat torch's matmuls, whose per-call cost and
-# small-batch kernels dominate at decode sizes (measured on a 2-core Zen 4: the int8 crossover is
-# at about 16 rows; float32 stays ahead up to 32).
-SMALL_BATCH_ROWS = 16
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -43,6 +46,7 @@ class LayerParams(ctypes.Structure):
     _fields_ = [
         *((name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")),
         ("window", _I),
+        ("kv_type", _I),
         ("eps", _F),
         ("scale", _F),
         *((name, _P) for name in ("input_norm", "post_norm", "k_cache", "v_cache")),
@@ -58,8 +62,9 @@ _SIGNATURES = {
     "shoal_int8_rescale": [_P, _P, _P, _I, _I, _P],
     "shoal_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "shoal_silu_mul": [_P, _I, _I, _P],
-    "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P],
-    "shoal_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P],
+    "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P],
+    "shoal_decode_layer_scratch": [ctypes.POINTER(LayerParams), _I],
+    "shoal_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P],
 }
 
 
@@ -70,8 +75,9 @@ class CpuKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
-        lib.shoal_decode_layer.restype = ctypes.c_int
+        lib.shoal_decode_layer_scratch.restype = ctypes.c_int64
         self._decode_layer = lib.shoal_decode_layer
+        self._decode_layer_scratch = lib.shoal_decode_layer_scratch
         self._block_linear = lib.shoal_block_linear
         self._int8_linear = lib.shoal_int8_linear
         self._f32_linear = lib.shoal_f32_linear
@@ -80,13 +86,21 @@ class CpuKernels:
         self._add_rms_norm = lib.shoal_add_rms_norm
         self._silu_mul = lib.shoal_silu_mul
         self._decode_attention = lib.shoal_paged_decode_attention
+        from shoal.kernels.tuning import KernelTuner  # it times these kernels
+
+        self.tuner = KernelTuner(self)
+
+    @property
+    def choices(self) -> KernelChoices:
+        """Which path is fastest on this CPU at each batch size (measured once, then cached)."""
+        return self.tuner.choices()
 
     def block_linear(
         self, fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K] times block-quantized W [N, K] transposed (activations quantized to int8 blocks)."""
         m, k = x.shape
-        n = qs.shape[0]
+        n = d.numel() // (k // QK)  # one scale per block of every output row, whatever the layout
         xq = torch.empty((m, k), dtype=torch.int8)
         scales = torch.empty((2, m, k // QK), dtype=torch.float32)
         y = torch.empty((m, n), dtype=torch.float32)
@@ -175,9 +189,13 @@ class CpuKernels:
         self._decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), b, hq, k_cache.shape[1], dim, block_size, window or 0, scale,
-            out.data_ptr(),
+            KV_TYPE_IDS[k_cache.dtype], out.data_ptr(),
         )  # fmt: skip
         return out
+
+    def decode_layer_scratch(self, params: LayerParams, rows: int) -> int:
+        """Bytes of scratch `decode_layer` needs for `rows` rows."""
+        return self._decode_layer_scratch(ctypes.byref(params), rows)
 
     def decode_layer(
         self,
@@ -189,17 +207,17 @@ class CpuKernels:
         slots: torch.Tensor,
         tables: torch.Tensor,
         lens: torch.Tensor,
+        scratch: torch.Tensor,
     ) -> torch.Tensor:
         """One decoder layer for single-token rows (see cpu_layer.c): x [M, hidden] gets delta added
-        in place; returns this layer's output [M, hidden]. cos/sin [M, D]; slots, tables, lens int64."""
+        in place; returns this layer's output [M, hidden]. cos/sin [M, D]; slots, tables, lens int64;
+        scratch: at least decode_layer_scratch(params, M) bytes, 64-byte aligned."""
         out = torch.empty_like(x)
-        rc = self._decode_layer(
+        self._decode_layer(
             ctypes.byref(params), x.data_ptr(), 0 if delta is None else delta.data_ptr(), x.shape[0],
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), out.data_ptr(),
+            lens.data_ptr(), scratch.data_ptr(), out.data_ptr(),
         )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("shoal_decode_layer could not allocate its scratch buffers")
         return out
 
 

@@ -6,8 +6,9 @@
  * DecoderLayer.forward in shoal/models/llama.py.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+
+#include "simd.h"
 
 void shoal_add_rms_norm(float *x, const float *delta, const float *w, int64_t M, int64_t H, float eps,
                         float *out);
@@ -17,12 +18,13 @@ void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t
 void shoal_int8_linear(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, const int8_t *w,
                        const float *scale, int64_t N, float *y);
 void shoal_f32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y);
-void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void shoal_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                   const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
                                   int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
-                                  float *out);
+                                  int64_t kv, float *out);
 
-/* A projection's weights: format 0 = Q4_1 blocks (mn used), 1 = Q8_0 blocks (cpu_quant.c), 2 = int8
+/* A projection's weights: format 0 = Q4_1 blocks (mn used), 1 = Q8_0 blocks (cpu_quant.c), 4 = Q4_1
+ * repacked 8 rows at a time (cpu_x8.c; 5 = Q8_0 repacked likewise), 2 = int8
  * rows with one scale each in d (cpu_int8.c), 3 = float32 rows in qs (cpu_f32.c). */
 typedef struct {
     int64_t format, n, k;
@@ -33,11 +35,34 @@ typedef struct {
 /* Must match shoal/kernels/cpu.py's LayerParams field for field. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, window;
+    int64_t kv_type; /* the caches' element type: KV_F32, KV_F16 or KV_BF16 (simd.h) */
     float eps, scale;
     const float *input_norm, *post_norm;
-    float *k_cache, *v_cache; /* [slots, kv_heads, head_dim] */
+    void *k_cache, *v_cache; /* [slots, kv_heads, head_dim] */
     ProjectionParams qkv, o, gate_up, down;
 } LayerParams;
+
+/* n floats (n % 8 == 0) into the cache's element type, rounded to nearest even as torch's casts do. */
+static void store_kv(void *dst, const float *src, int64_t n, int64_t kv) {
+    if (kv == KV_F32) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *d = dst;
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(src + i);
+        __m128i h;
+        if (kv == KV_F16) {
+            h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+        } else { /* bf16: the top half of the float, rounded to nearest even (no NaN can reach here) */
+            const __m256i b = _mm256_castps_si256(x);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+            const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd), 16);
+            h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        }
+        _mm_storeu_si128((__m128i *)(d + i), h);
+    }
+}
 
 static void project(const ProjectionParams *p, const float *x, int64_t M, int8_t *xq, float *dx, float *sx,
                     float *y) {
@@ -52,27 +77,43 @@ static void project(const ProjectionParams *p, const float *x, int64_t M, int8_t
             for (int64_t j = 0; j < p->n; j++) y[i * p->n + j] += p->bias[j];
 }
 
+/* Carves the layer's buffers for M rows out of one scratch area (NULL: only counts); returns its bytes. */
+static int64_t layout(const LayerParams *p, int64_t M, char *base, float **h, float **qkv, float **attn, float **gu,
+                      float **act, int8_t **xq, float **dx, float **sx) {
+    const int64_t H = p->hidden, D = p->head_dim, Hq = p->heads, I = p->intermediate;
+    int64_t kmax = H > I ? H : I; /* the widest projection input */
+    if (Hq * D > kmax) kmax = Hq * D;
+    const int64_t sizes[8] = {4 * M * H, 4 * M * p->qkv.n, 4 * M * Hq * D, 4 * M * 2 * I, 4 * M * I, M * kmax,
+                              4 * M * (kmax / 32 + 1), 4 * M * (kmax / 32 + 1)};
+    void **slots[8] = {(void **)h, (void **)qkv, (void **)attn, (void **)gu, (void **)act, (void **)xq,
+                       (void **)dx, (void **)sx};
+    int64_t off = 0;
+    for (int i = 0; i < 8; i++) {
+        if (base) *slots[i] = base + off;
+        off += (sizes[i] + 63) & ~(int64_t)63; /* each buffer on its own cache lines */
+    }
+    return off;
+}
+
+/* Bytes of scratch shoal_decode_layer needs for M rows. */
+int64_t shoal_decode_layer_scratch(const LayerParams *p, int64_t M) {
+    return layout(p, M, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
 /* x [M, hidden]: the residual stream, updated in place (x += delta first, when delta is given).
  * cos, sin [M, head_dim]: rope tables for each row's position, sin with rotate_half's sign folded in.
  * slots [M]: where each row's K/V goes; tables [M, max_blocks], lens [M]: its context.
- * out [M, hidden]: this layer's output, not yet added to x. Returns 0, or -1 when out of memory. */
-int shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int64_t M, const float *cos,
-                       const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
-                       const int64_t *lens, float *out) {
+ * scratch: shoal_decode_layer_scratch(p, M) bytes, 64-byte aligned, reused from call to call (no
+ * allocation, and no page faults, per layer per step).
+ * out [M, hidden]: this layer's output, not yet added to x. */
+void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int64_t M, const float *cos,
+                        const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                        const int64_t *lens, void *scratch, float *out) {
     const int64_t H = p->hidden, D = p->head_dim, Hq = p->heads, Hk = p->kv_heads, I = p->intermediate;
     const int64_t nqkv = p->qkv.n;
-    int64_t kmax = H > I ? H : I; /* the widest projection input */
-    if (Hq * D > kmax) kmax = Hq * D;
-    float *h = malloc(sizeof(float) * M * H);
-    float *qkv = malloc(sizeof(float) * M * nqkv);
-    float *attn = malloc(sizeof(float) * M * Hq * D);
-    float *gu = malloc(sizeof(float) * M * 2 * I);
-    float *act = malloc(sizeof(float) * M * I);
-    int8_t *xq = malloc(M * kmax);
-    float *dx = malloc(sizeof(float) * M * (kmax / 32 + 1));
-    float *sx = malloc(sizeof(float) * M * (kmax / 32 + 1));
-    int rc = -1;
-    if (!h || !qkv || !attn || !gu || !act || !xq || !dx || !sx) goto done;
+    float *h, *qkv, *attn, *gu, *act, *dx, *sx;
+    int8_t *xq;
+    layout(p, M, scratch, &h, &qkv, &attn, &gu, &act, &xq, &dx, &sx);
 
     shoal_add_rms_norm(x, delta, p->input_norm, M, H, p->eps, h);
     project(&p->qkv, h, M, xq, dx, sx, qkv);
@@ -87,26 +128,15 @@ int shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int64
             for (int64_t j = half; j < D; j++) rot[j] = v[j] * c[j] + v[j - half] * s[j];
             memcpy(v, rot, sizeof(float) * D);
         }
-        const int64_t row = slots[i] * Hk * D;
-        memcpy(p->k_cache + row, qkv + i * nqkv + Hq * D, sizeof(float) * Hk * D);
-        memcpy(p->v_cache + row, qkv + i * nqkv + (Hq + Hk) * D, sizeof(float) * Hk * D);
+        const int64_t row = slots[i] * Hk * D * (p->kv_type == KV_F32 ? 4 : 2); /* bytes */
+        store_kv((char *)p->k_cache + row, qkv + i * nqkv + Hq * D, Hk * D, p->kv_type);
+        store_kv((char *)p->v_cache + row, qkv + i * nqkv + (Hq + Hk) * D, Hk * D, p->kv_type);
     }
     shoal_paged_decode_attention(qkv, nqkv, p->k_cache, p->v_cache, tables, max_blocks, lens, M, Hq, Hk, D,
-                                 p->block_size, p->window, p->scale, attn);
+                                 p->block_size, p->window, p->scale, p->kv_type, attn);
     project(&p->o, attn, M, xq, dx, sx, out);
     shoal_add_rms_norm(x, out, p->post_norm, M, H, p->eps, h);
     project(&p->gate_up, h, M, xq, dx, sx, gu);
     shoal_silu_mul(gu, M, I, act);
     project(&p->down, act, M, xq, dx, sx, out);
-    rc = 0;
-done:
-    free(h);
-    free(qkv);
-    free(attn);
-    free(gu);
-    free(act);
-    free(xq);
-    free(dx);
-    free(sx);
-    return rc;
 }

@@ -67,32 +67,43 @@ static inline __m256 hsum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+/* 8 consecutive K/V values as floats, from a cache of float32, float16 or bfloat16 (KV_* below). */
+static inline __m256 load_kv8(const void *p, int64_t i, int kv) {
+    if (kv == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (kv == KV_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
 /* q . k[i] for 8 keys at once: eight independent accumulators hide the FMA latency. D % 8 == 0. */
-static inline __m256 dot_8_keys(const float *q, const float *const *k, int64_t D) {
+static inline __attribute__((always_inline)) __m256 dot_8_keys(const float *q, const void *const *k, int64_t D,
+                                                                int kv) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, load_kv8(k[i], d, kv), a[i]);
     }
     return hsum8x8(a);
 }
 
 /* acc[0:D] += sum_j p[j] * v[j][0:D] over n keys, 64 columns at a time held in registers. D % 8 == 0. */
-static inline void weighted_sum(float *acc, const float *p, const float *const *v, int64_t n, int64_t D) {
+static inline __attribute__((always_inline)) void weighted_sum(float *acc, const float *p, const void *const *v,
+                                                               int64_t n, int64_t D, int kv) {
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64) {
         __m256 r[8];
         for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
         for (int64_t j = 0; j < n; j++) {
             const __m256 pj = _mm256_set1_ps(p[j]);
-            for (int i = 0; i < 8; i++) r[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + d0 + 8 * i), r[i]);
+            for (int i = 0; i < 8; i++) r[i] = _mm256_fmadd_ps(pj, load_kv8(v[j], d0 + 8 * i, kv), r[i]);
         }
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + d0 + 8 * i, r[i]);
     }
     for (; d0 < D; d0 += 8) {
         __m256 r = _mm256_loadu_ps(acc + d0);
-        for (int64_t j = 0; j < n; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d0), r);
+        for (int64_t j = 0; j < n; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load_kv8(v[j], d0, kv), r);
         _mm256_storeu_ps(acc + d0, r);
     }
 }
@@ -106,10 +117,11 @@ static inline void weighted_sum(float *acc, const float *p, const float *const *
  * dropped when window > 0). out [B, Hq, D]. D <= 256 and a multiple of 8.
  * The query heads of one KV head (GQA) go through its keys together, a chunk at a time: scores for
  * the chunk, one softmax rescale per chunk (online softmax), then the weighted values. */
-void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                  const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
-                                  int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
-                                  float *out) {
+static inline __attribute__((always_inline)) void paged_attention(
+    int kv, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *tables,
+    int64_t max_blocks, const int64_t *lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t bs,
+    int64_t window, float scale, float *out) {
+    const int64_t esize = kv == KV_F32 ? 4 : 2;
     const int64_t group = Hq / Hk;
     const int64_t parts = (group + HEAD_GROUP - 1) / HEAD_GROUP;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -122,7 +134,7 @@ void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float 
             const int64_t start = window > 0 && len > window ? len - window : 0;
             float acc[HEAD_GROUP][256], mx[HEAD_GROUP], denom[HEAD_GROUP];
             float sc[HEAD_GROUP][KEY_CHUNK];
-            const float *kp[KEY_CHUNK], *vp[KEY_CHUNK];
+            const void *kp[KEY_CHUNK], *vp[KEY_CHUNK];
             for (int64_t g = 0; g < G; g++) {
                 memset(acc[g], 0, sizeof(float) * D);
                 mx[g] = -INFINITY;
@@ -134,8 +146,8 @@ void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float 
                 for (int64_t j = 0; j < padded; j++) {
                     const int64_t t = t0 + (j < n ? j : n - 1); /* pad with a real key; masked below */
                     const int64_t off = ((tables[b * max_blocks + t / bs] * bs + t % bs) * Hk + kh) * D;
-                    kp[j] = k_cache + off;
-                    vp[j] = v_cache + off;
+                    kp[j] = (const char *)k_cache + off * esize;
+                    vp[j] = (const char *)v_cache + off * esize;
                 }
                 for (int64_t g = 0; g < G; g++) {
                     const float *qg = q + b * q_stride + (h0 + g) * D;
@@ -144,7 +156,7 @@ void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float 
                         const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
                         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx));
                         const __m256 s8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                                           _mm256_mul_ps(dot_8_keys(qg, kp + j, D), _mm256_set1_ps(scale)), valid);
+                                                           _mm256_mul_ps(dot_8_keys(qg, kp + j, D, kv), _mm256_set1_ps(scale)), valid);
                         _mm256_storeu_ps(sc[g] + j, s8);
                         m8 = _mm256_max_ps(m8, s8);
                     }
@@ -165,7 +177,7 @@ void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float 
                     mx[g] = m;
                     if (c != 1.0f)
                         for (int64_t j = 0; j < D; j++) acc[g][j] *= c;
-                    weighted_sum(acc[g], sc[g], vp, n, D);
+                    weighted_sum(acc[g], sc[g], vp, n, D, kv);
                 }
             }
             for (int64_t g = 0; g < G; g++) {
@@ -175,4 +187,20 @@ void shoal_paged_decode_attention(const float *q, int64_t q_stride, const float 
             }
         }
     }
+}
+
+/* kv: the caches' element type, KV_F32, KV_F16 or KV_BF16 (one compiled variant each). */
+void shoal_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                  const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
+                                  int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
+                                  int64_t kv, float *out) {
+    if (kv == KV_F16)
+        paged_attention(KV_F16, q, q_stride, k_cache, v_cache, tables, max_blocks, lens, B, Hq, Hk, D, bs, window,
+                        scale, out);
+    else if (kv == KV_BF16)
+        paged_attention(KV_BF16, q, q_stride, k_cache, v_cache, tables, max_blocks, lens, B, Hq, Hk, D, bs, window,
+                        scale, out);
+    else
+        paged_attention(KV_F32, q, q_stride, k_cache, v_cache, tables, max_blocks, lens, B, Hq, Hk, D, bs, window,
+                        scale, out);
 }

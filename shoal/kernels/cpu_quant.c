@@ -171,10 +171,16 @@ void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float 
     }
 }
 
+void shoal_x8_matmul(int q8, const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
+                     const uint8_t *qs, const float *d, const float *mn, int64_t N, float *y);
+
 /* One call per quantized linear layer: block-quantize x into the caller's scratch, then multiply.
- * format 0: Q4_1 (mn used), 1: Q8_0. */
+ * format 0: Q4_1 (mn used), 1: Q8_0; 4 and 5: Q4_1 and Q8_0 repacked 8 rows at a time (cpu_q4x8.c). */
 void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         const void *qs, const float *d, const float *mn, int64_t N, float *y) {
     shoal_quantize_blocks(x, M, K, xq, dx, sx);
-    shoal_block_matmul(format, xq, dx, sx, M, K, qs, d, mn, N, y);
+    if (format == 4 || format == 5)
+        shoal_x8_matmul(format == 5, xq, dx, sx, M, K, (const uint8_t *)qs, d, mn, N, y);
+    else
+        shoal_block_matmul(format, xq, dx, sx, M, K, qs, d, mn, N, y);
 }

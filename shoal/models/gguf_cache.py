@@ -31,7 +31,7 @@ from shoal.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 
 
 def _entry(path: Path, dtype: torch.dtype) -> Path | None:
@@ -54,9 +54,15 @@ class CachedModel:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield name, f.get_tensor(name)
 
+    def block_formats(self) -> dict[str, str]:
+        """Block format by tensor name, without reading the blocks."""
+        return json.loads((self.entry / "blocks.json").read_text())
+
     def blocks(self) -> dict[str, BlockWeights]:
+        formats = self.block_formats()
+        if not formats:  # safetensors cannot read back a file of no tensors
+            return {}
         with safe_open(str(self.entry / "blocks.safetensors"), framework="pt") as f:
-            formats = f.metadata() or {}
             return {
                 name: BlockWeights(
                     fmt,
@@ -70,7 +76,7 @@ class CachedModel:
 
 def load_cached(path: Path, dtype: torch.dtype) -> CachedModel | None:
     entry = _entry(path, dtype)
-    if entry is None or not (entry / "blocks.safetensors").exists():
+    if entry is None or not (entry / "blocks.json").exists():
         return None
     try:
         raw = json.loads((entry / "config.json").read_text())
@@ -116,7 +122,9 @@ def store(
             if b.mn is not None:
                 block_tensors[f"{name}.mn"] = b.mn
         formats = {name: b.format for name, b in blocks.items()}
-        save_file(block_tensors, str(tmp / "blocks.safetensors"), metadata=formats)
+        if block_tensors:
+            save_file(block_tensors, str(tmp / "blocks.safetensors"))
+        (tmp / "blocks.json").write_text(json.dumps(formats))
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         tok.backend.save(str(tmp / "tokenizer.json"))
         meta = {

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.kernels.cpu import SMALL_BATCH_ROWS, kernels_for
+from shoal.kernels.cpu import kernels_for
 from shoal.models.config import ModelConfig
 from shoal.models.rope import RotaryEmbedding
 
@@ -52,8 +52,10 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T; on CPU a few float32 rows go through the C kernel, which reads the weights at
     memory speed where torch's small-batch matmul does not."""
-    kernels = kernels_for(x, weight) if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS else None
-    return F.linear(x, weight) if kernels is None else kernels.f32_linear(x, weight)
+    kernels = kernels_for(x, weight) if x.dim() == 2 else None
+    if kernels is None or kernels.choices.f32_uses_torch(x.shape[0]):
+        return F.linear(x, weight)
+    return kernels.f32_linear(x, weight)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

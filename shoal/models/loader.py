@@ -20,7 +20,7 @@ from shoal.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights, load_g
 from shoal.models.gguf_meta import open_gguf
 from shoal.models.hf_loader import iter_hf_weights, load_hf_config
 from shoal.models.llama import LlamaForCausalLM
-from shoal.models.quant import BlockWeights, quantize_model
+from shoal.models.quant import BlockWeights, quantize_model, resolve_quantization
 from shoal.models.tokenizer import Tokenizer
 
 
@@ -31,6 +31,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer
+    quantization: str | None = None  # what the weights run as: None (unquantized), "int8", "int4"
 
 
 def load_model(
@@ -38,15 +39,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
-    quantization: str | None = None,
+    quantization: str | None = "auto",
 ) -> LoadedModel:
-    """quantization: None (the checkpoint's weights in `dtype`), "int8" or "int4" (see models.quant)."""
+    """quantization: "auto" (a GGUF's as stored, see `resolve_quantization`), "none" or None (the
+    checkpoint's weights in `dtype`), "int8" or "int4" (see models.quant)."""
     name, path = resolve_model(model)
     stored: dict[str, BlockWeights] = {}
     if path.suffix == ".gguf":
         cached = load_cached(path, dtype)
         if cached is not None:
             cfg, tokenizer, weights = cached.config, cached.tokenizer, cached.weights()
+            quantization = resolve_quantization(quantization, cached.block_formats())
             if quantization == "int4":
                 stored = cached.blocks()
         else:
@@ -57,7 +60,9 @@ def load_model(
             stored = dict(iter_gguf_blocks(reader, cfg))
             store(path, dtype, cfg, tokenizer, converted, stored)
             weights = iter(converted.items())
+            quantization = resolve_quantization(quantization, {k: b.format for k, b in stored.items()})
     else:
+        quantization = resolve_quantization(quantization, {})
         cfg = load_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         weights = iter_hf_weights(path, dtype)
@@ -70,4 +75,6 @@ def load_model(
     net.eval().requires_grad_(False)
     if quantization is not None:
         quantize_model(net, quantization, {k: b.to(device) for k, b in stored.items()})
-    return LoadedModel(name=name, path=path, config=cfg, model=net, tokenizer=tokenizer)
+    return LoadedModel(
+        name=name, path=path, config=cfg, model=net, tokenizer=tokenizer, quantization=quantization
+    )

@@ -18,10 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.kernels.cpu import QK, SMALL_BATCH_ROWS, cpu_kernels
+from shoal.kernels.cpu import QK, cpu_kernels
 from shoal.models.llama import PACKED_PARTS, PROJECTIONS
 
 QUANT_METHODS = ("int8", "int4")
+# What --quantization takes: a method, "none" (the checkpoint's weights unquantized: the fp32
+# reference), or "auto".
+QUANT_CHOICES = ("auto", "none", *QUANT_METHODS)
 BLOCK_FORMATS = ("q4_1", "q8_0")
 
 
@@ -98,22 +101,63 @@ class _QuantLinear(nn.Module):
         raise NotImplementedError
 
 
+# Block formats repacked 8 rows at a time (cpu_x8.c), and the bytes each row's block takes.
+REPACKED = {"q4_1": "q4_1x8", "q8_0": "q8_0x8"}
+_BLOCK_BYTES = {"q4_1": 16, "q8_0": 32}
+
+
+def repack_x8(w: BlockWeights) -> BlockWeights:
+    """Blocks of 8 consecutive rows interleaved in 4-byte groups, as cpu_x8.c reads them: qs
+    [N/8, K/32, bytes/4, 8, 4], d and mn [N/8, K/32, 8]. N % 8 == 0."""
+    n, k = w.shape
+    g, nbytes = k // QK, _BLOCK_BYTES[w.format]
+    qs = w.qs.reshape(n // 8, 8, g, nbytes // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+    def per_tile(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.reshape(n // 8, 8, g).permute(0, 2, 1).contiguous()
+
+    return BlockWeights(REPACKED[w.format], qs, per_tile(w.d), per_tile(w.mn))
+
+
+def unpack_x8(w: BlockWeights) -> BlockWeights:
+    """The row-major blocks of a repacked weight (the inverse of repack_x8)."""
+    fmt = next(f for f, packed in REPACKED.items() if packed == w.format)
+    tiles, g = w.d.shape[:2]
+    qs = w.qs.permute(0, 3, 1, 2, 4).reshape(tiles * 8, g, _BLOCK_BYTES[fmt])
+    if fmt == "q8_0":
+        qs = qs.reshape(tiles * 8, g * QK)
+
+    def per_row(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.permute(0, 2, 1).reshape(tiles * 8, g)
+
+    return BlockWeights(fmt, qs, per_row(w.d), per_row(w.mn))
+
+
 class BlockQuantLinear(_QuantLinear):
-    """y = x @ W^T with W held in Q4_1 or Q8_0 blocks."""
+    """y = x @ W^T with W held in Q4_1 or Q8_0 blocks. Where the CPU kernels run it, the blocks are
+    held repacked 8 rows at a time (formats "q4_1x8", "q8_0x8"), which they multiply fastest."""
 
     def __init__(self, weights: BlockWeights, bias: torch.Tensor | None = None):
         super().__init__(bias)
         if weights.format not in BLOCK_FORMATS:
             raise ValueError(f"unknown block format {weights.format!r}")
-        self.format = weights.format
         self.out_features, self.in_features = weights.shape
+        weights = BlockWeights(
+            weights.format, weights.qs, weights.d.float(), None if weights.mn is None else weights.mn.float()
+        )
+        on_cpu_kernels = weights.qs.device.type == "cpu" and cpu_kernels() is not None
+        if self.out_features % 8 == 0 and on_cpu_kernels:
+            weights = repack_x8(weights)
+        self.format = weights.format
         self.register_buffer("qs", weights.qs.contiguous())
-        self.register_buffer("d", weights.d.float().contiguous())
-        self.register_buffer("mn", None if weights.mn is None else weights.mn.float().contiguous())
+        self.register_buffer("d", weights.d.contiguous())
+        self.register_buffer("mn", None if weights.mn is None else weights.mn.contiguous())
 
     @property
     def weights(self) -> BlockWeights:
-        return BlockWeights(self.format, self.qs, self.d, self.mn)
+        """The weights in GGUF's row-major block layout."""
+        w = BlockWeights(self.format, self.qs, self.d, self.mn)
+        return unpack_x8(w) if self.format in REPACKED.values() else w
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels() if x.device.type == "cpu" else None
@@ -145,7 +189,7 @@ class Int8Linear(_QuantLinear):
         kernels = cpu_kernels()
         if kernels is not None and self.in_features % QK == 0:
             x32 = x.float().contiguous()
-            if x.shape[0] <= SMALL_BATCH_ROWS:
+            if not kernels.choices.int8_uses_torch(x.shape[0]):
                 return kernels.int8_linear(x32, self.weight, self.scale).to(x.dtype)
             xq, xs = kernels.quantize_rows(x32)
             return kernels.int8_rescale(torch._int_mm(xq, self.weight_t), xs, self.scale).to(x.dtype)
@@ -154,6 +198,22 @@ class Int8Linear(_QuantLinear):
         xs = xf.abs().amax(1, keepdim=True).clamp_(min=1e-12).div_(127)
         xq = (xf / xs).round_().to(torch.int8)
         return (torch._int_mm(xq, self.weight_t) * xs * self.scale).to(x.dtype)
+
+
+def resolve_quantization(requested: str | None, stored_formats: dict[str, str]) -> str | None:
+    """The method to load with (None: unquantized). "auto" runs a GGUF as stored: int4 when most of
+    its projections are Q4 blocks, int8 when they are Q8_0; any other checkpoint is left as it is."""
+    if requested in (None, "none"):
+        return None
+    if requested != "auto":
+        if requested not in QUANT_METHODS:
+            raise ValueError(f"unknown quantization {requested!r}; choose from {list(QUANT_CHOICES)}")
+        return requested
+    formats = [fmt for name, fmt in stored_formats.items() if ".layers." in name]
+    if not formats:
+        return None
+    majority = max(set(formats), key=formats.count)
+    return "int4" if majority == "q4_1" else "int8"
 
 
 def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights] | None = None) -> None:

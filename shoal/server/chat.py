@@ -117,7 +117,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 {
                     "index": first_index + i,
                     "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                    "logprobs": None if logprobs is None else {"content": content_lps[i]},
+                    "logprobs": None if logprobs is None else {"content": content_lps[i], "refusal": None},
                     "finish_reason": finish[i],
                     **(
                         {"token_ids": token_ids[i], "prompt_token_ids": prompt}
@@ -137,7 +137,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         choice = {
             "index": first_index + i,
             "delta": delta,
-            "logprobs": None if part is None else {"content": part},
+            "logprobs": None if part is None else {"content": part, "refusal": None},
             "finish_reason": finish_reason,
         }
         if ids is not None:

@@ -14,6 +14,7 @@ from shoal.engine.sampling_params import (
     InvalidParamError,
     SamplingParams,
 )
+from shoal.engine.structured import StructuredOutput, parse_request_structure
 from shoal.models.chat_template import template_message
 from shoal.protocol.seeds import SEED_MAX, SEED_MIN
 
@@ -28,22 +29,40 @@ UNSUPPORTED = {
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
 }
+
+
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's spec marks most optional fields nullable ("stream": null, "n": null), and SDKs
+        # send null for "not given": a null takes the field's default instead of failing its type.
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {
+                k: v
+                for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None
+            }
+        return data
 
 
 class Resume(_Request):
@@ -95,6 +114,23 @@ class _SamplingFields(_Request):
                     raise InvalidParamError(f"{name} is not supported by this server yet", name)
         return data
 
+    # Structured output: OpenAI's response_format, and vLLM's guided_* and structured_outputs.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the output must follow, checked (a 400 naming the problem otherwise)."""
+        found = parse_request_structure(
+            {name: getattr(self, name) for name in STRUCTURED_FIELDS if getattr(self, name) is not None}
+        )
+        if found is not None:
+            found.grammar()  # compiles within llguidance's fuel limits, or raises
+        return found
+
     @model_validator(mode="after")
     def _resume_one_choice(self):
         if self.resume is not None and self.n != 1:
@@ -124,6 +160,7 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            structured=self.structured(),
             **extra,
         )
 
@@ -172,6 +209,20 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # An image or audio part would otherwise fail as a shapeless type error.
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            for part in data["content"]:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise InvalidParamError(
+                        f"content parts of type {kind[:40]!r} are not supported: this model reads text only",
+                        "messages",
+                    )
+        return data
 
     def as_template_message(self) -> dict[str, str]:
         parts = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]

@@ -1,0 +1,155 @@
+"""Offline throughput on a CUDA device, against the HBM roofline.
+
+The bundled GGUF is too large to carry to a lent GPU machine, so this runs a checkpoint of the same
+shape (SmolLM2-135M: its config and tokenizer, written here with `prepare`) with random weights:
+the arithmetic and bytes per step are the bundled model's. For each dtype and batch cap it prints
+output tok/s, ms per engine step, and the step time that reading the weights and KV once per step
+would take at the device's copy bandwidth (measured in the same run): the roofline a decode step
+cannot beat.
+
+    python benchmarks/gpu_offline.py prepare bench-results/gpu-ckpt       # here (needs the GGUF)
+    python benchmarks/gpu_offline.py run bench-results/gpu-ckpt            # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from shoal.bench.offline import OfflineBenchConfig, make_workload
+from shoal.engine.sampling_params import SamplingParams
+from shoal.llm import LLM
+from shoal.models.loader import load_model
+
+
+def prepare(out: Path) -> None:
+    """config.json and tokenizer files of the bundled model, in HF's layout."""
+    loaded = load_model(quantization="none")
+    cfg = loaded.config
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": loaded.tokenizer.bos_token_id,
+        "eos_token_id": sorted(loaded.tokenizer.eos_token_ids)[0],
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(hf_config, indent=1))
+    tok = loaded.tokenizer
+    tok.backend.save(str(out / "tokenizer.json"))
+    names = {
+        "bos_token": tok.backend.id_to_token(tok.bos_token_id),
+        "eos_token": tok.backend.id_to_token(sorted(tok.eos_token_ids)[0]),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(names))
+    print(f"wrote {out}")
+
+
+def fill_random_weights(ckpt: Path) -> None:
+    if (ckpt / "model.safetensors").exists():
+        return
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(ckpt)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(ckpt, safe_serialization=True)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read and written."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (time.perf_counter() - t0)
+
+
+def run(ckpt: Path, batches: list[int], dtypes: list[str]) -> None:
+    fill_random_weights(ckpt)
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    cfg = OfflineBenchConfig(num_requests=0, input_len=32, output_len=128)
+    print(
+        "\n| dtype | decode | max seqs | requests | output tok/s | ms / step | roofline ms / step | of roof |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for dtype in dtypes:
+        loaded = load_model(str(ckpt), dtype=getattr(torch, dtype), device="cuda", quantization="none")
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        mcfg = loaded.config
+        kv_per_token = (
+            2
+            * mcfg.num_layers
+            * mcfg.num_kv_heads
+            * mcfg.head_dim
+            * torch.finfo(getattr(torch, dtype)).bits
+            // 8
+        )
+        for batch, eager in [(b, e) for b in batches for e in (True, False)]:
+            cfg.num_requests = max(2 * batch, 8)
+            work = make_workload(cfg, mcfg.vocab_size)
+            llm = LLM(
+                loaded=loaded,
+                device="cuda",
+                dtype=dtype,
+                max_num_seqs=batch,
+                num_blocks=4096,
+                enforce_eager=eager,
+            )
+            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+            llm.generate(work.prompts[:batch], params[:batch])  # warm-up: allocator, kernels
+            steps0 = llm.engine.num_steps
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate(work.prompts, params)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            steps = llm.engine.num_steps - steps0
+            # A decode step at full batch reads every weight once and each sequence's KV (mean
+            # context: prompt + half the output).
+            mean_ctx = cfg.input_len + cfg.output_len / 2
+            roof_ms = 1000 * (weight_bytes + batch * mean_ctx * kv_per_token) / bw
+            step_ms = 1000 * elapsed / steps
+            mode = "eager" if eager else "graphs"
+            print(
+                f"| {dtype} | {mode} | {batch} | {cfg.num_requests} | {work.total_output / elapsed:.0f} | "
+                f"{step_ms:.2f} | {roof_ms:.3f} | {roof_ms / step_ms:.1%} |"
+            )
+            del llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("action", choices=["prepare", "run"])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    if args.action == "prepare":
+        prepare(args.checkpoint)
+    else:
+        run(args.checkpoint, [int(b) for b in args.batches.split(",")], args.dtypes.split(","))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+/* Q4_1 and Q8_0 weights repacked eight output rows at a time, so one byte multiply-add serves eight rows.
+ *
+ * In GGUF's layout each output row's block is its own 16 bytes, and every (row, block) pair pays
+ * for its own int->float conversion, scale multiply and final horizontal sum. Here the blocks of
+ * 8 consecutive rows are interleaved in 4-byte groups: register s (s = 0..3) of a block holds, for
+ * each of the 8 rows, bytes 4s..4s+3 of that row's block (low nibbles: elements 4s..4s+3, high
+ * nibbles: elements 16+4s..16+4s+3). Broadcasting 4 activation bytes against it yields 8 rows'
+ * partial dot products in the 8 int32 lanes of one register: no horizontal sums, and the scale
+ * and minimum of 8 rows apply in one FMA each per block.
+ *
+ * Layout, for N % 8 == 0 (quant.py repacks at load): qs [N/8, G, 4, 8, 4] bytes, d and mn
+ * [N/8, G, 8] floats. Activations as shoal_quantize_blocks leaves them. Integer sums are exact in
+ * AVX2 and VNNI builds alike, and each row's float operations run in the same order whatever the
+ * batch, so a row's result does not depend on the other rows computed with it.
+ */
+#include "simd.h"
+
+#define QK 32
+#define CHUNK8 4 /* tiles of 8 output rows per unit of parallel work (32 rows: ~9 KB of weights) */
+
+/* 8 rows' sums of u4 weights (lo or hi nibbles of w) times 4 broadcast activation bytes, added to acc. */
+static inline __m256i dot8(__m256i w, __m256i x4, __m256i acc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x4);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x4), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void q4x8_tile(int MT, const int8_t *xq, const float *dx,
+                                                            const float *sx, int64_t K, const uint8_t *qs,
+                                                            const float *d, const float *mn, float *y,
+                                                            int64_t ldy) {
+    const int64_t G = K / QK;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc[4];
+    for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *blk = qs + g * 128;
+        __m256i lo[4], hi[4];
+        for (int s = 0; s < 4; s++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 32 * s));
+            lo[s] = _mm256_and_si256(raw, low);
+            hi[s] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        const __m256 d8 = _mm256_loadu_ps(d + g * 8);
+        const __m256 m8 = _mm256_loadu_ps(mn + g * 8);
+        for (int r = 0; r < MT; r++) {
+            const int32_t *x = (const int32_t *)(xq + r * K + g * QK);
+            __m256i isum = _mm256_setzero_si256();
+            for (int s = 0; s < 4; s++) {
+                isum = dot8(lo[s], _mm256_set1_epi32(x[s]), isum);
+                isum = dot8(hi[s], _mm256_set1_epi32(x[4 + s]), isum);
+            }
+            const __m256 scale = _mm256_mul_ps(d8, _mm256_broadcast_ss(dx + r * G + g));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+            acc[r] = _mm256_fmadd_ps(m8, _mm256_broadcast_ss(sx + r * G + g), acc[r]);
+        }
+    }
+    for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+/* Q8_0 repacked the same way: register s (s = 0..7) of a block holds bytes 4s..4s+3 of each of the
+ * 8 rows' blocks: qs [N/8, G, 8, 8, 4], d [N/8, G, 8]. The signs move onto the activations, as in
+ * cpu_quant.c, so the byte multiply-add sees unsigned weights. */
+static inline __attribute__((always_inline)) void q8x8_tile(int MT, const int8_t *xq, const float *dx, int64_t K,
+                                                            const int8_t *qs, const float *d, float *y,
+                                                            int64_t ldy) {
+    const int64_t G = K / QK;
+    __m256 acc[4];
+    for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *blk = qs + g * 256;
+        const __m256 d8 = _mm256_loadu_ps(d + g * 8);
+        for (int r = 0; r < MT; r++) {
+            const int32_t *x = (const int32_t *)(xq + r * K + g * QK);
+            __m256i isum = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 32 * s));
+                const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x[s]), w);
+                isum = dot8(_mm256_sign_epi8(w, w), sx, isum);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d8, _mm256_broadcast_ss(dx + r * G + g)),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+/* y [M, N] = x @ W^T for W [N, K] repacked as above; x block-quantized: xq [M, K], dx, sx [M, K/32].
+ * q8: Q8_0 repacked (sx and mn unused), else Q4_1 repacked. */
+void shoal_x8_matmul(int q8, const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
+                     const uint8_t *qs, const float *d, const float *mn, int64_t N, float *y) {
+    const int64_t G = K / QK, tiles = N / 8, tile_bytes = G * (q8 ? 256 : 128);
+#pragma omp parallel for schedule(static)
+    for (int64_t t0 = 0; t0 < tiles; t0 += CHUNK8) {
+        const int64_t t1 = t0 + CHUNK8 < tiles ? t0 + CHUNK8 : tiles;
+        for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+            const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
+            for (int64_t t = t0; t < t1; t++) {
+                const uint8_t *w = qs + t * tile_bytes;
+                const float *dt = d + t * G * 8, *mt8 = q8 ? 0 : mn + t * G * 8;
+                const int8_t *x = xq + m0 * K;
+                const float *dxm = dx + m0 * G, *sxm = sx + m0 * G;
+                float *yt = y + m0 * N + t * 8;
+                if (q8) {
+                    switch (mt) {
+                    case 4: q8x8_tile(4, x, dxm, K, (const int8_t *)w, dt, yt, N); break;
+                    case 3: q8x8_tile(3, x, dxm, K, (const int8_t *)w, dt, yt, N); break;
+                    case 2: q8x8_tile(2, x, dxm, K, (const int8_t *)w, dt, yt, N); break;
+                    default: q8x8_tile(1, x, dxm, K, (const int8_t *)w, dt, yt, N);
+                    }
+                    continue;
+                }
+                switch (mt) {
+                case 4: q4x8_tile(4, x, dxm, sxm, K, w, dt, mt8, yt, N); break;
+                case 3: q4x8_tile(3, x, dxm, sxm, K, w, dt, mt8, yt, N); break;
+                case 2: q4x8_tile(2, x, dxm, sxm, K, w, dt, mt8, yt, N); break;
+                default: q4x8_tile(1, x, dxm, sxm, K, w, dt, mt8, yt, N);
+                }
+            }
+        }
+    }
+}
