@@ -104,11 +104,20 @@ def test_round_robin_spreads_and_session_sticks(gateways):
 
 
 def test_kv_aware_sends_shared_prefixes_where_they_are_cached(fleet, urls):
+    indexed_before = sum(r["cached_blocks"] for r in replicas(fleet).values())
     homes = {}
     for k in range(3):
         prefix = f"Document {k}. {LONG_PREFIX}"
         homes[k] = post(fleet, {"prompt": prefix + " Question one?", "max_tokens": 1}).headers["x-replica"]
-    time.sleep(0.5)  # the gateway polls KV events every 100 ms
+    # The gateway polls KV events every 100 ms; on a loaded machine a poll can lag, so wait until
+    # its index holds the three prompts' blocks (each over 10, beyond what earlier tests cached)
+    # instead of for a fixed time.
+    deadline = time.monotonic() + 15
+    while (
+        sum(r["cached_blocks"] for r in replicas(fleet).values()) < indexed_before + 30
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
     for k in range(3):
         home = urls[homes[k]]
         hits = metric(home, "shoal:prefix_cache_hits_total")
