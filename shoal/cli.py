@@ -175,6 +175,7 @@ def cmd_serve(args) -> int:
         front=front,
         trust_request_priority=args.trust_request_priority,
         kv_salt=args.kv_salt,
+        tool_call_parser=args.tool_call_parser,
     )
     if args.max_request_bytes:
         server.max_request_bytes = args.max_request_bytes
@@ -348,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-salt",
         default=None,
         help="secret salt of the KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "smollm2", "hermes", "llama3_json"],
+        help="how the model writes tool calls; auto: the format its chat template uses (SmolLM2's "
+        "own where the template has no tools)",
     )
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)

@@ -7,7 +7,7 @@ Two outside references, neither written for shoal:
   must be no 5xx, a 2xx that validates against the spec's response schema (each SSE chunk of a
   stream too), or a 4xx whose body is the spec's `ErrorResponse`;
 - `llm-comply`'s openai-chat feature tests, run programmatically; every feature that applies to
-  a text-only model without tools must pass.
+  a text-only model must pass.
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ def schema_errors(schema_name: str, data) -> list[str]:
 
 @pytest.fixture(scope="module")
 def replica():
-    # 160 tokens: llm-comply's prompts (chat template included) and their greedy answers fit and
-    # stop by themselves; the fuzzed requests are capped to MAX_NEW_TOKENS anyway.
-    s = start_server("--max-model-len", "160", "--kv-cache-memory", "256MiB", "--api-key", API_KEY)
+    # 320 tokens: llm-comply's prompts (chat template and offered tools included) and their greedy
+    # answers fit and stop by themselves; the fuzzed requests are capped to MAX_NEW_TOKENS anyway.
+    s = start_server("--max-model-len", "320", "--kv-cache-memory", "256MiB", "--api-key", API_KEY)
     yield s
     s.stop()
 
@@ -364,7 +364,6 @@ def test_explicit_requests_conform_to_official_spec(base_url, name):
 
 # The features this server refuses by design or that do not apply to a text-only model, and why.
 EXCLUDED = {
-    "chat-tool-calling": "tools and tool_choice are refused by design (400 'tools is not supported ...')",
     "chat-image-input": "the model is text-only: image_url content parts are refused with a 400",
     "chat-reasoning-summary": "reasoning summaries need a reasoning model (llm-comply skips it for others)",
 }
@@ -408,10 +407,10 @@ def _llm_comply_run(base_url: str, cases: list, applicable: list[str]) -> dict:
             ]
         outcome[r.id] = problems
 
-    # The excluded features are refused cleanly: a 400 with an OpenAI error body, not a 5xx and
+    # The excluded feature is refused cleanly: a 400 with an OpenAI error body, not a 5xx and
     # not ignored (reasoning is not checked: unknown fields are ignored, like OpenAI's own extras).
     by_id = {tc.id: tc for tc in cases}
-    for feature in ("chat-tool-calling", "chat-image-input"):
+    for feature in ("chat-image-input",):
         body = by_id[feature].build_request(config)
         r = httpx.post(f"{base_url}/chat/completions", json=body, headers=AUTH, timeout=120)
         ok = r.status_code == 400 and not schema_errors("ErrorResponse", r.json())

@@ -64,6 +64,17 @@ def chat(content="Hi", **fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
 
 
+def fn(name: str, parameters: dict | None = None) -> dict:
+    return {
+        "type": "function",
+        "function": {"name": name, **({"parameters": parameters} if parameters else {})},
+    }
+
+
+def call(name: str, arguments: str) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 POISON = [
     # (body, expected status, code or param the error names)
     (completion(seed=2**64), 400, "seed"),
@@ -84,8 +95,48 @@ POISON = [
     (completion(n=10**6), 400, "n"),
     (completion(prompt=[[1]] * 1000), 400, "prompt"),
     (completion(prompt=[2**31 + 5]), 400, "prompt"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 200, None),
     (chat(tool_choice="required"), 400, "tool_choice"),
+    (chat(tools=[fn("f")], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    (chat(tools=[fn("f"), fn("f")]), 400, "tools"),
+    (chat(tools=[fn("f", {"type": "nope"})], tool_choice="required"), 400, "tools"),
+    (chat(tools=[fn("f", {"type": "nope"})]), 400, "tools"),
+    (chat(tools=[fn('no spaces; or quotes"')]), 400, "tools"),
+    (chat(tools=[fn("f")] * 129), 400, "tools"),
+    (chat(tools=[{"type": "retrieval"}]), 400, "tools"),
+    (chat(tools=[fn("f")], tool_choice="sometimes"), 400, "tool_choice"),
+    (
+        chat(tools=[fn("f")], tool_choice="required", response_format={"type": "json_object"}),
+        400,
+        "tool_choice",
+    ),
+    (chat(tools=[fn("f")], tool_choice="required", max_tokens=8, parallel_tool_calls=False), 200, None),
+    (chat(functions=[{"name": "f"}]), 400, "functions"),
+    (completion(tools=[fn("f")]), 400, "tools"),
+    (
+        {
+            **chat(),
+            "messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
+        },
+        400,
+        "messages",
+    ),
+    (
+        {**chat(), "messages": [{"role": "user", "tool_calls": [call("f", "{}")], "content": "x"}]},
+        400,
+        "messages",
+    ),
+    (
+        {
+            **chat(),
+            "messages": [
+                {"role": "assistant", "tool_calls": [call("f", "not json")]},
+                {"role": "user", "content": "x"},
+            ],
+        },
+        200,
+        None,
+    ),
     (chat(response_format={"type": "json_object"}), 200, None),
     (
         chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}),

@@ -21,6 +21,7 @@ from shoal.fleet.registry import Registry
 from shoal.fleet.replica import ReplicaState
 from shoal.models.chat_template import template_message
 from shoal.models.tokenizer import Tokenizer
+from shoal.models.tool_formats import conversation, offered_tools, tool_format
 from shoal.protocol.auth import bearer_matches
 from shoal.protocol.block_hash import NONE_HASH, hash_blocks, root_hash
 from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
@@ -76,11 +77,22 @@ class Gateway:
             messages = body.get("messages")
             if tok is None or not isinstance(messages, list):
                 return None
-            # Rendered as the replica renders them (developer as system too), so the hashes agree.
+            # Rendered as the replica renders them (developer as system, tools offered in the
+            # template's way), so the hashes agree.
             flat = [m if isinstance(m, dict) else {} for m in messages]
+            rendered, kwargs = conversation(
+                [
+                    template_message(
+                        m.get("role", "user"), m.get("content"), m.get("tool_calls"), m.get("tool_call_id")
+                    )
+                    for m in flat
+                ],
+                offered_tools(body),
+                tool_format("auto", tok.chat_template),
+                tok.chat_template,
+            )
             return tok.encode_chat(
-                [template_message(m.get("role", "user"), m.get("content")) for m in flat],
-                add_generation_prompt=body.get("add_generation_prompt") is not False,
+                rendered, add_generation_prompt=body.get("add_generation_prompt") is not False, **kwargs
             )
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):

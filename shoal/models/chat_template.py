@@ -11,12 +11,25 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
-def template_message(role: str, content: object) -> dict[str, str]:
+def template_message(
+    role: str, content: object, tool_calls: object = None, tool_call_id: object = None
+) -> dict[str, Any]:
     """An OpenAI chat message as chat templates expect it: text parts joined, `developer` (the
-    newer name of the system role) as `system`."""
+    newer name of the system role) as `system`, an assistant's tool calls as {"id", "name",
+    "arguments"} (see models.tool_formats for how they are rendered), a tool result's call id."""
     if isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return {"role": "system" if role == "developer" else role, "content": content or ""}
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
+    if isinstance(tool_calls, list) and tool_calls:
+        out["tool_calls"] = [
+            {"id": c.get("id"), "name": fn.get("name", ""), "arguments": fn.get("arguments", "{}")}
+            for c in tool_calls
+            if isinstance(c, dict)
+            for fn in [c.get("function") if isinstance(c.get("function"), dict) else {}]
+        ]
+    if role == "tool":
+        out["tool_call_id"] = tool_call_id
+    return out
 
 
 class ChatTemplateError(ValueError):

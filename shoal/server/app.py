@@ -140,7 +140,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            ids = await chat_prompt(ctx, body.messages, body.add_generation_prompt)
+            tools = [t.function.as_tool() for t in body.tools or []]
+            ids = await chat_prompt(ctx, body.messages, body.add_generation_prompt, tools)
         else:
             ids = await ctx.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

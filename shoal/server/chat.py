@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shoal.engine.outputs import TokenLogprob
+from shoal.engine.structured import StructuredOutput
 from shoal.models.chat_template import ChatTemplateError
+from shoal.models.tool_formats import conversation
 from shoal.protocol.errors import APIError
 from shoal.server.common import (
     SSE_DONE,
@@ -27,18 +31,42 @@ from shoal.server.common import (
     usage,
 )
 from shoal.server.protocol import ChatCompletionRequest
+from shoal.server.tool_parser import ParsedDelta, ToolCallParser
 
 
-async def chat_prompt(ctx: ServingContext, messages, add_generation_prompt: bool) -> list[int]:
-    """The rendered, tokenized conversation (off the event loop: it may be long)."""
+async def chat_prompt(
+    ctx: ServingContext, messages, add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
+    """The rendered, tokenized conversation (off the event loop: it may be long), with `tools`
+    offered to the model in its chat template's way."""
     flat = [m.as_template_message() for m in messages]
-    ctx.check_text_length(sum(len(m.get("content") or "") for m in flat), "messages")
+    ctx.check_text_length(
+        sum(len(m.get("content") or "") + len(str(m.get("tool_calls") or "")) for m in flat)
+        + len(json.dumps(tools or [])),
+        "messages",
+    )
+    template = ctx.tokenizer.chat_template
     try:
+        rendered, kwargs = conversation(flat, tools, ctx.tool_format, template)
         return await ctx.run_off_loop(
-            ctx.tokenizer.encode_chat, flat, add_generation_prompt=add_generation_prompt
+            ctx.tokenizer.encode_chat, rendered, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), "messages") from None
+
+
+def tool_grammar(ctx: ServingContext, req: ChatCompletionRequest) -> StructuredOutput | None:
+    """The grammar a required or named tool_choice puts on the output. Offered tools are compiled
+    even when nothing is forced, so a tool whose parameters are not a usable schema is a 400."""
+    tools = req.active_tools
+    if not tools:
+        return None
+    forced = req.forced_tools
+    grammar = StructuredOutput(
+        "grammar", ctx.tool_format.grammar(forced or tools, req.parallel_tool_calls), "tools"
+    )
+    grammar.grammar()
+    return grammar if forced else None
 
 
 def _entry(ctx: ServingContext, token_id: int, logprob: float) -> dict:
@@ -60,17 +88,27 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     resume = req.resume
     params = params_or_400(lambda: resumed_params(req.sampling_params(req.token_limit, logprobs), resume))
+    forced = params_or_400(lambda: tool_grammar(ctx, req))
+    if forced is not None:
+        params = dataclasses.replace(params, structured=forced)
+    parsers = [ToolCallParser(ctx.tool_format) for _ in range(req.n)] if req.active_tools else None
     if resume is not None:
         prompt = resume.prompt_token_ids
+        if parsers:
+            # The client has what the parser made of the prior text: read it again silently, and
+            # have the engine send only text past it.
+            prior = ctx.tokenizer.decode(resume.output_token_ids)
+            parsers[0].feed(prior)
+            resume = resume.model_copy(update={"text_offset": len(prior)})
     else:
-        prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
+        prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt, req.active_tools)
     rid = request_id("chatcmpl")
     streams = await open_streams(ctx, rid, [prompt], params, req.priority, resume)
     timer = ctx.metrics.timer(raw.state.arrival)
     head = {"id": rid, "created": now_s(), "model": ctx.model_name}
     # A resumed stream answers for one choice of the original request, under that choice's index.
     first_index = resume.index if resume is not None else 0
-    texts = [""] * req.n
+    texts = [""] * req.n  # content: the text, less any tool calls read out of it
     counts = [len(resume.output_token_ids) if resume is not None else 0] * req.n
     cached = [0]
     finish: list[str | None] = [None] * req.n
@@ -78,8 +116,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
 
     token_ids: list[list[int]] = [[] for _ in range(req.n)]
 
-    async def events() -> AsyncIterator[tuple[int, str, list[dict] | None, bool, list[int]]]:
-        """(choice, new text, new logprobs, finished now, new token ids) as outputs arrive."""
+    async def events() -> AsyncIterator[tuple[int, ParsedDelta, list[dict] | None, bool, list[int]]]:
+        """(choice, new content and tool calls, new logprobs, finished now, new token ids) as
+        outputs arrive."""
         async for _, out in merged(streams):
             timer.observe(out)
             cached[0] = out.num_cached_tokens
@@ -92,18 +131,41 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 )
                 if part:
                     content_lps[i].extend(part)
-                texts[i] += o.delta_text
+                finished_now = o.finish_reason is not None and finish[i] is None
+                if parsers is None:
+                    parsed = ParsedDelta(o.delta_text)
+                else:
+                    parsed = parsers[i].feed(o.delta_text)
+                    if finished_now:
+                        rest = parsers[i].finish()
+                        parsed.content += rest.content
+                        parsed.calls += rest.calls
+                texts[i] += parsed.content
                 counts[i] += len(o.delta_token_ids)
                 token_ids[i] += o.delta_token_ids
-                finished_now = o.finish_reason is not None and finish[i] is None
                 if finished_now:
-                    finish[i] = o.finish_reason
+                    called = parsers is not None and parsers[i].called
+                    finish[i] = "tool_calls" if called and o.finish_reason == "stop" else o.finish_reason
                 ids = o.delta_token_ids if req.return_token_ids else []
-                if o.delta_text or part or finished_now or ids:
-                    yield i, o.delta_text, part, finished_now, ids
+                if parsed or part or finished_now or ids:
+                    yield i, parsed, part, finished_now, ids
 
     def total_usage() -> dict:
         return usage(len(prompt), sum(counts), cached[0])
+
+    def message(i: int) -> dict:
+        calls = parsers[i].calls if parsers is not None else []
+        if not calls:
+            return {"role": "assistant", "content": texts[i], "refusal": None}
+        return {
+            "role": "assistant",
+            "content": texts[i] or None,
+            "refusal": None,
+            "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ],
+        }
 
     if not req.stream:
         try:
@@ -116,7 +178,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
             "choices": [
                 {
                     "index": first_index + i,
-                    "message": {"role": "assistant", "content": texts[i], "refusal": None},
+                    "message": message(i),
                     "logprobs": None if logprobs is None else {"content": content_lps[i], "refusal": None},
                     "finish_reason": finish[i],
                     **(
@@ -149,8 +211,10 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
             for i in range(req.n if resume is None else 0):  # a resumed stream's client has its role
                 top = {"prompt_token_ids": prompt} if req.return_token_ids else {}
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None, **top)
-            async for i, text, part, finished_now, ids in events():
-                delta = {"content": text} if text else {}
+            async for i, parsed, part, finished_now, ids in events():
+                delta: dict = {"content": parsed.content} if parsed.content else {}
+                if parsed.calls:
+                    delta["tool_calls"] = [c.as_openai() for c in parsed.calls]
                 yield chunk(
                     i, delta, part, finish[i] if finished_now else None, ids if req.return_token_ids else None
                 )

@@ -19,6 +19,7 @@ from shoal.engine.llm_engine import RequestRejectedError
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer
+from shoal.models.tool_formats import SMOLLM2, ToolFormat
 from shoal.protocol.errors import APIError, overloaded
 from shoal.protocol.seeds import derive_seed
 from shoal.server.metrics import RequestTimer, ServerMetrics
@@ -36,6 +37,7 @@ class ServingContext:
     max_model_len: int
     metrics: ServerMetrics
     trust_request_priority: bool = False
+    tool_format: ToolFormat = SMOLLM2
     # Tokenizing a long prompt takes a while: it must never stall the event loop (and with it
     # /health and every other stream), so it runs here.
     text_pool: ThreadPoolExecutor = field(

@@ -16,6 +16,7 @@ import uvicorn
 from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
+from shoal.models.tool_formats import tool_format
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.secrets import kv_salt
 from shoal.server.app import ServerState, build_app
@@ -42,6 +43,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_priority: bool = False
     kv_salt: str | None = None
+    tool_call_parser: str = "auto"  # see models.tool_formats
 
 
 def load_serving_context(engine_config: EngineConfig, server_config: ServerConfig) -> ServingContext:
@@ -56,6 +58,7 @@ def load_serving_context(engine_config: EngineConfig, server_config: ServerConfi
         max_model_len=engine.max_model_len,
         metrics=ServerMetrics(name, front.stats),
         trust_request_priority=server_config.trust_request_priority,
+        tool_format=tool_format(server_config.tool_call_parser, engine.tokenizer.chat_template),
     )
 
 

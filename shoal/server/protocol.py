@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
@@ -16,12 +16,14 @@ from shoal.engine.sampling_params import (
 )
 from shoal.engine.structured import StructuredOutput, parse_request_structure
 from shoal.models.chat_template import template_message
+from shoal.models.tool_formats import function_spec
 from shoal.protocol.seeds import SEED_MAX, SEED_MIN
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # Prompts in one completions request (each is an engine request, times n).
 MAX_PROMPTS = 64
+MAX_TOOLS = 128  # OpenAI's limit on tools in one request
 # OpenAI fields shoal does not implement yet. Ignoring them would hand a client plain text where
 # it asked for a tool call or JSON, so each is refused by name; the value that means "off" passes.
 UNSUPPORTED = {
@@ -105,11 +107,13 @@ class _SamplingFields(_Request):
     priority: Annotated[StrictInt, Field(ge=-(2**31), le=2**31)] = 0
     resume: Resume | None = None
 
+    unsupported: ClassVar[dict] = UNSUPPORTED
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, is_off in UNSUPPORTED.items():
+            for name, is_off in cls.unsupported.items():
                 if not is_off(data.get(name)):
                     raise InvalidParamError(f"{name} is not supported by this server yet", name)
         return data
@@ -205,10 +209,48 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class FunctionName(_Request):
+    name: StrictStr
+
+
+class FunctionDefinition(_Request):
+    # OpenAI's rule for function names; it keeps them safe inside a grammar and a prompt.
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    def as_tool(self) -> dict[str, Any]:
+        return function_spec(self.model_dump())
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Request):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: StrictStr | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -224,18 +266,67 @@ class ChatMessage(_Request):
                     )
         return data
 
-    def as_template_message(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _calls_from_the_assistant(self):
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidParamError("only assistant messages carry tool_calls", "messages")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
         parts = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
-        return template_message(self.role, parts)
+        calls = [c.model_dump() for c in self.tool_calls] if self.tool_calls else None
+        return template_message(self.role, parts, calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(_SamplingFields):
+    unsupported: ClassVar[dict] = {k: v for k, v in UNSUPPORTED.items() if k not in ("tools", "tool_choice")}
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise InvalidParamError("tools must have distinct function names", "tools")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise InvalidParamError("tool_choice asks for a tool call, but no tools are given", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidParamError(
+                f"tool_choice names {choice.function.name[:64]!r}, which is not among the tools",
+                "tool_choice",
+            )
+        if self.forced_tools and any(getattr(self, f) is not None for f in STRUCTURED_FIELDS):
+            raise InvalidParamError(
+                "a required or named tool_choice constrains the output itself; it cannot be combined "
+                "with response_format or guided decoding",
+                "tool_choice",
+            )
+        return self
+
+    @property
+    def active_tools(self) -> list[dict[str, Any]]:
+        """The tools the model is offered: none when tool_choice is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.function.as_tool() for t in self.tools]
+
+    @property
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the output must call one of (required, or the named one), or None."""
+        choice = self.tool_choice
+        if choice == "required":
+            return self.active_tools
+        if isinstance(choice, NamedToolChoice):
+            return [t for t in self.active_tools if t["name"] == choice.function.name]
+        return None
 
     @property
     def token_limit(self) -> int | None:
@@ -246,6 +337,7 @@ class TokenizeRequest(_Request):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
