@@ -1,5 +1,6 @@
 """The cost of constrained decoding: output tok/s with and without a grammar, in one run, at
-concurrency 1 and 32 (offline engine, the default int4 mode), and the compile time of each schema.
+concurrency 1 and 32 (offline engine, the default int4 mode), and the compile time of each
+constraint (a JSON schema, a regex, and the grammar a required tool call puts on the output).
 
     python benchmarks/structured_output.py
 """
@@ -11,6 +12,7 @@ import time
 
 from shoal import LLM, SamplingParams
 from shoal.engine.structured import StructuredOutput
+from shoal.models.tool_formats import SMOLLM2
 
 PERSON = {
     "type": "object",
@@ -29,11 +31,17 @@ PERSON = {
     "required": ["name", "age", "email", "tags", "address"],
     "additionalProperties": False,
 }
+TOOLS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    {"name": "lookup_person", "parameters": PERSON},
+]
 CONSTRAINTS = {
     "none": None,
     # Never ends by itself (EOS ignored), so every step of every row computes a mask.
     "regex [a-z ,.]+": StructuredOutput("regex", "[a-z ,.]+"),
     "json_schema (nested)": StructuredOutput("json_schema", json.dumps(PERSON)),
+    # What tool_choice "required" puts on the output: SmolLM2's call format over two tools.
+    "tool call (required)": StructuredOutput("grammar", SMOLLM2.grammar(TOOLS, parallel=True), "tools"),
 }
 TOKENS = 64
 

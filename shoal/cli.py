@@ -52,10 +52,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "checkpoints unquantized; none: unquantized, the fp32 reference; int8: per-channel int8 "
         "weights; int4: 4-bit blocks, a GGUF's own Q4/Q8 tensors as stored",
     )
+    add_speculative_args(g)
+
+
+def add_speculative_args(g) -> None:
+    g.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram", "draft"],
+        help="speculative decoding: ngram (prompt lookup) or draft (a small model proposes)",
+    )
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed a step (4)")
+    g.add_argument(
+        "--speculative-model", default=None, help="draft: its checkpoint (default: the target's own)"
+    )
+    g.add_argument(
+        "--speculative-quantization",
+        default=None,
+        choices=["auto", "none", "int8", "int4"],
+        help="draft: how its weights run (default int4)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = [
+        "speculative",
+        "num_speculative_tokens",
+        "speculative_model",
+        "speculative_quantization",
         "kv_cache_memory",
         "num_blocks",
         "block_size",

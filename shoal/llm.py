@@ -11,6 +11,7 @@ from shoal.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.speculative import SpeculativeConfig
 from shoal.models.loader import LoadedModel
 
 Conversation = list[dict[str, Any]]
@@ -18,7 +19,7 @@ Conversation = list[dict[str, Any]]
 
 def build_engine_config(model: str | None = None, **options: Any) -> EngineConfig:
     """Spreads flat keyword options (as the CLI gives them) over the nested config dataclasses."""
-    groups = {"cache": CacheConfig(), "scheduler": SchedulerConfig()}
+    groups = {"cache": CacheConfig(), "scheduler": SchedulerConfig(), "speculative": SpeculativeConfig()}
     top: dict[str, Any] = {"model": model}
     for key, value in options.items():
         for cfg in groups.values():

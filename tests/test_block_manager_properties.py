@@ -39,11 +39,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = self.kv.find_cached_prefix(req)
         n = req.num_tokens - len(cached) * BLOCK
         assert n >= 1
-        if not self.kv.can_allocate(req, n, cached):
+        free = self.pool.num_free_blocks
+        if self.kv.allocate_slots(req, n, cached=cached) is None:
+            assert self.pool.num_free_blocks == free and req.request_id not in self.kv.tables
             return
-        req.num_computed_tokens = len(cached) * BLOCK
-        self.kv.allocate(req, n, cached)
-        req.num_computed_tokens += n
+        req.num_computed_tokens = len(cached) * BLOCK + n
         self.kv.commit(req)
         self.live[req.request_id] = req
 
@@ -52,10 +52,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def append(self, data, extra):
         req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         req.token_ids.extend(extra)
-        if not self.kv.can_allocate(req, len(extra)):
+        if self.kv.allocate_slots(req, len(extra)) is None:
             del req.token_ids[-len(extra) :]
             return
-        self.kv.allocate(req, len(extra))
         req.num_computed_tokens += len(extra)
         self.kv.commit(req)
 
@@ -66,10 +65,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child = self._new_request(parent.token_ids)
         child.num_computed_tokens = self.kv.fork(parent, child)
         n = child.num_tokens - child.num_computed_tokens
-        if not self.kv.can_allocate(child, n):
+        if self.kv.allocate_slots(child, n) is None:
             self.kv.free(child)
             return
-        self.kv.allocate(child, n)
         child.num_computed_tokens += n
         self.kv.commit(child)
         self.live[child.request_id] = child

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.engine.model_runner import ModelRunner
-from shoal.engine.scheduler import ScheduledChunk
+from shoal.engine.model_runner import ModelRunner, ScheduledChunk
 from shoal.kernels.cpu import cpu_kernels
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM

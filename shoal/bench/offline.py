@@ -63,10 +63,10 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_shoal(llm: LLM, work: Workload) -> dict:
+def run_shoal(llm: LLM, work: Workload, ignore_eos: bool = True) -> dict:
     engine = llm.engine
     for i, (prompt, n_out) in enumerate(zip(work.prompts, work.output_lens)):
-        params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=ignore_eos)
         engine.add_request(f"bench-{i}", prompt, params)
     peak_alloc, samples_at_peak, waste_sum, steps = 0, [], 0.0, 0
     generated = 0
@@ -96,6 +96,19 @@ def run_shoal(llm: LLM, work: Workload) -> dict:
         "kv_waste_at_peak": sum(samples_at_peak) / max(1, len(samples_at_peak)),
         "kv_waste_mean": waste_sum / max(1, steps),
         "preemptions": stats.num_preemptions,
+        **spec_figures(stats.spec),
+    }
+
+
+def spec_figures(spec) -> dict:
+    """Speculative decoding's counters, when it is on."""
+    if spec is None:
+        return {}
+    return {
+        "spec_draft_tokens": spec.num_draft_tokens,
+        "spec_accepted_tokens": spec.num_accepted_tokens,
+        "spec_acceptance_rate": spec.acceptance_rate,
+        "spec_accepted_per_position": list(spec.accepted_per_position),
     }
 
 
@@ -162,6 +175,12 @@ def run_offline_bench(cfg: OfflineBenchConfig, model: str | None, engine_options
         f"KV waste at peak {100 * s['kv_waste_at_peak']:.2f}% (mean {100 * s['kv_waste_mean']:.2f}%)  "
         f"preemptions {s['preemptions']}"
     )
+    if "spec_draft_tokens" in s:
+        print(
+            f"speculative: {s['spec_accepted_tokens']} of {s['spec_draft_tokens']} proposed tokens "
+            f"accepted ({100 * s['spec_acceptance_rate']:.1f}%), "
+            f"by position {s['spec_accepted_per_position']}"
+        )
     if cfg.compare_hf:
         del llm
         h = result["hf"] = run_hf(model, work, cfg.hf_batch_size)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shoal.engine.speculative import SpeculativeConfig
+
 GiB = 1 << 30
 
 
@@ -45,3 +47,4 @@ class EngineConfig:
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

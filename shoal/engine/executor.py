@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shoal.engine.model_runner import ModelRunner, ModelRunnerOutput
-from shoal.engine.scheduler import SchedulerOutput
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class UniprocExecutor:

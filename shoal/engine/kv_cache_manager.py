@@ -49,28 +49,44 @@ class KVCacheManager:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
 
-    def can_allocate(
-        self, req: Request, num_new_tokens: int, cached: list[KVBlock] | tuple = (), reserve: int = 0
-    ) -> bool:
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        *,
+        num_lookahead_tokens: int = 0,
+        num_external_tokens: int = 0,
+        cached: list[KVBlock] | tuple = (),
+        reserve: int = 0,
+    ) -> list[KVBlock] | None:
+        """Checks and grows the request's table in one call: room for its computed tokens, the
+        cached prefix blocks given (attached first), `num_external_tokens` whose K/V arrives from
+        outside the engine, `num_new_tokens` this step computes, and `num_lookahead_tokens`
+        speculative slots after them. Returns the blocks added, or None (and changes nothing)
+        when the pool, less `reserve` blocks, cannot hold them."""
         table = self.tables.get(req.request_id, [])
-        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        need = self.num_blocks_for(total) - len(table) - len(cached)
-        # Touching a cached block that sits in the free list takes it out of the free count.
-        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
-        return need <= self.pool.num_free_blocks - reclaimed - reserve
-
-    def allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] | tuple = ()) -> None:
-        """Grows the request's table to hold its computed tokens plus `num_new_tokens` more."""
-        table = self.tables.setdefault(req.request_id, [])
         if cached:
             assert not table, "cached prefix blocks only attach to an empty table"
+        total = (
+            req.num_computed_tokens
+            + len(cached) * self.block_size
+            + num_external_tokens
+            + num_new_tokens
+            + num_lookahead_tokens
+        )
+        need = max(0, self.num_blocks_for(total) - len(table) - len(cached))
+        # Touching a cached block that sits in the free list takes it out of the free count.
+        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimed - reserve:
+            return None
+        table = self.tables.setdefault(req.request_id, [])
+        if cached:
             self.pool.touch(cached)
             table.extend(cached)
             self.num_committed[req.request_id] = len(cached)
-        total = req.num_computed_tokens + num_new_tokens
-        need = self.num_blocks_for(total) - len(table)
-        if need > 0:
-            table.extend(self.pool.allocate(need))
+        added = self.pool.allocate(need) if need else []
+        table.extend(added)
+        return list(cached) + added
 
     def commit(self, req: Request) -> None:
         """Offers the request's newly full, computed blocks to the prefix cache."""

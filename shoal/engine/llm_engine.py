@@ -13,12 +13,14 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.executor import UniprocExecutor
 from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.model_runner import GraphOptions, ModelRunner, ModelRunnerOutput, kv_bytes_per_block
+from shoal.engine.model_runner import GraphOptions, ModelRunner, kv_bytes_per_block
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.request import Request
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
-from shoal.engine.scheduler import Scheduler, SchedulerOutput
+from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.engine.speculative import NgramProposer, Proposer, SpecDecodeStats
 from shoal.engine.structured import GrammarBackend
 from shoal.models.loader import LoadedModel, load_model
 from shoal.protocol.block_hash import root_hash
@@ -55,6 +57,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_evictions: int
+    spec: SpecDecodeStats | None = None  # with speculative decoding on
 
 
 class LLMEngine:
@@ -97,8 +100,17 @@ class LLMEngine:
             graphs = GraphOptions(rows, self.max_model_len)
         grammars = GrammarBackend(self.tokenizer.backend, mcfg.vocab_size, sorted(eos))
         runner = ModelRunner(
-            loaded.model, num_blocks, cache.block_size, eos, config.device, graphs, kv_dtype, grammars
+            loaded.model,
+            num_blocks,
+            cache.block_size,
+            eos,
+            config.device,
+            graphs,
+            kv_dtype,
+            grammars,
+            self._proposer(config),
         )
+        self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.executor = UniprocExecutor(runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
@@ -108,6 +120,16 @@ class LLMEngine:
         self.num_failed_requests = 0
         self.num_steps = 0
         self.last_kv_occupancy = (0, 0)
+
+    @staticmethod
+    def _proposer(config: EngineConfig) -> Proposer | None:
+        spec = config.speculative
+        spec.check()
+        if spec.speculative == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
+        if spec.speculative == "draft":
+            raise NotImplementedError("draft-model speculation is not built yet")
+        return None
 
     @property
     def model_name(self) -> str:
@@ -232,14 +254,15 @@ class LLMEngine:
         for req in failed:
             self.scheduler.abort(req.group_id)  # its sibling choices end with it
         self.num_failed_requests += len(failed)
-        changed = self.scheduler.update_from_output(so, result.sampled)
+        self.spec_stats.observe(result.spec_results)
+        changed = self.scheduler.update_from_output(so, result)
         self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         return self.output_processor.process(
             changed + failed, result.logprobs, self.scheduler.finish_by_stop_string
         )
 
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        faults = {self._marked.get(c.request_id) for c in so.chunks} if self._marked else ()
+        faults = {self._marked.get(c.request_id) for c in so.scheduled} if self._marked else ()
         if "crash" in faults:
             raise InjectedCrash("injected crash")
         if "step_error" in faults:
@@ -256,15 +279,17 @@ class LLMEngine:
             self._failed_steps = 0
             return result, {}
         except Exception as exc:
-            if not so.chunks:
+            if not so.scheduled:
                 raise
-            log.exception("a step of %d requests failed", len(so.chunks))
-            if len(so.chunks) == 1:  # nothing to tell apart: the one request is the culprit
-                return ModelRunnerOutput(), self._after_failures(1, {so.chunks[0].request_id: _describe(exc)})
+            log.exception("a step of %d requests failed", len(so.scheduled))
+            if len(so.scheduled) == 1:  # nothing to tell apart: the one request is the culprit
+                only = so.scheduled[0].request_id
+                return ModelRunnerOutput(), self._after_failures(1, {only: _describe(exc)})
         merged, failures = ModelRunnerOutput(), {}
-        for c in so.chunks:
+        for c in so.scheduled:
             part = SchedulerOutput(
-                chunks=[c],
+                step_id=so.step_id,
+                scheduled=[c],
                 new_requests=[n for n in so.new_requests if n.request_id == c.request_id],
                 finished_ids=list(so.finished_ids),
             )
@@ -274,10 +299,8 @@ class LLMEngine:
                 log.warning("request %s failed in its step: %r", c.request_id, exc)
                 failures[c.request_id] = _describe(exc)
                 continue
-            merged.sampled.update(r.sampled)
-            merged.logprobs.update(r.logprobs)
-            merged.prompt_logprobs.update(r.prompt_logprobs)
-        return merged, self._after_failures(len(so.chunks), failures)
+            merged.merge(r)
+        return merged, self._after_failures(len(so.scheduled), failures)
 
     def _after_failures(self, num_chunks: int, failures: dict[str, str]) -> dict[str, str]:
         """Counts steps in which every request failed; enough in a row is the engine's fault."""
@@ -288,7 +311,7 @@ class LLMEngine:
 
     def _occupancy(self, so) -> tuple[int, int]:
         """(slots holding K/V, slots allocated) right after the forward, before anything is freed."""
-        step_tokens = {c.request_id: len(c.token_ids) for c in so.chunks}
+        step_tokens = {c.request_id: c.num_tokens for c in so.scheduled}
         return self.kv.occupancy(self.scheduler.running, step_tokens)
 
     def stats(self) -> EngineStats:
@@ -303,6 +326,7 @@ class LLMEngine:
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
             num_evictions=pool.num_evictions,
+            spec=self.spec_stats.snapshot() if self.config.speculative.speculative else None,
         )
 
     def take_kv_events(self) -> list[KVEvent]:

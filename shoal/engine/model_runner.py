@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,8 @@ from shoal.engine.cpu_decode import CpuFusedDecoder
 from shoal.engine.cuda_graphs import CudaGraphDecoder
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
-from shoal.engine.scheduler import ScheduledChunk, SchedulerOutput
+from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.engine.speculative import Proposer
 from shoal.engine.structured import GrammarBackend
 from shoal.kernels.cpu import cpu_kernels, decode_attention_supports
 from shoal.kernels.triton_attention import triton_available
@@ -35,11 +36,20 @@ PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    # request id -> (prompt position of the first entry, logprobs of the prompt tokens that follow)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+class ScheduledChunk:
+    """One request's rows in the flattened batch, with its block table resolved: its scheduled
+    tokens, then any proposed tokens (the last `num_spec` rows), all sampled from when `sample`."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    num_spec: int = 0
+
+    @property
+    def num_sampled_rows(self) -> int:
+        return (self.num_spec + 1) if self.sample else 0
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -81,8 +91,10 @@ class ModelRunner:
         graphs: GraphOptions | None = None,
         kv_dtype: torch.dtype | None = None,
         grammars: GrammarBackend | None = None,
+        proposer: Proposer | None = None,
     ):
         self.model = model
+        self.proposer = proposer
         self.cfg = model.cfg
         self.device = torch.device(device)
         self.block_size = block_size
@@ -113,32 +125,56 @@ class ModelRunner:
             )
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size, grammars)
         self.states: dict[str, SamplingState] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self._applied_step: dict[str, int] = {}  # the step whose table changes a request has taken
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Takes the step's changes to request state. Safe to repeat: a failed step is run again
+        request by request with the same SchedulerOutput."""
+        for rid in so.finished_ids:
+            self.states.pop(rid, None)
+            self.block_tables.pop(rid, None)
+            self._applied_step.pop(rid, None)
+        for new in so.new_requests:
+            if self._applied_step.get(new.request_id) == so.step_id:
+                continue
+            self.block_tables[new.request_id] = list(new.block_ids)
+            self._applied_step[new.request_id] = so.step_id
+            state = SamplingState(new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids))
+            self.states[new.request_id] = state
+            if new.params.structured is not None:
+                if self.sampler.grammars is None:
+                    raise ValueError("structured output needs a grammar backend (the engine's tokenizer)")
+                # A resumed request's grammar picks up after the tokens it already produced.
+                state.matcher = self.sampler.grammars.matcher(new.params.structured, state.output_token_ids)
+        for sr in so.scheduled:
+            if sr.new_block_ids and self._applied_step.get(sr.request_id) != so.step_id:
+                self.block_tables[sr.request_id].extend(sr.new_block_ids)
+                self._applied_step[sr.request_id] = so.step_id
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in so.finished_ids:
-            self.states.pop(rid, None)
-        for new in so.new_requests:
-            if new.request_id not in self.states:  # a step retried after a failure sees it again
-                state = SamplingState(new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids))
-                if new.params.structured is not None:
-                    if self.sampler.grammars is None:
-                        raise ValueError("structured output needs a grammar backend (the engine's tokenizer)")
-                    # A resumed request's grammar picks up after the tokens it already produced.
-                    state.matcher = self.sampler.grammars.matcher(
-                        new.params.structured, state.output_token_ids
-                    )
-                self.states[new.request_id] = state
-        if not so.chunks:
+        self._update_states(so)
+        if not so.scheduled:
             return ModelRunnerOutput()
-
-        for c in so.chunks:
+        chunks = [
+            ScheduledChunk(
+                sr.request_id,
+                sr.token_ids + sr.spec_token_ids,
+                sr.start_pos,
+                self.block_tables[sr.request_id],
+                sr.sample,
+                len(sr.spec_token_ids),
+            )
+            for sr in so.scheduled
+        ]
+        for c in chunks:
             state = self.states[c.request_id]
-            if c.sample and state.matcher is not None:
+            if c.sample and not c.num_spec and state.matcher is not None:
                 state.next_mask = self.sampler.grammars.prefetch(state.matcher)
         # Single-token rows first, shortest context first, so that rows of similar length share
         # one batched attention call.
-        chunks = sorted(so.chunks, key=lambda c: (len(c.token_ids) > 1, c.start_pos))
+        chunks.sort(key=lambda c: (len(c.token_ids) > 1, c.start_pos))
         input_ids, positions, md = self._prepare(chunks)
         if self.fused_decoder is not None and self.fused_decoder.handles(md):
             hidden = self.fused_decoder.forward(input_ids, positions, md)
@@ -149,28 +185,56 @@ class ModelRunner:
                 input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md)
             )
 
-        sample_rows, sample_chunks, row = [], [], 0
+        sample_rows, sampling, row = [], [], 0
         out = ModelRunnerOutput()
         for c in chunks:
             self._prompt_logprobs(c, hidden, row, out)
             row += len(c.token_ids)
             if c.sample:
-                sample_rows.append(row - 1)
-                sample_chunks.append(c)
+                first = len(sample_rows)
+                sample_rows.extend(range(row - c.num_sampled_rows, row))
+                sampling.append((c, first))
         if not sample_rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        states = [self.states[c.request_id] for c in sample_chunks]
-        tokens = self.sampler(logits, states)
-        logprobs = self.sampler.logprobs(logits, tokens, states)
-        for c, s, tok, lp in zip(sample_chunks, states, tokens, logprobs):
-            s.output_token_ids.append(tok)
-            if s.matcher is not None:
-                s.matcher.consume_token(tok)
-            out.sampled[c.request_id] = tok
-            if lp is not None:
-                out.logprobs[c.request_id] = lp
+        plain = [(c, i) for c, i in sampling if not c.num_spec]
+        if plain:
+            rows = logits[torch.tensor([i for _, i in plain], device=self.device)]
+            states = [self.states[c.request_id] for c, _ in plain]
+            tokens = self.sampler(rows, states)
+            logprobs = self.sampler.logprobs(rows, tokens, states)
+            for (c, _), tok, lp in zip(plain, tokens, logprobs):
+                self._record(out, c.request_id, [tok], [lp] if lp is not None else [])
+        for c, i in sampling:
+            if c.num_spec:
+                self._verify(out, c, logits[i : i + c.num_spec + 1])
+        if self.proposer is not None:
+            for c, _ in sampling:
+                proposed = self.proposer.propose(self.states[c.request_id])
+                if proposed:
+                    out.proposed[c.request_id] = proposed
         return out
+
+    def _verify(self, out: ModelRunnerOutput, c: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Keeps the proposed tokens the model agrees with, and one of its own after them."""
+        state = self.states[c.request_id]
+        drafts = c.token_ids[-c.num_spec :]
+        tokens = self.sampler.verify(logits, state, drafts)
+        lps = []
+        if state.params.logprobs is not None:
+            views = [state.ahead(tokens[:j]) for j in range(len(tokens))]
+            lps = [lp for lp in self.sampler.logprobs(logits[: len(tokens)], tokens, views) if lp is not None]
+        out.spec_results[c.request_id] = (c.num_spec, len(tokens) - 1)
+        self._record(out, c.request_id, tokens, lps)
+
+    def _record(self, out: ModelRunnerOutput, rid: str, tokens: list[int], lps: list[TokenLogprob]) -> None:
+        state = self.states[rid]
+        state.output_token_ids.extend(tokens)
+        if state.matcher is not None:
+            state.matcher.consume_tokens(tokens)
+        out.sampled[rid] = tokens
+        if lps:
+            out.logprobs[rid] = lps
 
     def _prompt_logprobs(self, c: ScheduledChunk, hidden: torch.Tensor, row: int, out: ModelRunnerOutput):
         """Logprobs of the prompt tokens that this chunk's rows predict, for requests that ask."""

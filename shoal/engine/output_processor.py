@@ -69,9 +69,10 @@ class OutputProcessor:
         self.groups.pop(group_id, None)
 
     def process(
-        self, changed: list[Request], logprobs: dict[str, TokenLogprob], on_stop_string
+        self, changed: list[Request], logprobs: dict[str, list[TokenLogprob]], on_stop_string
     ) -> list[RequestOutput]:
-        """`on_stop_string(req, stop)` finishes a request whose text hit a stop string."""
+        """`on_stop_string(req, stop)` finishes a request whose text hit a stop string; tokens
+        after the one that completed it are dropped."""
         touched: dict[str, _Group] = {}
         for req in changed:
             group = self.groups.get(req.group_id)
@@ -90,18 +91,23 @@ class OutputProcessor:
                 }
             comp = group.outputs[req.index]
             detok = group.detokenizers[req.index]
-            new_tokens = req.output_token_ids[group.num_seen[req.index] :]
+            seen = group.num_seen[req.index]
+            new_tokens = req.output_token_ids[seen:]
+            for i, token in enumerate(new_tokens):
+                stop = detok.add_token(token)
+                if stop is not None:
+                    if not req.is_finished:
+                        on_stop_string(req, stop)
+                    new_tokens = new_tokens[: i + 1]
+                    del req.token_ids[req.num_prompt_tokens + seen + i + 1 :]
+                    break
             group.num_seen[req.index] += len(new_tokens)
             comp.token_ids = req.output_token_ids
             comp.delta_token_ids = new_tokens
-            lp = logprobs.get(req.request_id) if new_tokens else None
-            comp.delta_logprobs = [lp] if lp is not None else []
-            if comp.logprobs is not None and lp is not None:
-                comp.logprobs.append(lp)
-            for token in new_tokens:
-                stop = detok.add_token(token)
-                if stop is not None and not req.is_finished:
-                    on_stop_string(req, stop)
+            lps = logprobs.get(req.request_id, [])[: len(new_tokens)] if new_tokens else []
+            comp.delta_logprobs = lps
+            if comp.logprobs is not None:
+                comp.logprobs.extend(lps)
             if req.error is not None:
                 group.error = req.error
             if req.is_finished:

@@ -61,6 +61,7 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.error: str | None = None
         self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []  # proposed for the next step (speculative decoding)
         self.block_hashes: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -4,51 +4,25 @@ Each step hands a token budget first to running requests (in priority order), th
 ones. A request simply asks for `num_tokens - num_computed_tokens` tokens: a decode asks for one,
 a prompt asks for all of it and is chunked when the budget is short, a prefix hit starts it
 further along, and a preempted request starts over (recompute). Nothing else distinguishes them.
+A decoding request may also carry tokens proposed for it (speculative decoding): they ride along
+in lookahead slots, and the runner says how many were right.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 
 from shoal.engine.config import SchedulerConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request, RequestStatus
-from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from shoal.protocol.seeds import derive_seed
-
-
-@dataclass
-class NewRequestData:
-    """What the model runner keeps about a request across steps (sampling state)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_token_ids: list[int] = field(default_factory=list)  # produced before (a resumed request)
-
-
-@dataclass
-class ScheduledChunk:
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -69,6 +43,8 @@ class Scheduler:
         self.groups: dict[str, list[Request]] = {}
         self._unseen: set[str] = set()  # requests the runner has not been told about
         self._finished_ids: list[str] = []  # runner state to drop at the next step
+        self._new_blocks: dict[str, list[int]] = {}  # blocks added to tables in this step
+        self._step_id = 0
         self.num_preemptions = 0
         self._reserve = int(cfg.admission_watermark * kv.pool.num_blocks)
 
@@ -118,15 +94,25 @@ class Scheduler:
             and not any(r.pending_children for r in group)
         ):
             del self.groups[req.group_id]
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """The runner drops the request's state at the next step (if it ever had any)."""
+        req.spec_token_ids = []
+        self._new_blocks.pop(req.request_id, None)
         if req.request_id in self._unseen:
             self._unseen.discard(req.request_id)
         else:
             self._finished_ids.append(req.request_id)
 
     def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
-        """Frees the victim's blocks and requeues it; returns the budget it gives back."""
+        """Frees the victim's blocks and requeues it; returns the budget it gives back. The
+        runner forgets it, and hears of it again as new (with its output so far) when it resumes."""
         self.running.remove(victim)
         self.kv.free(victim)
+        self._forget(victim)
+        if not victim.is_finished:
+            self._unseen.add(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -134,11 +120,32 @@ class Scheduler:
         self._enqueue(victim)
         return scheduled.pop(victim.request_id, 0)
 
+    def _allocate(self, req: Request, n: int, **kw) -> bool:
+        added = self.kv.allocate_slots(req, n, **kw)
+        if added is None:
+            return False
+        if added and req.request_id not in self._unseen:
+            self._new_blocks.setdefault(req.request_id, []).extend(b.block_id for b in added)
+        return True
+
+    def _speculative_tokens(self, req: Request, n: int, budget: int) -> list[int]:
+        """The proposed tokens that may ride along with a decode: within the budget, and never
+        more than the request may still produce (its max_tokens, the context)."""
+        if n != 1 or not req.spec_token_ids:
+            return []
+        room = min(
+            budget - n,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return req.spec_token_ids[: max(0, room)]
+
     # --- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}
         preempted = False
         self.running.sort(key=lambda r: r.sort_key)
 
@@ -146,17 +153,23 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.can_allocate(req, n):
+            drafts = self._speculative_tokens(req, n, budget)
+            while not self._allocate(req, n, num_lookahead_tokens=len(drafts)):
+                if drafts:  # the pool is short: drop the guesses before preempting anyone
+                    drafts = []
+                    continue
                 victim = self.running[-1]  # worst priority, then newest
                 budget += self._preempt(victim, scheduled)
+                spec.pop(victim.request_id, None)
                 preempted = True
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            self.kv.allocate(req, n)
             scheduled[req.request_id] = n
-            budget -= n
+            if drafts:
+                spec[req.request_id] = drafts
+            budget -= n + len(drafts)
             i += 1
 
         # After a preemption the pool is short: admitting new work now would only thrash.
@@ -166,10 +179,11 @@ class Scheduler:
             cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.can_allocate(req, n, cached, reserve=self._reserve):
+            if not self._allocate(req, n, cached=cached, reserve=self._reserve):
                 victim = self.running[-1] if self.running else None
                 if victim is not None and victim.priority > req.priority:
                     budget += self._preempt(victim, scheduled)
+                    spec.pop(victim.request_id, None)
                     continue
                 break
             self.waiting.pop(0)
@@ -177,7 +191,6 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
             req.num_computed_tokens = num_cached
-            self.kv.allocate(req, n, cached)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -185,54 +198,76 @@ class Scheduler:
             scheduled[req.request_id] = n
             budget -= n
 
-        return self._build_output(scheduled)
+        return self._build_output(scheduled, spec)
 
-    def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids)
+    def _build_output(self, scheduled: dict[str, int], spec: dict[str, list[int]]) -> SchedulerOutput:
+        self._step_id += 1
+        out = SchedulerOutput(step_id=self._step_id, finished_ids=self._finished_ids)
         self._finished_ids = []
+        new_blocks, self._new_blocks = self._new_blocks, {}
         for rid, n in scheduled.items():
             req = self.requests[rid]
             if rid in self._unseen:
                 self._unseen.discard(rid)
                 out.new_requests.append(
-                    NewRequestData(rid, req.prompt_token_ids, req.params, req.seed, req.output_token_ids)
+                    NewRequestData(
+                        rid,
+                        req.prompt_token_ids,
+                        req.params,
+                        req.seed,
+                        req.output_token_ids,
+                        self.kv.block_ids(rid),
+                    )
                 )
             start = req.num_computed_tokens
-            out.chunks.append(
-                ScheduledChunk(
+            drafts = spec.get(rid, [])
+            out.scheduled.append(
+                ScheduledRequest(
                     request_id=rid,
                     token_ids=req.token_ids[start : start + n],
                     start_pos=start,
-                    block_ids=self.kv.block_ids(rid),
+                    spec_token_ids=drafts,
+                    new_block_ids=new_blocks.get(rid, []),
                     sample=start + n == req.num_tokens,
                 )
             )
-            out.num_batched_tokens += n
+            out.num_batched_tokens += n + len(drafts)
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances requests by the step's results; returns those that got a token or finished."""
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advances requests by the step's results; returns those that got tokens or finished.
+        Every stop but a stop string (which needs text, and is found by the front) is decided
+        here, token by token: tokens past a stop are dropped."""
         changed = []
-        for chunk in out.chunks:
-            req = self.requests.get(chunk.request_id)
+        for sr in out.scheduled:
+            req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted (or failed) while the step ran
-            req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.commit(req)
-            if not chunk.sample:
-                continue
-            if req.max_tokens == 0:  # prompt scoring: the prefill was the whole job
+            tokens = result.sampled.get(sr.request_id, []) if sr.sample else []
+            if sr.sample and req.max_tokens == 0:  # prompt scoring: the prefill was the whole job
+                req.num_computed_tokens += len(sr.token_ids)
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
                 changed.append(req)
                 continue
-            token = sampled[chunk.request_id]
-            req.token_ids.append(token)
+            status, kept = None, 0
+            for token in tokens:
+                req.token_ids.append(token)
+                kept += 1
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            # Proposed tokens that were accepted had their K/V computed in this step too.
+            accepted = min(len(tokens) - 1, kept) if sr.spec_token_ids and tokens else 0
+            req.num_computed_tokens += len(sr.token_ids) + accepted
+            self.kv.commit(req)
+            req.spec_token_ids = result.proposed.get(sr.request_id, []) if status is None else []
+            if not sr.sample:
+                continue
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             changed.append(req)
-            if req.pending_children:
+            if req.pending_children:  # the children share the prompt's blocks, before a stop frees them
                 self._fork_children(req)
-            status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
         return changed

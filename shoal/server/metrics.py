@@ -47,6 +47,28 @@ class _EngineCollector:
         )
         yield counter("shoal:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
         yield counter("shoal:num_preemptions", "Requests preempted to free KV blocks.", s.num_preemptions)
+        if s.spec is not None:
+            yield counter(
+                "shoal:spec_decode_num_drafts", "Verify passes of proposed tokens.", s.spec.num_drafts
+            )
+            yield counter(
+                "shoal:spec_decode_num_draft_tokens",
+                "Tokens proposed for verification.",
+                s.spec.num_draft_tokens,
+            )
+            yield counter(
+                "shoal:spec_decode_num_accepted_tokens",
+                "Proposed tokens the model accepted.",
+                s.spec.num_accepted_tokens,
+            )
+            per_pos = CounterMetricFamily(
+                "shoal:spec_decode_num_accepted_tokens_per_pos",
+                "Proposed tokens accepted, by their position in the proposal (0 = first).",
+                labels=["model_name", "position"],
+            )
+            for j, n in enumerate(s.spec.accepted_per_position):
+                per_pos.add_metric([self.model_name, str(j)], n)
+            yield per_pos
 
 
 class ServerMetrics:

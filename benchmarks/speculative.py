@@ -1,0 +1,87 @@
+"""Speculative decoding against plain decoding, in one run: output tok/s and acceptance rate at
+concurrency 1 and 8 (offline engine, greedy), with and without each proposer, on
+(a) W1: 32-token random prompts, 128 tokens, EOS ignored, and
+(b) a repetition-heavy workload: chat requests to rewrite a passage given in the prompt.
+
+    python benchmarks/speculative.py [--quantization auto] [--methods ngram] [-k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from shoal import LLM
+from shoal.bench.offline import OfflineBenchConfig, Workload, make_workload, run_shoal
+from shoal.kernels.build import cpu_model_name
+from shoal.models.loader import load_model
+
+PASSAGES = [
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
+    "and watched the ships pass safely through the narrow strait before the night fell.",
+    "Bread dough needs time: mix the flour, water, salt and yeast, knead it for ten minutes, then let "
+    "it rise in a warm place until it has doubled in size, which takes about an hour.",
+    "A river begins as a spring in the hills, gathers streams as it runs down the valley, slows as "
+    "the land flattens, and finally spreads into a wide delta where it meets the sea.",
+    "The library opens at nine in the morning and closes at six in the evening; books may be borrowed "
+    "for three weeks and renewed twice, unless another reader has reserved them.",
+]
+ASKS = ["Rewrite this passage exactly, word for word:", "Copy out the following text without changes:"]
+
+
+def rewrite_workload(llm: LLM, n: int, output_len: int) -> Workload:
+    prompts = []
+    for i in range(n):
+        ask = f"{ASKS[i % len(ASKS)]}\n\n{PASSAGES[i % len(PASSAGES)]}"
+        prompts.append(llm.tokenizer.encode_chat([{"role": "user", "content": ask}]))
+    return Workload(prompts, [output_len] * n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--methods", default="ngram", help="comma-separated proposers to compare")
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    args = ap.parse_args()
+    loaded = load_model(quantization=args.quantization)
+    print(f"CPU: {cpu_model_name()}; model {loaded.name}, weights {loaded.quantization or 'fp32'}")
+    methods = [None, *args.methods.split(",")]
+    rows = []
+    for conc in (1, 8):
+        n = 4 if conc == 1 else 16
+        for name in ("W1", "rewrite"):
+            for method in methods:
+                spec = {"speculative": method, "num_speculative_tokens": args.num_speculative_tokens}
+                llm = LLM(loaded=loaded, max_num_seqs=conc, num_blocks=2048, **(spec if method else {}))
+                if name == "W1":
+                    work = make_workload(
+                        OfflineBenchConfig(num_requests=n, input_len=32, output_len=128), 49152
+                    )
+                else:
+                    work = rewrite_workload(llm, n, 128)
+                llm.generate(work.prompts[0][:8], None)  # warm up kernels and caches
+                t0 = time.perf_counter()
+                r = run_shoal(llm, work, ignore_eos=name == "W1")
+                rate = r.get("spec_acceptance_rate")
+                rows.append(
+                    (conc, name, method or "off", r["output_tok_s"], r["output_tokens"], r["steps"], rate)
+                )
+                acc = f"{100 * rate:.0f}%" if rate is not None else "-"
+                print(
+                    f"c={conc} {name:7s} {method or 'off':6s}: {r['output_tok_s']:6.1f} output tok/s, "
+                    f"{r['output_tokens']} tokens in {r['steps']} steps ({time.perf_counter() - t0:.1f} s), "
+                    f"acceptance {acc} {r.get('spec_accepted_per_position', '')}"
+                )
+    print("\n| c | workload | proposer | output tok/s | speedup | tokens/step | acceptance |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    base = {(c, w): t for c, w, m, t, *_ in rows if m == "off"}
+    for conc, name, method, tok_s, tokens, steps, rate in rows:
+        acc = f"{100 * rate:.0f}%" if rate is not None else "-"
+        print(
+            f"| {conc} | {name} | {method} | {tok_s:.1f} | {tok_s / base[conc, name]:.2f}x | "
+            f"{tokens / steps:.2f} | {acc} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

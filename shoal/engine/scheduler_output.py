@@ -1,0 +1,69 @@
+"""What one engine step asks of the model and what comes back: plain data, picklable, so that a
+runner in another process (a tensor- or pipeline-parallel worker) can take it as it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shoal.engine.outputs import TokenLogprob
+from shoal.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or has forgotten, after a preemption): what it keeps
+    across steps (sampling state) and its whole block table."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)  # produced before (resumed, preempted)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's part of a step: `token_ids` at positions from `start_pos` (a prompt chunk,
+    or the last sampled token), then `spec_token_ids` (proposed tokens to verify) after them."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    spec_token_ids: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)  # appended to its table this step
+    sample: bool = True  # the step reaches the end of its known tokens: sample what follows
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int = 0
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # runner state to drop
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request id -> tokens sampled this step (several when proposed tokens were accepted)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request id -> (prompt position of the first entry, logprobs of the prompt tokens that follow)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # request id -> tokens proposed for the next step (speculative decoding)
+    proposed: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> (tokens proposed this step, how many were accepted)
+    spec_results: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def merge(self, other: ModelRunnerOutput) -> None:
+        for name in ("sampled", "logprobs", "prompt_logprobs", "proposed", "spec_results"):
+            getattr(self, name).update(getattr(other, name))

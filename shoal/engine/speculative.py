@@ -1,0 +1,107 @@
+"""Speculative decoding: proposers guess a request's next tokens, the target model checks them all
+in one forward pass (see Sampler.verify), so an accepted guess saves a whole decode step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.engine.sampler import SamplingState
+
+
+@dataclass
+class SpeculativeConfig:
+    speculative: str | None = None  # the method: None, "ngram" or "draft"
+    num_speculative_tokens: int = 4
+    # ngram: the longest and shortest suffix of the context looked up in the context itself
+    ngram_max: int = 4
+    ngram_min: int = 1
+    # draft: the draft model's checkpoint (None: the target's own) and how its weights run
+    speculative_model: str | None = None
+    speculative_quantization: str | None = "int4"
+
+    def check(self) -> None:
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"unknown speculative method {self.speculative!r}; choose ngram or draft")
+        if self.speculative is not None and self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+
+class Proposer:
+    """Guesses the tokens after a request's context; an empty guess means decode as usual."""
+
+    def propose(self, state: SamplingState) -> list[int]:
+        raise NotImplementedError
+
+
+@dataclass
+class NgramProposer(Proposer):
+    """Prompt lookup: the continuation of the latest earlier occurrence of the context's last n
+    tokens (longest n first). Free to compute, and right wherever the output repeats its input:
+    rewriting, summarising, code edits, extraction."""
+
+    k: int
+    n_max: int = 4
+    n_min: int = 1
+
+    def propose(self, state: SamplingState) -> list[int]:
+        if state.matcher is not None:
+            return []  # a grammar's mask at each proposed position is not computed: decode as usual
+        context = state.prompt_token_ids + state.output_token_ids
+        return ngram_lookup(context, self.k, self.n_max, self.n_min)
+
+
+def ngram_lookup(context: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens,
+    for the largest n in [n_min, n_max] that occurs."""
+    size = len(context)
+    if size < n_min + 1:
+        return []
+    ids = torch.tensor(context)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        # Windows that start early enough to have a token after them.
+        windows = ids[: size - 1].unfold(0, n, 1)
+        hits = (windows == ids[size - n :]).all(dim=1).nonzero()
+        if len(hits):
+            start = int(hits[-1]) + n
+            return context[start : start + k]
+    return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since start: verify passes, tokens proposed, tokens accepted (in all and at
+    each proposal position: position j counts when the first j+1 guesses were all right)."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = [0] * max(self.k, 0)
+
+    def observe(self, results: dict[str, tuple[int, int]]) -> None:
+        for proposed, accepted in results.values():
+            self.num_drafts += 1
+            self.num_draft_tokens += proposed
+            self.num_accepted_tokens += accepted
+            for j in range(min(accepted, len(self.accepted_per_position))):
+                self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.k,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
