@@ -16,15 +16,29 @@ from shoal.bench.offline import OfflineBenchConfig, Workload, make_workload, run
 from shoal.kernels.build import cpu_model_name
 from shoal.models.loader import load_model
 
+# About 120 tokens each: a faithful rewrite fills the 128-token output.
 PASSAGES = [
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
-    "and watched the ships pass safely through the narrow strait before the night fell.",
-    "Bread dough needs time: mix the flour, water, salt and yeast, knead it for ten minutes, then let "
-    "it rise in a warm place until it has doubled in size, which takes about an hour.",
-    "A river begins as a spring in the hills, gathers streams as it runs down the valley, slows as "
-    "the land flattens, and finally spreads into a wide delta where it meets the sea.",
-    "The library opens at nine in the morning and closes at six in the evening; books may be borrowed "
-    "for three weeks and renewed twice, unless another reader has reserved them.",
+    "and watched the ships pass safely through the narrow strait. In winter the wind rattled the "
+    "windows and the waves broke over the rocks below, but the light never failed. Each morning he "
+    "wrote in his logbook the names of the ships he had seen, the weather, and the hour the lamp went "
+    "out. When the government replaced him with an automatic beacon, he moved to a cottage in the "
+    "village and kept writing his logbook anyway, from memory and from the window.",
+    "Bread dough needs time. Mix the flour, water, salt and yeast, then knead the dough for ten "
+    "minutes until it is smooth and springs back when pressed. Let it rise in a warm place until it "
+    "has doubled in size, which takes about an hour. Knock it back, shape it into a loaf, and leave "
+    "it to rise again for half an hour. Bake it in a hot oven for thirty minutes, until the crust is "
+    "brown and the loaf sounds hollow when tapped underneath. Let it cool before slicing it.",
+    "A river begins as a spring in the hills and gathers small streams as it runs down the valley. "
+    "Where the slope is steep it cuts a narrow channel and carries stones and sand; where the land "
+    "flattens it slows, winds from side to side, and drops the sand on its inner bends. Near the "
+    "coast it spreads into a wide delta of channels and marshes where fresh water meets the sea, and "
+    "the mud it brought from the hills builds new land, year after year, grain by grain.",
+    "The library opens at nine in the morning and closes at six in the evening, except on Sundays. "
+    "Books may be borrowed for three weeks and renewed twice, unless another reader has reserved "
+    "them. Reference books, newspapers and rare maps stay in the reading room. Readers under twelve "
+    "need a parent to sign their card. Lost books are charged at the price of a new copy, and late "
+    "returns pay a small fine for each day, which goes to buying new books for the children's room.",
 ]
 ASKS = ["Rewrite this passage exactly, word for word:", "Copy out the following text without changes:"]
 

@@ -100,14 +100,14 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
     srv = _InProcessServer(bundled)
     try:
         assert httpx.get(srv.url + "/health").status_code == 200
-        real_step = srv.engine.step
+        real_step = srv.engine.step_core
         release = threading.Event()
 
         def stalled_step():
             release.wait(10)
             raise RuntimeError("injected engine failure")
 
-        srv.engine.step = stalled_step
+        srv.engine.step_core = stalled_step
 
         async def run():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
@@ -139,6 +139,6 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
         assert dead.status_code == 503 and "injected engine failure" in dead.json()["reason"]
         assert ready.status_code == 503
         assert after.status_code == 503
-        srv.engine.step = real_step
+        srv.engine.step_core = real_step
     finally:
         srv.stop()

@@ -1,14 +1,17 @@
 """The async front of the engine: the step loop runs on its own thread, callers await per-request
 streams on their event loop.
 
-Commands (add, abort) cross into the engine thread through a queue and are applied between steps,
-so an abort takes effect before the next step. Outputs cross back once per step with one
-`call_soon_threadsafe`, as snapshots the engine thread will not touch again.
+Commands (add, abort, stop) cross into the engine thread through a queue and are applied between
+steps, so an abort takes effect before the next step. What crosses back is token deltas, once per
+step with one `call_soon_threadsafe`; each stream turns them into text on its own event loop (the
+engine thread never detokenizes), and a consumer that lags finds its deltas merged into one
+output, not a queue of snapshots.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -20,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from shoal.engine.llm_engine import EngineStats, LLMEngine
-from shoal.engine.outputs import RequestOutput
+from shoal.engine.output_processor import OutputProcessor
+from shoal.engine.outputs import EngineCoreOutput, RequestOutput
 from shoal.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,7 +52,7 @@ class AsyncEngineConfig:
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt_ids: list[int]
     params: SamplingParams
     priority: int
     tokens: int
@@ -61,43 +65,65 @@ class _Abort:
     request_id: str
 
 
-_FINISHED = object()
+@dataclass
+class _Stop:
+    request_id: str  # the choice's engine request
+    stop: str
 
 
 class RequestStream:
     """One request's outputs, in order; the last has `finished` set. Closing it early aborts it."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, accepted: asyncio.Future):
+    def __init__(self, engine: AsyncEngine, request_id: str, accepted: asyncio.Future, processor):
         self.engine = engine
         self.request_id = request_id
         self.accepted = accepted
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.processor: OutputProcessor = processor
+        self.pending: list[EngineCoreOutput] = []
+        self.wakeup = asyncio.Event()
+        self.dead = False
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if item is _FINISHED:
-            self.finished = True
-            raise EngineDeadError("the engine loop stopped while the request ran")
-        self.finished = item.finished
-        return item
+        while not self.finished:
+            if not self.pending:
+                if self.dead:
+                    self.finished = True
+                    raise EngineDeadError("the engine loop stopped while the request ran")
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            batch, self.pending = self.pending, []
+            outputs, stops = self.processor.process(batch, now=time.monotonic())
+            for request_id, stop in stops:
+                self.engine.stop(request_id, stop)
+            if outputs:
+                self.finished = outputs[0].finished
+                return _snapshot(outputs[0])
+        raise StopAsyncIteration
 
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)
 
+    def _push(self, batch: list[EngineCoreOutput]) -> None:
+        self.pending.extend(batch)
+        self.wakeup.set()
 
-def _snapshot(out: RequestOutput, now: float) -> RequestOutput:
-    """A copy the engine thread will not mutate. The cumulative token and logprob lists, which it
-    keeps growing, are left out: consumers build them from the deltas."""
+    def _die(self) -> None:
+        self.dead = True
+        self.wakeup.set()
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the stream's processor will not change. The cumulative token and logprob lists,
+    which it keeps growing, are left out: consumers build them from the deltas."""
     outputs = [dataclasses.replace(o, token_ids=[], logprobs=None) for o in out.outputs]
-    return dataclasses.replace(out, outputs=outputs, metrics={**out.metrics, "time": now})
+    return dataclasses.replace(out, outputs=outputs, metrics=dict(out.metrics))
 
 
 class AsyncEngine:
@@ -105,7 +131,7 @@ class AsyncEngine:
         self.engine = engine
         self.config = config or AsyncEngineConfig()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._lock = threading.Lock()  # guards the admission counters and the stats snapshot
         self._pending_requests = 0  # submitted, not yet seen by the engine thread
         self._pending_tokens = 0
@@ -165,11 +191,23 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped")
-        # Text is tokenized on the engine thread; until then, a rough count bounds the queue.
-        tokens = len(prompt) if isinstance(prompt, list) else len(prompt) // 3 + 1
+        loop = asyncio.get_running_loop()
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:  # off the event loop, and off the engine thread
+            prompt = await loop.run_in_executor(None, self.engine.tokenizer.encode, text)
+        tokens = len(prompt)
         self._admit(tokens)
-        stream = RequestStream(self, request_id, asyncio.get_running_loop().create_future())
-        self._commands.put(_Add(request_id, prompt, params, priority, tokens, stream, options))
+        processor = OutputProcessor(self.engine.tokenizer)
+        processor.add(
+            request_id,
+            text,
+            list(prompt),
+            params,
+            options.get("prior_output_ids"),
+            options.get("prior_text_sent"),
+        )
+        stream = RequestStream(self, request_id, loop.create_future(), processor)
+        self._commands.put(_Add(request_id, list(prompt), params, priority, tokens, stream, options))
         try:
             await stream.accepted
         except BaseException:
@@ -192,6 +230,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def stop(self, request_id: str, stop: str) -> None:
+        """Finishes one choice whose text reached a stop string (found by its stream)."""
+        self._commands.put(_Stop(request_id, stop))
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -222,12 +264,12 @@ class AsyncEngine:
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 self._step_started = time.monotonic()
-                outputs = self.engine.step()
-                now = self._last_step_end = time.monotonic()
+                outputs = self.engine.step_core()
+                self._last_step_end = time.monotonic()
                 self._step_started = None
                 self._publish_stats()
                 self._log_kv_events()
-                self._deliver([(o.request_id, _snapshot(o, now)) for o in outputs])
+                self._deliver(outputs)
         except BaseException as exc:  # the loop is dead: every waiter must hear of it
             log.exception("engine loop failed")
             self.error = exc
@@ -246,6 +288,10 @@ class AsyncEngine:
             elif isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
                 self._streams.pop(cmd.request_id, None)
+            elif isinstance(cmd, _Stop):
+                group = self.engine.stop_request(cmd.request_id, cmd.stop)
+                if group is not None and group not in self.engine.scheduler.groups:
+                    self._streams.pop(group, None)  # no step will report it again
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -260,12 +306,17 @@ class AsyncEngine:
             self._pending_tokens -= cmd.tokens
         try:
             self.engine.add_request(
-                cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority, **cmd.options
+                cmd.request_id,
+                cmd.prompt_ids,
+                cmd.params,
+                priority=cmd.priority,
+                track_output=False,
+                **cmd.options,
             )
         except Exception as exc:  # a rejected request: tell its caller, keep serving
             accepted.append((cmd.stream.accepted, exc))
             return
-        self._streams[cmd.request_id] = (cmd.stream.accepted.get_loop(), cmd.stream.queue)
+        self._streams[cmd.request_id] = (cmd.stream.accepted.get_loop(), cmd.stream)
         accepted.append((cmd.stream.accepted, None))
 
     def _log_kv_events(self) -> None:
@@ -304,22 +355,26 @@ class AsyncEngine:
             self._waiting_requests = stats.num_waiting
             self._waiting_tokens = waiting_tokens
 
-    def _deliver(self, items: list[tuple[str, RequestOutput]]) -> None:
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        by_stream: dict[str, list[EngineCoreOutput]] = {}
+        for co in outputs:
+            by_stream.setdefault(co.group_id, []).append(co)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid, out in items:
-            target = self._streams.get(rid)
+        for gid, batch in by_stream.items():
+            target = self._streams.get(gid)
             if target is None:
                 continue
-            if out.finished:
-                del self._streams[rid]
-            by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            if gid not in self.engine.scheduler.groups:  # every choice of it has finished
+                del self._streams[gid]
+            by_loop.setdefault(target[0], []).append((target[1], batch))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_push_all, items)
 
     def _fail_all(self) -> None:
         streams, self._streams = self._streams, {}
         for loop, stream in streams.values():
-            loop.call_soon_threadsafe(stream.put_nowait, _FINISHED)
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nobody is waiting
+                loop.call_soon_threadsafe(stream._die)
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -341,6 +396,6 @@ def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for stream, out in batch:
-        stream.put_nowait(out)
+def _push_all(items: list[tuple[RequestStream, list[EngineCoreOutput]]]) -> None:
+    for stream, batch in items:
+        stream._push(batch)

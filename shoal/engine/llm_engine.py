@@ -15,7 +15,7 @@ from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.model_runner import GraphOptions, ModelRunner, kv_bytes_per_block
 from shoal.engine.output_processor import OutputProcessor
-from shoal.engine.outputs import RequestOutput
+from shoal.engine.outputs import EngineCoreOutput, RequestOutput
 from shoal.engine.request import Request
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.engine.scheduler import Scheduler
@@ -147,11 +147,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         prior_output_ids: list[int] | None = None,
         prior_text_sent: int | None = None,
+        track_output: bool = True,
     ) -> Request:
         """`prior_output_ids` resumes a request: tokens it already produced (on another replica)
         after `prompt`. They count as output for limits, penalties, stop strings and the seeded
         draw of each position, so the rest comes out as it would have; only new tokens stream,
-        with any text of the prior tokens past `prior_text_sent` characters first."""
+        with any text of the prior tokens past `prior_text_sent` characters first.
+
+        `track_output=False` leaves text to the caller: `step_core` reports its tokens, and the
+        caller's own OutputProcessor (the async front's, on its event loop) turns them into text."""
         params = params or SamplingParams()
         prior = list(prior_output_ids or [])
         if request_id in self.scheduler.groups or request_id in self.output_processor.groups:
@@ -205,7 +209,8 @@ class LLMEngine:
         if self.faults.active:
             self._mark_faults(request_id, ids)
         self.scheduler.add_request(req)
-        self.output_processor.add(req, text, prior_text_sent)
+        if track_output:
+            self.output_processor.add(request_id, text, ids, params, prior, prior_text_sent)
         return req
 
     def _check_token_ids(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
@@ -236,12 +241,29 @@ class LLMEngine:
         self.output_processor.drop(request_id)
         return bool(aborted)
 
+    def stop_request(self, request_id: str, stop: str) -> str | None:
+        """The front found stop string `stop` in this choice's text: it is finished. Returns the
+        request's group id, if it was still running."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish_by_stop_string(req, stop)
+        return req.group_id
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # --- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step, with text: for callers on this thread (LLM, benchmarks)."""
+        outputs, stops = self.output_processor.process(self.step_core())
+        for request_id, stop in stops:
+            self.stop_request(request_id, stop)
+        return outputs
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """One step, as token deltas per choice that moved or finished."""
         so = self.scheduler.schedule()
         result, failures = self._execute(so)
         if so.empty:
@@ -256,10 +278,32 @@ class LLMEngine:
         self.num_failed_requests += len(failed)
         self.spec_stats.observe(result.spec_results)
         changed = self.scheduler.update_from_output(so, result)
-        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
-        return self.output_processor.process(
-            changed + failed, result.logprobs, self.scheduler.finish_by_stop_string
-        )
+        return self._core_outputs(changed + failed, result)
+
+    def _core_outputs(self, reqs: list[Request], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outs: dict[str, EngineCoreOutput] = {}
+        for req in reqs:
+            new = req.output_token_ids[req.num_emitted :]
+            req.num_emitted += len(new)
+            outs[req.request_id] = EngineCoreOutput(
+                req.request_id,
+                req.group_id,
+                req.index,
+                new,
+                result.logprobs.get(req.request_id, [])[: len(new)],
+                finish_reason=req.status.value if req.is_finished else None,
+                stop_reason=req.stop_reason,
+                num_cached_tokens=max(0, req.num_cached_tokens),
+                error=req.error,
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+            )
+        for rid, found in result.prompt_logprobs.items():
+            co = outs.get(rid)
+            if co is None:
+                co = outs[rid] = EngineCoreOutput(rid, rid, 0)
+            co.prompt_logprobs = found
+        return list(outs.values())
 
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         faults = {self._marked.get(c.request_id) for c in so.scheduled} if self._marked else ()

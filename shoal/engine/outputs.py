@@ -42,3 +42,22 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # a step failed for this request (it finished with it)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One choice's progress in one step, as the engine reports it: tokens, no text (the front
+    detokenizes). Plain data."""
+
+    request_id: str  # the engine's request: the group's id for choice 0, "{group}#{i}" after
+    group_id: str
+    index: int
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt_logprobs: tuple[int, list[TokenLogprob]] | None = None  # (first position, entries)
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None

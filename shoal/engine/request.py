@@ -62,6 +62,7 @@ class Request:
         self.error: str | None = None
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []  # proposed for the next step (speculative decoding)
+        self.num_emitted = len(self.token_ids) - self.num_prompt_tokens  # output tokens reported
         self.block_hashes: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
