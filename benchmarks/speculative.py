@@ -3,7 +3,10 @@ concurrency 1 and 8 (offline engine, greedy), with and without each proposer, on
 (a) W1: 32-token random prompts, 128 tokens, EOS ignored, and
 (b) a repetition-heavy workload: chat requests to rewrite a passage given in the prompt.
 
-    python benchmarks/speculative.py [--quantization auto] [--methods ngram] [-k 4]
+    python benchmarks/speculative.py [--targets auto:ngram,none:ngram+draft] [-k 4]
+
+Each target (its weights: auto is the bundled GGUF's int4, none is fp32) runs without speculation
+and with each proposer named for it; the draft is the bundled model in int4.
 """
 
 from __future__ import annotations
@@ -51,22 +54,13 @@ def rewrite_workload(llm: LLM, n: int, output_len: int) -> Workload:
     return Workload(prompts, [output_len] * n)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quantization", default="auto")
-    ap.add_argument("--methods", default="ngram", help="comma-separated proposers to compare")
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    args = ap.parse_args()
-    loaded = load_model(quantization=args.quantization)
-    print(f"CPU: {cpu_model_name()}; model {loaded.name}, weights {loaded.quantization or 'fp32'}")
-    methods = [None, *args.methods.split(",")]
-    rows = []
+def run_config(loaded, target: str, methods: list[str | None], k: int, rows: list) -> None:
     for conc in (1, 8):
         n = 4 if conc == 1 else 16
         for name in ("W1", "rewrite"):
             for method in methods:
-                spec = {"speculative": method, "num_speculative_tokens": args.num_speculative_tokens}
-                llm = LLM(loaded=loaded, max_num_seqs=conc, num_blocks=2048, **(spec if method else {}))
+                spec = {"speculative": method, "num_speculative_tokens": k} if method else {}
+                llm = LLM(loaded=loaded, max_num_seqs=conc, num_blocks=2048, **spec)
                 if name == "W1":
                     work = make_workload(
                         OfflineBenchConfig(num_requests=n, input_len=32, output_len=128), 49152
@@ -77,23 +71,51 @@ def main() -> None:
                 t0 = time.perf_counter()
                 r = run_shoal(llm, work, ignore_eos=name == "W1")
                 rate = r.get("spec_acceptance_rate")
-                rows.append(
-                    (conc, name, method or "off", r["output_tok_s"], r["output_tokens"], r["steps"], rate)
+                row = (
+                    target,
+                    conc,
+                    name,
+                    method or "off",
+                    r["output_tok_s"],
+                    r["output_tokens"],
+                    r["steps"],
+                    rate,
                 )
+                rows.append(row)
                 acc = f"{100 * rate:.0f}%" if rate is not None else "-"
                 print(
-                    f"c={conc} {name:7s} {method or 'off':6s}: {r['output_tok_s']:6.1f} output tok/s, "
+                    f"{target} c={conc} {name:7s} {method or 'off':6s}: "
+                    f"{r['output_tok_s']:6.1f} output tok/s, "
                     f"{r['output_tokens']} tokens in {r['steps']} steps ({time.perf_counter() - t0:.1f} s), "
                     f"acceptance {acc} {r.get('spec_accepted_per_position', '')}"
                 )
-    print("\n| c | workload | proposer | output tok/s | speedup | tokens/step | acceptance |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    base = {(c, w): t for c, w, m, t, *_ in rows if m == "off"}
-    for conc, name, method, tok_s, tokens, steps, rate in rows:
+                del llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--targets",
+        default="auto:ngram,none:ngram+draft",
+        help="target weights and the proposers to try on each: QUANT:METHOD+METHOD,...",
+    )
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    args = ap.parse_args()
+    print(f"CPU: {cpu_model_name()}; drafts: the bundled model in int4")
+    rows: list = []
+    for item in args.targets.split(","):
+        quant, methods = item.split(":")
+        loaded = load_model(quantization=quant)
+        target = loaded.quantization or "fp32"
+        run_config(loaded, target, [None, *methods.split("+")], args.num_speculative_tokens, rows)
+    print("\n| target | c | workload | proposer | output tok/s | speedup | tokens/step | acceptance |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = {(t, c, w): tok for t, c, w, m, tok, *_ in rows if m == "off"}
+    for target, conc, name, method, tok_s, tokens, steps, rate in rows:
         acc = f"{100 * rate:.0f}%" if rate is not None else "-"
         print(
-            f"| {conc} | {name} | {method} | {tok_s:.1f} | {tok_s / base[conc, name]:.2f}x | "
-            f"{tokens / steps:.2f} | {acc} |"
+            f"| {target} | {conc} | {name} | {method} | {tok_s:.1f} | "
+            f"{tok_s / base[target, conc, name]:.2f}x | {tokens / steps:.2f} | {acc} |"
         )
 
 

@@ -67,6 +67,12 @@ def add_speculative_args(g) -> None:
         "--speculative-model", default=None, help="draft: its checkpoint (default: the target's own)"
     )
     g.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="no proposals while more requests than this sample together (default: draft 4, ngram none)",
+    )
+    g.add_argument(
         "--speculative-quantization",
         default=None,
         choices=["auto", "none", "int8", "int4"],
@@ -80,6 +86,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens",
         "speculative_model",
         "speculative_quantization",
+        "speculative_disable_by_batch_size",
         "kv_cache_memory",
         "num_blocks",
         "block_size",

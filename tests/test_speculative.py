@@ -14,6 +14,7 @@ from shoal.engine.sampler import Sampler, SamplingState
 from shoal.engine.speculative import ngram_lookup
 from tests.conftest import REF_TOKENS
 from tests.helpers import PROMPTS, assert_pool_whole
+from tests.server_helpers import start_server
 
 REPEAT = (
     "Rewrite this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank. "
@@ -30,10 +31,14 @@ def test_ngram_lookup_continues_the_latest_longest_match():
     assert ngram_lookup([1, 2, 3, 1, 2, 3], 2, 4, 2) == [1, 2]
 
 
-def test_greedy_speculation_gives_the_tokens_of_plain_decoding(bundled, reference):
-    """The HF-parity prompts, all in one batch: every token as HF fp32 greedy gives it, or, where
-    the verify pass's batch shape moves a near-tie, HF's top two differ there by under 1e-4."""
-    llm = LLM(loaded=bundled, num_blocks=512, speculative="ngram", num_speculative_tokens=4)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_speculation_gives_the_tokens_of_plain_decoding(bundled, reference, method):
+    """The HF-parity prompts, all in one batch, on the fp32 target (the draft: the same model in
+    int4): every token as HF fp32 greedy gives it, or, where the verify pass's batch shape moves a
+    near-tie, HF's top two differ there by under 1e-4."""
+    # Proposals for all 8 at once (by default a draft stops proposing past 4 requests a step).
+    spec = dict(speculative=method, num_speculative_tokens=4, speculative_disable_by_batch_size=8)
+    llm = LLM(loaded=bundled, num_blocks=512, **spec)
     params = SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True, logprobs=3)
     outs = llm.generate([reference[p][0] for p in PROMPTS], params)
     for p, out in zip(PROMPTS, outs):
@@ -48,6 +53,15 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(bundled, referenc
             assert abs(lp.logprob - float(ref_logprobs[i, lp.token_id])) < 2e-3
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    if method == "draft":  # int4 against fp32 of the same weights: they mostly agree
+        assert stats.acceptance_rate > 0.6
+        llm.engine.step()  # the runners hear of finished requests at the next step
+        draft = llm.engine.executor.runner.proposer
+        assert not draft.tables and len(draft.free_blocks) == draft.runner.num_blocks  # all given back
+        capped = LLM(loaded=bundled, num_blocks=512, speculative=method, num_speculative_tokens=4)
+        outs = capped.generate([reference[p][0] for p in PROMPTS[:5]], params)
+        assert capped.engine.spec_stats.num_drafts == 0  # 5 at a time: past the default cap
+        assert [o.outputs[0].token_ids for o in outs] == [reference[p][1] for p in PROMPTS[:5]]
     assert_pool_whole(llm.engine)
 
 
@@ -73,11 +87,12 @@ def test_speculation_saves_forward_passes_where_text_repeats(bundled):
     assert per_pos[0] >= per_pos[-1] > 0
 
 
-def test_speculation_keeps_every_engine_feature(bundled):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_keeps_every_engine_feature(bundled, method):
     """Chunked prefill, a tiny pool (preemption), n > 1, logprobs, stop strings, max_tokens and
     seeds, with proposals riding along."""
     small = dict(num_blocks=12, block_size=16, max_num_batched_tokens=48)
-    spec = LLM(loaded=bundled, speculative="ngram", num_speculative_tokens=3, **small)
+    spec = LLM(loaded=bundled, speculative=method, num_speculative_tokens=3, **small)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = [REPEAT, PROMPTS[1], PROMPTS[6], REPEAT + " The quick"]
     plain = LLM(loaded=bundled, num_blocks=512)
@@ -87,7 +102,7 @@ def test_speculation_keeps_every_engine_feature(bundled):
     assert spec.engine.scheduler.num_preemptions > 0  # the pool was too small for all at once
     assert_pool_whole(spec.engine)
 
-    big = LLM(loaded=bundled, num_blocks=256, speculative="ngram", num_speculative_tokens=4)
+    big = LLM(loaded=bundled, num_blocks=256, speculative=method, num_speculative_tokens=4)
     sampled = SamplingParams(temperature=0.8, seed=11, n=3, max_tokens=17, logprobs=2, ignore_eos=True)
     (out,) = big.generate(REPEAT, sampled)
     assert len(out.outputs) == 3
@@ -96,6 +111,14 @@ def test_speculation_keeps_every_engine_feature(bundled):
         assert [lp.token_id for lp in o.logprobs] == o.token_ids
     (again,) = big.generate(REPEAT, sampled)
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]  # seeded
+
+    # Abort mid-flight, proposals outstanding: everything is given back.
+    big.engine.add_request("gone", REPEAT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        big.engine.step()
+    assert big.engine.abort_request("gone")
+    big.engine.step()
+    assert_pool_whole(big.engine)
 
     stop = SamplingParams(temperature=0, max_tokens=60, stop=["lazy"])
     (s,) = big.generate(REPEAT, stop)
@@ -168,3 +191,33 @@ def test_spec_decode_metrics_are_exported(k):
     s.observe({"a": (k, k), "b": (k, 0)})
     assert s.num_drafts == 2 and s.num_draft_tokens == 2 * k and s.num_accepted_tokens == k
     assert s.accepted_per_position == [1] * k and s.acceptance_rate == 0.5
+
+
+def test_a_speculating_server_exports_its_counters():
+    server = start_server("--speculative", "ngram", "--kv-cache-memory", "128MiB", "--max-model-len", "512")
+    try:
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": COPY}],
+            "max_tokens": 40,
+        }
+        r = server.post("/v1/chat/completions", json={**body, "temperature": 0})
+        assert r.status_code == 200 and "lighthouse" in r.json()["choices"][0]["message"]["content"]
+        page = server.get("/metrics").text
+        values = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line.startswith("shoal:spec_decode") and 'position="' not in line
+        }
+        assert (
+            values["shoal:spec_decode_num_draft_tokens_total"]
+            >= values["shoal:spec_decode_num_accepted_tokens_total"]
+            > 5
+        )
+        assert values["shoal:spec_decode_num_drafts_total"] > 0
+        assert (
+            'shoal:spec_decode_num_accepted_tokens_per_pos_total{model_name="SmolLM2-135M-Instruct",position="0"}'
+            in page
+        )
+    finally:
+        server.stop()

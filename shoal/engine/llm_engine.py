@@ -10,6 +10,7 @@ import torch
 
 from shoal.engine.block_pool import BlockPool, KVEvent
 from shoal.engine.config import EngineConfig
+from shoal.engine.draft_proposer import DraftProposer
 from shoal.engine.executor import UniprocExecutor
 from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
@@ -108,7 +109,8 @@ class LLMEngine:
             graphs,
             kv_dtype,
             grammars,
-            self._proposer(config),
+            self._proposer(config, num_blocks),
+            config.speculative.max_batch,
         )
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.executor = UniprocExecutor(runner)
@@ -121,15 +123,29 @@ class LLMEngine:
         self.num_steps = 0
         self.last_kv_occupancy = (0, 0)
 
-    @staticmethod
-    def _proposer(config: EngineConfig) -> Proposer | None:
+    def _proposer(self, config: EngineConfig, num_blocks: int) -> Proposer | None:
         spec = config.speculative
         spec.check()
         if spec.speculative == "ngram":
             return NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
-        if spec.speculative == "draft":
-            raise NotImplementedError("draft-model speculation is not built yet")
-        return None
+        if spec.speculative != "draft":
+            return None
+        draft = load_model(
+            spec.speculative_model or config.model,
+            dtype=DTYPES[config.dtype],
+            device=config.device,
+            quantization=spec.speculative_quantization,
+        )
+        if draft.config.vocab_size != self.loaded.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
+                f"({self.loaded.config.vocab_size}): they must share a tokenizer"
+            )
+        log.info("draft model %s: weights %s", draft.name, draft.quantization or config.dtype)
+        runner = ModelRunner(
+            draft.model, num_blocks, config.cache.block_size, self.tokenizer.eos_token_ids, config.device
+        )
+        return DraftProposer(runner, spec.num_speculative_tokens, self.max_model_len)
 
     @property
     def model_name(self) -> str:

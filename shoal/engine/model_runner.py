@@ -92,9 +92,11 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         grammars: GrammarBackend | None = None,
         proposer: Proposer | None = None,
+        max_proposal_batch: int | None = None,
     ):
         self.model = model
         self.proposer = proposer
+        self.max_proposal_batch = max_proposal_batch
         self.cfg = model.cfg
         self.device = torch.device(device)
         self.block_size = block_size
@@ -135,6 +137,8 @@ class ModelRunner:
             self.states.pop(rid, None)
             self.block_tables.pop(rid, None)
             self._applied_step.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.drop(rid)
         for new in so.new_requests:
             if self._applied_step.get(new.request_id) == so.step_id:
                 continue
@@ -208,11 +212,11 @@ class ModelRunner:
         for c, i in sampling:
             if c.num_spec:
                 self._verify(out, c, logits[i : i + c.num_spec + 1])
-        if self.proposer is not None:
-            for c, _ in sampling:
-                proposed = self.proposer.propose(self.states[c.request_id])
-                if proposed:
-                    out.proposed[c.request_id] = proposed
+        cap = self.max_proposal_batch
+        if self.proposer is not None and (cap is None or len(sampling) <= cap):
+            out.proposed = self.proposer.propose(
+                {c.request_id: self.states[c.request_id] for c, _ in sampling}
+            )
         return out
 
     def _verify(self, out: ModelRunnerOutput, c: ScheduledChunk, logits: torch.Tensor) -> None:
