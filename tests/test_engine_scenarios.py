@@ -235,3 +235,20 @@ def test_prompt_logprobs_match_hf_even_with_a_warm_prefix_cache(bundled, hf_bund
         assert lp.rank == int((hf[pos - 1] > hf[pos - 1, ids[pos]]).sum()) + 1
         assert [t for t, _ in lp.top] == hf[pos - 1].topk(3).indices.tolist()
     assert_pool_whole(engine)
+
+
+def test_a_resumed_request_its_grammar_refuses_fails_alone(bundled, reference):
+    """The runner takes a new request's state in the step; a resumed output its grammar cannot
+    have produced fails that request only, and the one beside it runs exactly as alone."""
+    from shoal.engine.structured import StructuredOutput
+
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=128)), loaded=bundled)
+    ids, ref_tokens, _ = reference[PROMPTS[0]]
+    engine.add_request("ok", ids, SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True))
+    bad = engine.tokenizer.encode("plain words", add_special_tokens=False)
+    grammar = SamplingParams(max_tokens=8, structured=StructuredOutput("json_object"))
+    engine.add_request("bad", ids, grammar, prior_output_ids=bad)
+    done = run_to_completion(engine)
+    assert done["bad"].error and done["bad"].outputs[0].finish_reason == "error"
+    assert done["ok"].outputs[0].token_ids == ref_tokens and done["ok"].error is None
+    assert_pool_whole(engine)

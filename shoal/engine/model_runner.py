@@ -142,15 +142,16 @@ class ModelRunner:
         for new in so.new_requests:
             if self._applied_step.get(new.request_id) == so.step_id:
                 continue
-            self.block_tables[new.request_id] = list(new.block_ids)
-            self._applied_step[new.request_id] = so.step_id
             state = SamplingState(new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids))
-            self.states[new.request_id] = state
             if new.params.structured is not None:
                 if self.sampler.grammars is None:
                     raise ValueError("structured output needs a grammar backend (the engine's tokenizer)")
-                # A resumed request's grammar picks up after the tokens it already produced.
+                # A resumed request's grammar picks up after the tokens it already produced. If
+                # that raises, nothing is kept: the request's part of the retried step raises again.
                 state.matcher = self.sampler.grammars.matcher(new.params.structured, state.output_token_ids)
+            self.states[new.request_id] = state
+            self.block_tables[new.request_id] = list(new.block_ids)
+            self._applied_step[new.request_id] = so.step_id
         for sr in so.scheduled:
             if sr.new_block_ids and self._applied_step.get(sr.request_id) != so.step_id:
                 self.block_tables[sr.request_id].extend(sr.new_block_ids)
