@@ -51,6 +51,8 @@ class Worker:
 def step(s: Scheduler, w: Worker, tokens=None, proposed=None) -> SchedulerOutput:
     """One step; each sampling request gets tokens[rid] (default: one token, 7)."""
     so = w.take(s.schedule())
+    assert so.num_batched_tokens <= s.cfg.max_num_batched_tokens
+    assert len(so.scheduled) <= s.cfg.max_num_seqs
     for sr in so.scheduled:  # the worker's tables are the scheduler's, from deltas alone
         assert w.tables[sr.request_id] == s.kv.block_ids(sr.request_id)
     result = ModelRunnerOutput()

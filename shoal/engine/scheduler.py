@@ -159,8 +159,7 @@ class Scheduler:
                     drafts = []
                     continue
                 victim = self.running[-1]  # worst priority, then newest
-                budget += self._preempt(victim, scheduled)
-                spec.pop(victim.request_id, None)
+                budget += self._preempt(victim, scheduled) + len(spec.pop(victim.request_id, []))
                 preempted = True
                 if victim is req:
                     break
@@ -182,8 +181,7 @@ class Scheduler:
             if not self._allocate(req, n, cached=cached, reserve=self._reserve):
                 victim = self.running[-1] if self.running else None
                 if victim is not None and victim.priority > req.priority:
-                    budget += self._preempt(victim, scheduled)
-                    spec.pop(victim.request_id, None)
+                    budget += self._preempt(victim, scheduled) + len(spec.pop(victim.request_id, []))
                     continue
                 break
             self.waiting.pop(0)
