@@ -83,3 +83,16 @@ def test_prefix_matcher_finds_the_longest_partial_stop():
             text += piece
             m.feed(piece)
             assert m.state == longest(text, stop), (stop, text)
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    text = "one two one two one two one two"
+    ids = tok.encode(text)
+    first_two = next(i for i in range(len(ids)) if "two" in tok.decode(ids[: i + 1]))
+    for min_tokens, stops_after in ((0, first_two + 1), (first_two + 3, None)):
+        d = IncrementalDetokenizer(tok, tok.encode("Count:"), ["two"], min_tokens=min_tokens)
+        hit_at = next((i + 1 for i, t in enumerate(ids) if d.add_token(t)), None)
+        if stops_after is not None:
+            assert hit_at == stops_after
+        else:  # the first "two" came too early to count; a later one stops it
+            assert hit_at is not None and hit_at >= min_tokens

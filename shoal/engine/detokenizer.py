@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
@@ -34,6 +35,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped_by: str | None = None
+        # Stop strings count only from the min_tokens-th output token on, as EOS and stop ids do.
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -42,6 +46,7 @@ class IncrementalDetokenizer:
         """Adds a token; returns the stop string it completed, if any."""
         if self.stopped_by is not None:
             return self.stopped_by
+        self.num_tokens += 1
         self.window.append(token_id)
         prefix = self._decode(self.window[self.prefix_offset : self.read_offset])
         full = self._decode(self.window[self.prefix_offset :])
@@ -58,6 +63,8 @@ class IncrementalDetokenizer:
         self.text += new
         for m in self.matchers:
             m.feed(new)
+        if self.num_tokens < self.min_tokens:
+            return None
         for s in self.stop:
             idx = self.text.find(s, search_from)
             if idx >= 0:

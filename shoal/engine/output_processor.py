@@ -56,6 +56,7 @@ class OutputProcessor:
                     params.stop,
                     params.include_stop_str_in_output,
                     params.skip_special_tokens,
+                    params.min_tokens,
                 )
                 for _ in range(params.n)
             ],
