@@ -184,7 +184,7 @@ def _assert_matches(counts: torch.Tensor, p: torch.Tensor, n: int) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_spec_decode_metrics_are_exported(k):
+def test_spec_decode_counters_count_accepted_tokens_by_position(k):
     from shoal.engine.speculative import SpecDecodeStats
 
     s = SpecDecodeStats(k)

@@ -74,7 +74,7 @@ class DraftProposer(Proposer):
             if first.finished_ids:  # let the draft runner forget them now
                 self._run(first)
             return {}
-        guesses = {rid: toks for rid, toks in self._run(first).items()}
+        guesses = self._run(first)
         for j in range(1, self.k):
             more = SchedulerOutput()
             for rid, context in contexts.items():

@@ -241,7 +241,7 @@ class ToolCallParser:
             if not lead:
                 return False
             if lead[0] == "{":
-                self._open_block(out, self.pos, len(text) - len(lead), bare=True)
+                self._open_block(self.pos, len(text) - len(lead), bare=True)
                 return True
         if fmt.start is None:
             self._content(out, rest)
@@ -250,14 +250,14 @@ class ToolCallParser:
         k = rest.find(fmt.start)
         if k >= 0:
             self._content(out, rest[:k])
-            self._open_block(out, self.pos + k, self.pos + k + len(fmt.start), bare=False)
+            self._open_block(self.pos + k, self.pos + k + len(fmt.start), bare=False)
             return True
         keep = _partial_suffix(rest, fmt.start)
         self._content(out, rest[: len(rest) - keep])
         self.pos = len(text) - keep
         return False
 
-    def _open_block(self, out: ParsedDelta, block_start: int, body_start: int, bare: bool) -> None:
+    def _open_block(self, block_start: int, body_start: int, bare: bool) -> None:
         self.state = "block"
         self._block_start = block_start
         self._block_calls = 0
