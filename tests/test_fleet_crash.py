@@ -218,7 +218,7 @@ def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before or while /proc was read
         return True
 
 
