@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
-from shoal.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from shoal.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import SamplingParams
@@ -19,7 +19,12 @@ Conversation = list[dict[str, Any]]
 
 def build_engine_config(model: str | None = None, **options: Any) -> EngineConfig:
     """Spreads flat keyword options (as the CLI gives them) over the nested config dataclasses."""
-    groups = {"cache": CacheConfig(), "scheduler": SchedulerConfig(), "speculative": SpeculativeConfig()}
+    groups = {
+        "cache": CacheConfig(),
+        "scheduler": SchedulerConfig(),
+        "speculative": SpeculativeConfig(),
+        "parallel": ParallelConfig(),
+    }
     top: dict[str, Any] = {"model": model}
     for key, value in options.items():
         for cfg in groups.values():
@@ -38,6 +43,16 @@ class LLM:
         self.engine = LLMEngine(build_engine_config(model, **options), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (a tensor- or pipeline-parallel engine has some)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -261,6 +261,8 @@ class AsyncEngine:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished_requests()
                 self._drain(block=idle)
+                if idle:
+                    self.engine.check_health()  # a rank of a parallel engine may die between steps
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 self._step_started = time.monotonic()

@@ -35,6 +35,28 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """One model across tensor_parallel_size x pipeline_parallel_size worker processes."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Where the driver (the engine's process) waits for its ranks: their connections on `port`
+    # and torch.distributed's rendezvous on `port + 1`; 0 picks free ports (ranks on this host).
+    distributed_host: str = "127.0.0.1"
+    distributed_port: int = 0
+    # False: the driver starts no ranks; each is started on its host with `shoal worker` and
+    # connects (SHOAL_WORKER_AUTHKEY must be the same on both sides).
+    launch_workers: bool = True
+    # A rank that does not answer a step (or a collective) within this is taken as dead.
+    step_timeout_s: float = 60.0
+    startup_timeout_s: float = 300.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None
     dtype: str = "float32"
@@ -48,3 +70,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -10,10 +10,13 @@ change to the layer's maths must be made in both."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from shoal.engine.attention import AttentionMetadata
+from shoal.engine.parallel.comm import CommError
 from shoal.kernels.cpu import (
     BLOCK_FORMAT_IDS,
     F32_ROWS_FORMAT_ID,
@@ -26,6 +29,8 @@ from shoal.kernels.cpu import (
 )
 from shoal.models.llama import PROJECTIONS, DecoderLayer, LlamaForCausalLM
 from shoal.models.quant import BlockQuantLinear, Int8Linear
+
+log = logging.getLogger(__name__)
 
 Projection = nn.Linear | BlockQuantLinear | Int8Linear
 
@@ -96,10 +101,18 @@ class CpuFusedDecoder:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
     ) -> CpuFusedDecoder | None:
-        """The fused decoder, or None when some layer is not one it runs (qk-norm, non-fp32 floats)."""
+        """The fused decoder, or None when some layer is not one it runs (qk-norm, non-fp32 floats,
+        or tensor-parallel collectives that C cannot call: the reason is logged)."""
         cfg = model.cfg
         if cfg.qk_norm or not all(_fusable(layer) for layer in model.layers):
             return None
+        reduce_fn = comm = 0
+        if model.shard.tp_size > 1:
+            native = model.comm.native()
+            if native is None:
+                log.info("fused CPU decode off: the tensor-parallel all-reduce is not shared memory")
+                return None
+            reduce_fn, comm = native
         params = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             params.append(
@@ -119,6 +132,8 @@ class CpuFusedDecoder:
                     k_cache.data_ptr(),
                     v_cache.data_ptr(),
                     *(_projection(getattr(layer, name)) for name in PROJECTIONS),
+                    reduce_fn,
+                    comm,
                 )
             )
         return cls(kernels, model, params)
@@ -140,10 +155,15 @@ class CpuFusedDecoder:
         return md.token_batch is not None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] (before the last norm), as the model's forward returns."""
-        x = self.model.embed_tokens(input_ids)
+        """Final hidden states [T, hidden] (before the last norm), as the model's forward returns;
+        a later pipeline stage starts from the previous one's `hidden`."""
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = (
             t.reshape(t.shape[0], -1).contiguous() for t in self.model.rope.tables(positions, x.dtype)
         )
@@ -154,4 +174,6 @@ class CpuFusedDecoder:
             delta = self.kernels.decode_layer(
                 params, x, delta, cos, sin, md.slot_mapping, batch.block_tables, batch.context_lens, scratch
             )
+        if self.model.comm is not None and self.model.comm.failed:
+            raise CommError("a tensor-parallel peer did not join an all-reduce in time")
         return x.add_(delta)

@@ -10,29 +10,27 @@ import torch
 
 from shoal.engine.block_pool import BlockPool, KVEvent
 from shoal.engine.config import EngineConfig
-from shoal.engine.draft_proposer import DraftProposer
 from shoal.engine.executor import UniprocExecutor
 from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.model_runner import GraphOptions, ModelRunner, kv_bytes_per_block
+from shoal.engine.model_runner import kv_bytes_per_block
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import EngineCoreOutput, RequestOutput
+from shoal.engine.parallel.executor import ExecutorDeadError, MultiprocExecutor
 from shoal.engine.request import Request
+from shoal.engine.runner_setup import DTYPES, build_runner, kv_dtype_of
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from shoal.engine.speculative import NgramProposer, Proposer, SpecDecodeStats
-from shoal.engine.structured import GrammarBackend
-from shoal.models.loader import LoadedModel, load_model
+from shoal.engine.speculative import SpecDecodeStats
+from shoal.models.loader import LoadedModel, describe_model, load_model
+from shoal.models.parallel import all_shards
 from shoal.protocol.block_hash import root_hash
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Steps in a row in which every request failed: the fault is the engine's, not a request's.
 MAX_FAILED_STEPS = 3
-# Decode batches up to this size replay CUDA graphs; larger ones are few and run eagerly.
-MAX_GRAPH_ROWS = 256
 
 
 class EngineBrokenError(RuntimeError):
@@ -68,7 +66,15 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         dtype = DTYPES[config.dtype]
         cache = config.cache
-        if loaded is None:
+        parallel = config.parallel
+        if parallel.world_size > 1 and config.speculative.speculative == "draft":
+            raise ValueError(
+                "a draft model does not run under tensor or pipeline parallelism; use --speculative ngram"
+            )
+        if loaded is None and parallel.world_size > 1:
+            # The ranks load the weights, each its own slices; this process needs the rest.
+            loaded = describe_model(config.model, dtype=dtype, quantization=config.quantization)
+        elif loaded is None:
             loaded = load_model(
                 config.model, dtype=dtype, device=config.device, quantization=config.quantization
             )
@@ -81,10 +87,13 @@ class LLMEngine:
         )
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
-        kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
-        num_blocks = cache.num_blocks or cache.kv_cache_memory // kv_bytes_per_block(
-            mcfg, cache.block_size, kv_dtype
+        # Under tensor parallelism each rank's pool holds only its KV heads (and under pipeline
+        # parallelism only its layers): the budget is per rank, and the largest rank sets the count.
+        block_bytes = max(
+            kv_bytes_per_block(shard.local_config(), cache.block_size, kv_dtype_of(config))
+            for shard in all_shards(mcfg, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         )
+        num_blocks = cache.num_blocks or cache.kv_cache_memory // block_bytes
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory")
         model_len = config.scheduler.max_model_len or mcfg.max_position_embeddings
@@ -95,25 +104,11 @@ class LLMEngine:
         self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt))
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos)
-        graphs = None
-        if not config.enforce_eager:
-            rows = min(config.scheduler.max_num_seqs, MAX_GRAPH_ROWS)
-            graphs = GraphOptions(rows, self.max_model_len)
-        grammars = GrammarBackend(self.tokenizer.backend, mcfg.vocab_size, sorted(eos))
-        runner = ModelRunner(
-            loaded.model,
-            num_blocks,
-            cache.block_size,
-            eos,
-            config.device,
-            graphs,
-            kv_dtype,
-            grammars,
-            self._proposer(config, num_blocks),
-            config.speculative.max_batch,
-        )
+        if config.parallel.world_size > 1:
+            self.executor = MultiprocExecutor(config, loaded, num_blocks, self.max_model_len)
+        else:
+            self.executor = UniprocExecutor(build_runner(config, loaded, num_blocks, self.max_model_len))
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
-        self.executor = UniprocExecutor(runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         self.faults = FaultConfig.from_env()
@@ -122,30 +117,6 @@ class LLMEngine:
         self.num_failed_requests = 0
         self.num_steps = 0
         self.last_kv_occupancy = (0, 0)
-
-    def _proposer(self, config: EngineConfig, num_blocks: int) -> Proposer | None:
-        spec = config.speculative
-        spec.check()
-        if spec.speculative == "ngram":
-            return NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
-        if spec.speculative != "draft":
-            return None
-        draft = load_model(
-            spec.speculative_model or config.model,
-            dtype=DTYPES[config.dtype],
-            device=config.device,
-            quantization=spec.speculative_quantization,
-        )
-        if draft.config.vocab_size != self.loaded.config.vocab_size:
-            raise ValueError(
-                f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
-                f"({self.loaded.config.vocab_size}): they must share a tokenizer"
-            )
-        log.info("draft model %s: weights %s", draft.name, draft.quantization or config.dtype)
-        runner = ModelRunner(
-            draft.model, num_blocks, config.cache.block_size, self.tokenizer.eos_token_ids, config.device
-        )
-        return DraftProposer(runner, spec.num_speculative_tokens, self.max_model_len)
 
     @property
     def model_name(self) -> str:
@@ -338,6 +309,8 @@ class LLMEngine:
             result = self._run(so)
             self._failed_steps = 0
             return result, {}
+        except ExecutorDeadError:
+            raise  # no request's fault: the ranks are gone
         except Exception as exc:
             if not so.scheduled:
                 raise
@@ -355,6 +328,8 @@ class LLMEngine:
             )
             try:
                 r = self._run(part)
+            except ExecutorDeadError:
+                raise
             except Exception as exc:
                 log.warning("request %s failed in its step: %r", c.request_id, exc)
                 failures[c.request_id] = _describe(exc)
@@ -391,6 +366,12 @@ class LLMEngine:
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()
+
+    def check_health(self) -> None:
+        """Raises when the executor can no longer run steps (a rank died between steps)."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

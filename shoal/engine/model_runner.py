@@ -23,6 +23,7 @@ from shoal.engine.attention import (
 from shoal.engine.cpu_decode import CpuFusedDecoder
 from shoal.engine.cuda_graphs import CudaGraphDecoder
 from shoal.engine.outputs import TokenLogprob
+from shoal.engine.parallel.comm import StageLink
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import Proposer
@@ -93,15 +94,20 @@ class ModelRunner:
         grammars: GrammarBackend | None = None,
         proposer: Proposer | None = None,
         max_proposal_batch: int | None = None,
+        stage: StageLink | None = None,
     ):
+        """`stage`: under pipeline parallelism, where this stage's input comes from and its output
+        goes. Only the last stage computes logits and samples."""
         self.model = model
+        self.stage = stage
+        self.samples = model.shard.is_last_stage
         self.proposer = proposer
         self.max_proposal_batch = max_proposal_batch
         self.cfg = model.cfg
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         kv_dtype = kv_dtype or dtype
         use_graphs = graphs is not None and graphs.usable(self.device, block_size)
         # With CUDA graphs, one more block that no sequence owns takes the K/V of padded rows.
@@ -142,6 +148,10 @@ class ModelRunner:
         for new in so.new_requests:
             if self._applied_step.get(new.request_id) == so.step_id:
                 continue
+            if not self.samples:  # an earlier pipeline stage keeps only the block table
+                self.block_tables[new.request_id] = list(new.block_ids)
+                self._applied_step[new.request_id] = so.step_id
+                continue
             state = SamplingState(new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids))
             if new.params.structured is not None:
                 if self.sampler.grammars is None:
@@ -173,22 +183,31 @@ class ModelRunner:
             )
             for sr in so.scheduled
         ]
-        for c in chunks:
+        for c in chunks if self.samples else ():
             state = self.states[c.request_id]
             if c.sample and not c.num_spec and state.matcher is not None:
                 state.next_mask = self.sampler.grammars.prefetch(state.matcher)
         # Single-token rows first, shortest context first, so that rows of similar length share
-        # one batched attention call.
+        # one batched attention call. (Every pipeline stage orders them alike.)
         chunks.sort(key=lambda c: (len(c.token_ids) > 1, c.start_pos))
         input_ids, positions, md = self._prepare(chunks)
+        received = None
+        if self.stage is not None and self.stage.prev_rank is not None:
+            received = self.stage.recv(len(input_ids))
         if self.fused_decoder is not None and self.fused_decoder.handles(md):
-            hidden = self.fused_decoder.forward(input_ids, positions, md)
+            hidden = self.fused_decoder.forward(input_ids, positions, md, received)
         elif self.graph_decoder is not None and self.graph_decoder.handles(md):
             hidden = self.graph_decoder.forward(input_ids, positions, md)
         else:
             hidden = self.model(
-                input_ids, positions, lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md)
+                input_ids,
+                positions,
+                lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md),
+                received,
             )
+        if not self.samples:
+            self.stage.send(hidden)
+            return ModelRunnerOutput()
 
         sample_rows, sampling, row = [], [], 0
         out = ModelRunnerOutput()

@@ -106,22 +106,42 @@ def load_cpu_library() -> ctypes.CDLL | None:
     if reason is not None:
         log.log(logging.WARNING if "compiler" in reason else logging.INFO, "CPU kernels off: %s", reason)
         return None
-    cc = _compiler()
     target = kernels_cache_dir() / f"libshoal_cpu-{kernel_library_key()}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-        os.close(fd)
-        proc = subprocess.run(
-            [cc, *compile_flags(), "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            log.warning("CPU kernels off: %s failed:\n%s", cc, proc.stderr[-2000:])
-            return None
-        os.replace(tmp, target)  # atomic, so concurrent first starts do not load a half-written file
+    if not _compile(target, compile_flags(), SOURCES):
+        return None
     # torch is imported first, so the library's libgomp resolves to torch's OpenMP runtime and the
     # two share one thread pool.
     import torch  # noqa: F401
 
     return ctypes.CDLL(str(target))
+
+
+SHM_SOURCE = Path(__file__).with_name("shm_comm.c")
+SHM_FLAGS = ["-O3", "-shared", "-fPIC"]
+
+
+@functools.cache
+def load_shm_library() -> ctypes.CDLL | None:
+    """The shared-memory collectives (plain C, any CPU), or None without a compiler."""
+    cc = _compiler()
+    if cc is None or os.environ.get("SHOAL_NO_KERNELS"):
+        return None
+    key = hashlib.sha256(SHM_SOURCE.read_bytes() + " ".join([cc, *SHM_FLAGS]).encode()).hexdigest()[:16]
+    target = kernels_cache_dir() / f"libshoal_shm-{key}.so"
+    return ctypes.CDLL(str(target)) if _compile(target, SHM_FLAGS, [SHM_SOURCE]) else None
+
+
+def _compile(target: Path, flags: list[str], sources: list[Path]) -> bool:
+    if target.exists():
+        return True
+    cc = _compiler()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        log.warning("%s failed to build: %s", target.name, proc.stderr[-2000:])
+        return False
+    os.replace(tmp, target)  # atomic, so concurrent first starts do not load a half-written file
+    return True

@@ -51,6 +51,10 @@ class LayerParams(ctypes.Structure):
         ("scale", _F),
         *((name, _P) for name in ("input_norm", "post_norm", "k_cache", "v_cache")),
         *((name, ProjectionParams) for name in ("qkv", "o", "gate_up", "down")),
+        # Tensor parallel: the all-reduce (shm_comm.c's) applied to o_proj's and down_proj's partial
+        # outputs, and its group; both 0 when the layer is whole.
+        ("allreduce", _P),
+        ("comm", _P),
     ]
 
 

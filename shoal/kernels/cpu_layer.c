@@ -40,6 +40,10 @@ typedef struct {
     const float *input_norm, *post_norm;
     void *k_cache, *v_cache; /* [slots, kv_heads, head_dim] */
     ProjectionParams qkv, o, gate_up, down;
+    /* Tensor parallel: sums a partial output across the ranks in place (shm_comm.c), or NULL when
+     * the layer is whole. A failure is recorded in `comm` and read by the caller after the step. */
+    int (*allreduce)(void *comm, float *buf, int64_t n);
+    void *comm;
 } LayerParams;
 
 /* n floats (n % 8 == 0) into the cache's element type, rounded to nearest even as torch's casts do. */
@@ -135,8 +139,10 @@ void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int6
     shoal_paged_decode_attention(qkv, nqkv, p->k_cache, p->v_cache, tables, max_blocks, lens, M, Hq, Hk, D,
                                  p->block_size, p->window, p->scale, p->kv_type, attn);
     project(&p->o, attn, M, xq, dx, sx, out);
+    if (p->allreduce) p->allreduce(p->comm, out, M * H);
     shoal_add_rms_norm(x, out, p->post_norm, M, H, p->eps, h);
     project(&p->gate_up, h, M, xq, dx, sx, gu);
     shoal_silu_mul(gu, M, I, act);
     project(&p->down, act, M, xq, dx, sx, out);
+    if (p->allreduce) p->allreduce(p->comm, out, M * H);
 }

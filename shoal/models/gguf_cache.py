@@ -26,7 +26,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from shoal.cache_dir import cache_root
 from shoal.models.config import ModelConfig, RopeScaling
+from shoal.models.parallel import ModelShard
 from shoal.models.quant import BlockWeights
+from shoal.models.sharded_read import read_block_part, read_slice
 from shoal.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,26 +51,35 @@ class CachedModel:
     tokenizer: Tokenizer
     entry: Path
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, shard: ModelShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The float weights; with `shard`, only that rank's slices of the tensors on its stage."""
+        shard = shard or ModelShard(self.config)
         with safe_open(str(self.entry / "model.safetensors"), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                if shard.local_name(name) is not None:
+                    yield name, read_slice(f, name, shard)
 
     def block_formats(self) -> dict[str, str]:
         """Block format by tensor name, without reading the blocks."""
         return json.loads((self.entry / "blocks.json").read_text())
 
-    def blocks(self) -> dict[str, BlockWeights]:
-        formats = self.block_formats()
+    def blocks(self, shard: ModelShard | None = None) -> dict[str, BlockWeights]:
+        """The stored quantized blocks; with `shard`, that rank's slices, cut on block boundaries."""
+        shard = shard or ModelShard(self.config)
+        formats = {n: fmt for n, fmt in self.block_formats().items() if shard.local_name(n) is not None}
         if not formats:  # safetensors cannot read back a file of no tensors
             return {}
         with safe_open(str(self.entry / "blocks.safetensors"), framework="pt") as f:
+
+            def part(name: str, fmt: str, p: str) -> torch.Tensor:
+                return read_block_part(f, f"{name}.{p}", p, fmt, shard, name)
+
             return {
                 name: BlockWeights(
                     fmt,
-                    f.get_tensor(f"{name}.qs"),
-                    f.get_tensor(f"{name}.d"),
-                    f.get_tensor(f"{name}.mn") if fmt == "q4_1" else None,
+                    part(name, fmt, "qs"),
+                    part(name, fmt, "d"),
+                    part(name, fmt, "mn") if fmt == "q4_1" else None,
                 )
                 for name, fmt in formats.items()
             }

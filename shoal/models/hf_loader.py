@@ -10,13 +10,18 @@ import torch
 from safetensors import safe_open
 
 from shoal.models.config import ModelConfig
+from shoal.models.parallel import ModelShard
+from shoal.models.sharded_read import read_slice
 
 
 def load_hf_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
 
 
-def iter_hf_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(
+    model_dir: Path, dtype: torch.dtype, shard: ModelShard | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by HF name; with `shard`, only that rank's slices of its tensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -27,4 +32,7 @@ def iter_hf_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, 
     for name in files:
         with safe_open(model_dir / name, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, f.get_tensor(key).to(dtype)
+                if shard is None:
+                    yield key, f.get_tensor(key).to(dtype)
+                elif shard.local_name(key) is not None:
+                    yield key, read_slice(f, key, shard).to(dtype)

@@ -15,12 +15,31 @@ from torch import nn
 
 from shoal.kernels.cpu import kernels_for
 from shoal.models.config import ModelConfig
+from shoal.models.parallel import ModelShard, VocabParallelEmbedding
 from shoal.models.rope import RotaryEmbedding
 
 # A decoder layer's linear projections, in the order its forward runs them.
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # The fused projections and the checkpoint tensors stacked into each, in order.
 PACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class Communicator(Protocol):
+    """Collectives among the tensor-parallel ranks of one stage."""
+
+    world_size: int
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sums `t` across the ranks, in place; every rank gets the same bits."""
+        ...
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[world, *t.shape]: every rank's `t`, in rank order."""
+        ...
+
+
+def _no_reduce(t: torch.Tensor) -> None:
+    pass
 
 
 class AttentionFn(Protocol):
@@ -67,10 +86,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int):
+    """One layer; under tensor parallelism `cfg` is the rank's own (its heads, its MLP columns) and
+    `all_reduce` sums the partial outputs of o_proj and down_proj across ranks."""
+
+    def __init__(self, cfg: ModelConfig, index: int, all_reduce=_no_reduce):
         super().__init__()
         self.cfg = cfg
         self.index = index
+        self.all_reduce = all_reduce
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
@@ -101,20 +124,46 @@ class DecoderLayer(nn.Module):
             )
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-        o = attn(self.index, q, k, v).reshape(t, cfg.q_size)
-        h = self.post_attention_layernorm.add_and_norm(x, self.o_proj(o))
-        return self.down_proj(silu_mul(self.gate_up_proj(h)))
+        o = self.o_proj(attn(self.index, q, k, v).reshape(t, cfg.q_size))
+        self.all_reduce(o)
+        h = self.post_attention_layernorm.add_and_norm(x, o)
+        out = self.down_proj(silu_mul(self.gate_up_proj(h)))
+        self.all_reduce(out)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    """The whole model, or one rank's part of it (`shard`): its heads and MLP columns of its
+    stage's layers, its vocabulary rows, the embedding only on the first stage and the final norm
+    and head only on the last. `comm` joins the stage's tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int | None = None,
+        shard: ModelShard | None = None,
+        comm: Communicator | None = None,
+    ):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.shard = shard = shard or ModelShard(cfg)
+        self.comm = comm
+        if shard.tp_size > 1 and comm is None:
+            raise ValueError("a tensor-parallel shard needs a communicator")
+        reduce = comm.all_reduce if shard.tp_size > 1 else _no_reduce
+        self.full_cfg = cfg
+        self.cfg = cfg = shard.local_config()
+        if shard.has_embedding:
+            if shard.tp_size > 1:
+                self.embed_tokens = VocabParallelEmbedding(
+                    shard.vocab_per_rank, cfg.hidden_size, shard.vocab.start, reduce
+                )
+            else:
+                self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, reduce) for i in range(cfg.num_layers))
+        if shard.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if not cfg.tie_word_embeddings:
+                self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_per_rank, bias=False)
         self.rope = RotaryEmbedding(
             cfg.head_dim,
             max_positions or cfg.max_position_embeddings,
@@ -127,9 +176,20 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden] (before the last norm)."""
-        x = self.embed_tokens(input_ids)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].input_layernorm.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] (before the last norm). A later pipeline
+        stage starts from the previous stage's `hidden` instead of the embedding."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         cos_sin = self.rope.tables(positions, x.dtype)
         delta = None
         for layer in self.layers:
@@ -140,13 +200,21 @@ class LlamaForCausalLM(nn.Module):
         # A quantized model has its own lm_head module, even when its embeddings are tied.
         head = getattr(self, "lm_head", None)
         if head is None or isinstance(head, nn.Linear):
-            return linear(self.norm(hidden), self.lm_head_weight)
-        return head(self.norm(hidden))
+            logits = linear(self.norm(hidden), self.lm_head_weight)
+        else:
+            logits = head(self.norm(hidden))
+        if self.shard.tp_size == 1:
+            return logits
+        # Each rank has its vocabulary slice's columns: gather them, and drop the padding.
+        parts = self.comm.all_gather(logits.contiguous())
+        return parts.permute(1, 0, 2).reshape(logits.shape[0], -1)[:, : self.cfg.vocab_size]
 
     # --- weights -------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads HF-named tensors, fusing q/k/v and gate/up into their packed parameters."""
+        """Loads HF-named tensors, fusing q/k/v and gate/up into their packed parameters. Under
+        tensor or pipeline parallelism the tensors are this rank's (see `ModelShard`), named as
+        in the whole model; tensors of other stages are skipped."""
         cfg = self.cfg
         params = dict(self.named_parameters())
         sizes = {
@@ -164,6 +232,9 @@ class LlamaForCausalLM(nn.Module):
                 offset += sizes[part]
         loaded: dict[str, set[int]] = {}
         for name, tensor in weights:
+            name = self.shard.local_name(name)
+            if name is None:
+                continue
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
                 continue

@@ -19,8 +19,10 @@ from shoal.models.gguf_cache import load_cached, store
 from shoal.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights, load_gguf_config
 from shoal.models.gguf_meta import open_gguf
 from shoal.models.hf_loader import iter_hf_weights, load_hf_config
-from shoal.models.llama import LlamaForCausalLM
+from shoal.models.llama import Communicator, LlamaForCausalLM
+from shoal.models.parallel import ModelShard
 from shoal.models.quant import BlockWeights, quantize_model, resolve_quantization
+from shoal.models.sharded_read import take_blocks
 from shoal.models.tokenizer import Tokenizer
 
 
@@ -40,18 +42,26 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     quantization: str | None = "auto",
+    parallel: tuple[int, int, int, int] | None = None,
+    comm: Communicator | None = None,
 ) -> LoadedModel:
     """quantization: "auto" (a GGUF's as stored, see `resolve_quantization`), "none" or None (the
-    checkpoint's weights in `dtype`), "int8" or "int4" (see models.quant)."""
+    checkpoint's weights in `dtype`), "int8" or "int4" (see models.quant).
+
+    parallel: (tp_rank, tp_size, pp_rank, pp_size) loads one rank's part of the model (see
+    `ModelShard`), reading only its slices of the weights; `comm` joins its tensor-parallel peers."""
     name, path = resolve_model(model)
     stored: dict[str, BlockWeights] = {}
+    shard: ModelShard | None = None
     if path.suffix == ".gguf":
         cached = load_cached(path, dtype)
         if cached is not None:
-            cfg, tokenizer, weights = cached.config, cached.tokenizer, cached.weights()
+            cfg, tokenizer = cached.config, cached.tokenizer
+            shard = ModelShard(cfg, *parallel) if parallel else None
+            weights = cached.weights(shard)
             quantization = resolve_quantization(quantization, cached.block_formats())
             if quantization == "int4":
-                stored = cached.blocks()
+                stored = cached.blocks(shard)
         else:
             reader = open_gguf(path)
             cfg = load_gguf_config(reader)
@@ -59,22 +69,52 @@ def load_model(
             converted = dict(iter_gguf_weights(reader, cfg, dtype))
             stored = dict(iter_gguf_blocks(reader, cfg))
             store(path, dtype, cfg, tokenizer, converted, stored)
-            weights = iter(converted.items())
             quantization = resolve_quantization(quantization, {k: b.format for k, b in stored.items()})
+            shard = ModelShard(cfg, *parallel) if parallel else ModelShard(cfg)
+            weights = ((n, shard.take(n, t)) for n, t in converted.items() if shard.local_name(n))
+            stored = {n: take_blocks(shard, n, b) for n, b in stored.items() if shard.local_name(n)}
     else:
         quantization = resolve_quantization(quantization, {})
         cfg = load_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        weights = iter_hf_weights(path, dtype)
+        shard = ModelShard(cfg, *parallel) if parallel else None
+        weights = iter_hf_weights(path, dtype, shard)
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, max_positions=max_positions)
+        net = LlamaForCausalLM(cfg, max_positions=max_positions, shard=shard, comm=comm)
     # Parameters are materialised empty and filled from the checkpoint: no random init cost.
     net = net.to_empty(device=device).to(dtype)
     net.rope.rebuild(device)  # buffers built on meta carry no values
     net.load_weights((n, t.to(device)) for n, t in weights)
     net.eval().requires_grad_(False)
+    if shard is not None:  # stored blocks by the names this rank's model gives them
+        stored = {shard.local_name(n): b for n, b in stored.items() if shard.local_name(n)}
     if quantization is not None:
         quantize_model(net, quantization, {k: b.to(device) for k, b in stored.items()})
     return LoadedModel(
         name=name, path=path, config=cfg, model=net, tokenizer=tokenizer, quantization=quantization
     )
+
+
+def describe_model(
+    model: str | None = None, dtype: torch.dtype = torch.float32, quantization: str | None = "auto"
+) -> LoadedModel:
+    """Name, config, tokenizer and resolved quantization, without the weights (`model` is None):
+    what an engine whose ranks load the weights needs. A GGUF's cache is written here, once, so
+    that the ranks read their slices from it."""
+    name, path = resolve_model(model)
+    if path.suffix == ".gguf":
+        cached = load_cached(path, dtype)
+        if cached is not None:
+            cfg, tokenizer, formats = cached.config, cached.tokenizer, cached.block_formats()
+        else:  # without a cache (SHOAL_NO_CACHE), every rank converts the file itself
+            reader = open_gguf(path)
+            cfg, tokenizer = load_gguf_config(reader), Tokenizer.from_gguf(reader)
+            converted = dict(iter_gguf_weights(reader, cfg, dtype))
+            stored = dict(iter_gguf_blocks(reader, cfg))
+            store(path, dtype, cfg, tokenizer, converted, stored)
+            formats = {k: b.format for k, b in stored.items()}
+        quantization = resolve_quantization(quantization, formats)
+    else:
+        quantization = resolve_quantization(quantization, {})
+        cfg, tokenizer = load_hf_config(path), Tokenizer.from_hf_dir(path)
+    return LoadedModel(name, path, cfg, None, tokenizer, quantization)

@@ -237,6 +237,8 @@ def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights
                 setattr(layer, name, BlockQuantLinear(quantize_q8_0(linear.weight), linear.bias))
             else:
                 setattr(layer, name, Int8Linear(linear.weight, linear.bias))
+    if not model.shard.is_last_stage:
+        return  # an earlier pipeline stage has no output head
     head = model.lm_head_weight
     if method == "int8":
         model.lm_head = Int8Linear(head)

@@ -1,0 +1,171 @@
+"""Collectives among a stage's tensor-parallel ranks, and hidden states between pipeline stages.
+
+Ranks on one host sum through shared memory (shoal/kernels/shm_comm.c: microseconds per decode
+step's all-reduce, where gloo takes ~0.5 ms); ranks on several hosts, or tensors that are not
+float32, go through torch.distributed (gloo on CPU, NCCL on CUDA)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shoal.kernels.build import load_shm_library
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+SLOT_BYTES = 1 << 20  # per rank and buffer; larger tensors go through in slices of this
+
+
+class CommError(RuntimeError):
+    """A collective failed (a peer died or hung): this rank's group can no longer be used."""
+
+
+class _ShmState(ctypes.Structure):
+    _fields_ = [
+        ("rank", ctypes.c_int64),
+        ("world", ctypes.c_int64),
+        ("base", ctypes.c_void_p),
+        ("slot_bytes", ctypes.c_int64),
+        ("seq", ctypes.c_uint64),
+        ("timeout_s", ctypes.c_double),
+        ("failed", ctypes.c_int64),
+    ]
+
+
+class TorchCommunicator:
+    """torch.distributed collectives on a process group."""
+
+    def __init__(self, group, world_size: int):
+        self.group = group
+        self.world_size = world_size
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=self.group)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
+        return out
+
+    def native(self) -> tuple[int, int] | None:
+        return None
+
+    @property
+    def failed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class ShmCommunicator(TorchCommunicator):
+    """Shared-memory collectives for float32 CPU tensors; anything else goes through the group."""
+
+    def __init__(self, group, world_size: int, rank: int, name: str, timeout_s: float):
+        super().__init__(group, world_size)
+        lib = load_shm_library()
+        if lib is None:
+            raise CommError("the shared-memory collectives did not build (no C compiler)")
+        lib.shoal_shm_bytes.restype = ctypes.c_int64
+        lib.shoal_shm_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.shoal_shm_allreduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.shoal_shm_allgather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        self.lib = lib
+        size = lib.shoal_shm_bytes(world_size, SLOT_BYTES)
+        path = SHM_DIR / name
+        # Rank 0 creates the mapping, everyone opens it, then it is unlinked: nothing is left in
+        # /dev/shm whatever happens to the processes later.
+        if rank == 0:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        dist.barrier(group=group)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        dist.barrier(group=group)
+        if rank == 0:
+            path.unlink()
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.state = _ShmState(rank, world_size, base, SLOT_BYTES, 0, timeout_s, 0)
+        self._fn = ctypes.cast(lib.shoal_shm_allreduce, ctypes.c_void_p).value
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.state.failed)
+
+    def native(self) -> tuple[int, int]:
+        """(function, state) pointers for C code that calls the all-reduce itself."""
+        return self._fn, ctypes.addressof(self.state)
+
+    def _check(self, rc: int) -> None:
+        if rc:
+            raise CommError(
+                f"a tensor-parallel peer did not join an all-reduce within {self.state.timeout_s:g} s"
+            )
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return super().all_reduce(t)
+        self._check(self.lib.shoal_shm_allreduce(ctypes.byref(self.state), t.data_ptr(), t.numel()))
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return super().all_gather(t)
+        t = t.contiguous()
+        out = torch.empty((self.world_size, *t.shape), dtype=t.dtype)
+        nbytes = t.numel() * t.element_size()
+        self._check(
+            self.lib.shoal_shm_allgather(ctypes.byref(self.state), t.data_ptr(), nbytes, out.data_ptr())
+        )
+        return out
+
+    def close(self) -> None:
+        self.state.base = None
+        self._map.close()
+
+
+def tp_communicator(group, world_size: int, rank: int, name: str, device: torch.device, timeout_s: float):
+    """Shared memory where every rank of the group is on this host and on CPU, else the group."""
+    hosts: list = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if device.type == "cpu" and len(set(hosts)) == 1 and load_shm_library() is not None:
+        return ShmCommunicator(group, world_size, rank, name, timeout_s)
+    log.info("tensor-parallel collectives through torch.distributed (hosts %s, %s)", hosts, device)
+    return TorchCommunicator(group, world_size)
+
+
+class StageLink:
+    """Hidden states from one pipeline stage to the next: each tensor-parallel rank of a stage sends
+    to its counterpart in the next. Sends are asynchronous, so a stage goes on to its next batch
+    while the next stage still works on this one."""
+
+    def __init__(self, prev_rank: int | None, next_rank: int | None, hidden: int, dtype, device):
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.hidden, self.dtype, self.device = hidden, dtype, device
+        self._pending: list = []  # (work, tensor): sends in flight, tensors kept alive until done
+
+    def recv(self, rows: int) -> torch.Tensor:
+        t = torch.empty((rows, self.hidden), dtype=self.dtype, device=self.device)
+        dist.recv(t, src=self.prev_rank)
+        return t
+
+    def send(self, t: torch.Tensor) -> None:
+        self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
+        t = t.contiguous()
+        self._pending.append((dist.isend(t, dst=self.next_rank), t))
+
+    def flush(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []

@@ -1,0 +1,204 @@
+"""One rank of a tensor- or pipeline-parallel model: connects to the driver, joins the
+torch.distributed group, loads its slices of the weights, then runs each step it is sent.
+
+Started by the driver on its own host (`python -m shoal.engine.parallel.worker`), or by hand on
+another host (`shoal worker --driver HOST:PORT --rank R`, with the driver's SHOAL_WORKER_AUTHKEY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection
+
+import torch
+import torch.distributed as dist
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.parallel.comm import CommError, StageLink, tp_communicator
+from shoal.engine.runner_setup import DTYPES, build_runner
+from shoal.models.loader import load_model
+from shoal.models.parallel import ModelShard
+
+log = logging.getLogger(__name__)
+
+AUTHKEY_ENV = "SHOAL_WORKER_AUTHKEY"
+
+
+@dataclass
+class WorkerSetup:
+    """What the driver tells a rank once it has connected."""
+
+    config: EngineConfig
+    num_blocks: int
+    max_model_len: int
+    store_host: str
+    store_port: int
+    run_id: str  # names this run's shared-memory segments
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    rank: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def answers(self) -> bool:
+        """The rank whose reply carries the step's sampled tokens: the last stage's first."""
+        return self.pp_rank == self.pp_size - 1 and self.tp_rank == 0
+
+
+def _die_with_parent() -> None:
+    """A rank started by the driver ends when the driver does, even by kill -9 (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the driver was already gone before the line above ran
+        os._exit(1)
+
+
+class Rank:
+    def __init__(self, conn: Connection, place: RankPlace, setup: WorkerSetup):
+        self.conn = conn
+        self.place = place
+        config = setup.config
+        par = config.parallel
+        timeout = timedelta(seconds=par.step_timeout_s)
+        store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, timeout=timeout)
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", place.rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, store=store, rank=place.rank, world_size=par.world_size, timeout=timeout
+        )
+        tp, pp = place.tp_size, place.pp_size
+        # Every rank creates every group, in the same order, as torch.distributed requires.
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        self.comm = None
+        if tp > 1:
+            name = f"shoal-{setup.run_id}-stage{place.pp_rank}"
+            self.comm = tp_communicator(
+                groups[place.pp_rank], tp, place.tp_rank, name, device, par.step_timeout_s
+            )
+        parallel = (place.tp_rank, tp, place.pp_rank, pp)
+        loaded = load_model(
+            config.model,
+            dtype=DTYPES[config.dtype],
+            device=device,
+            quantization=config.quantization,
+            parallel=parallel,
+            comm=self.comm,
+        )
+        shard: ModelShard = loaded.model.shard
+        self.stage = None
+        if pp > 1:
+            prev_rank = place.rank - tp if not shard.is_first_stage else None
+            next_rank = place.rank + tp if not shard.is_last_stage else None
+            self.stage = StageLink(
+                prev_rank, next_rank, loaded.config.hidden_size, loaded.model.dtype, device
+            )
+        self.runner = build_runner(
+            config, loaded, setup.num_blocks, setup.max_model_len, self.stage, device=str(device)
+        )
+        self.fused = self.runner.fused_decoder is not None
+
+    def serve(self) -> None:
+        """Runs steps until told to stop or the driver goes away."""
+        while True:
+            try:
+                msg = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # the driver is gone
+            if msg[0] == "shutdown":
+                return
+            so = msg[1]
+            try:
+                out = self.runner.execute(so)
+            except CommError as exc:
+                self._reply(("fatal", f"{type(exc).__name__}: {exc}"))
+                return
+            except Exception as exc:  # the driver retries the step request by request
+                log.exception("rank %d: step %d failed", self.place.rank, so.step_id)
+                fatal = self.comm is not None and self.comm.failed
+                self._reply(("fatal" if fatal else "error", f"{type(exc).__name__}: {exc}"))
+                if fatal:
+                    return
+                continue
+            self._reply(("ok", out if self.place.answers else None))
+
+    def _reply(self, msg) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(msg)
+
+    def close(self) -> None:
+        if self.stage is not None:
+            with contextlib.suppress(Exception):
+                self.stage.flush()
+        if self.comm is not None:
+            self.comm.close()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def run_worker(driver: str, rank: int, authkey: bytes, spawned: bool) -> int:
+    if spawned:
+        _die_with_parent()
+    host, port = driver.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=authkey)
+    conn.send(("hello", rank, socket.gethostname(), os.getpid()))
+    setup: WorkerSetup = conn.recv()
+    par = setup.config.parallel
+    place = RankPlace(rank, par.tensor_parallel_size, par.pipeline_parallel_size)
+    # Without a thread count, the ranks share this host's cores (ranks on one host are the common case).
+    torch.set_num_threads(setup.config.num_threads or max(1, (os.cpu_count() or 1) // par.world_size))
+    try:
+        worker = Rank(conn, place, setup)
+    except Exception as exc:
+        log.exception("rank %d failed to start", rank)
+        with contextlib.suppress(OSError):
+            conn.send(("failed", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        return 1
+    conn.send(("ready", {"rank": rank, "fused_decode": worker.fused, "threads": torch.get_num_threads()}))
+    try:
+        worker.serve()
+    finally:
+        worker.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one rank of a tensor/pipeline-parallel shoal engine")
+    parser.add_argument("--driver", required=True, help="HOST:PORT the driver listens on")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--spawned", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    key = os.environ.get(AUTHKEY_ENV)
+    if not key:
+        print(f"{AUTHKEY_ENV} must hold the driver's key", file=sys.stderr)
+        return 2
+    return run_worker(args.driver, args.rank, bytes.fromhex(key), args.spawned)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Builds a model runner from the engine config: in the engine's process, or in each rank of a
+tensor- or pipeline-parallel model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.draft_proposer import DraftProposer
+from shoal.engine.model_runner import GraphOptions, ModelRunner
+from shoal.engine.parallel.comm import StageLink
+from shoal.engine.speculative import NgramProposer, Proposer
+from shoal.engine.structured import GrammarBackend
+from shoal.models.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Decode batches up to this size replay CUDA graphs; larger ones are few and run eagerly.
+MAX_GRAPH_ROWS = 256
+
+
+def kv_dtype_of(config: EngineConfig) -> torch.dtype:
+    kv = config.cache.kv_cache_dtype
+    return DTYPES[config.dtype] if kv == "auto" else DTYPES[kv]
+
+
+def build_runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    num_blocks: int,
+    max_model_len: int,
+    stage: StageLink | None = None,
+    device: str | None = None,
+) -> ModelRunner:
+    device = device or config.device
+    graphs = None
+    if not config.enforce_eager and config.parallel.world_size == 1:
+        graphs = GraphOptions(min(config.scheduler.max_num_seqs, MAX_GRAPH_ROWS), max_model_len)
+    tokenizer = loaded.tokenizer
+    eos = tokenizer.eos_token_ids
+    vocab = loaded.config.vocab_size
+    grammars = GrammarBackend(tokenizer.backend, vocab, sorted(eos))
+    proposer = _proposer(config, loaded, num_blocks, max_model_len, device)
+    return ModelRunner(
+        loaded.model,
+        num_blocks,
+        config.cache.block_size,
+        eos,
+        device,
+        graphs,
+        kv_dtype_of(config),
+        grammars,
+        proposer,
+        config.speculative.max_batch,
+        stage,
+    )
+
+
+def _proposer(
+    config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_model_len: int, device: str
+) -> Proposer | None:
+    spec = config.speculative
+    spec.check()
+    if spec.speculative == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
+    if spec.speculative != "draft":
+        return None
+    draft = load_model(
+        spec.speculative_model or config.model,
+        dtype=DTYPES[config.dtype],
+        device=device,
+        quantization=spec.speculative_quantization,
+    )
+    if draft.config.vocab_size != loaded.config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
+            f"({loaded.config.vocab_size}): they must share a tokenizer"
+        )
+    log.info("draft model %s: weights %s", draft.name, draft.quantization or config.dtype)
+    runner = ModelRunner(
+        draft.model, num_blocks, config.cache.block_size, loaded.tokenizer.eos_token_ids, device
+    )
+    return DraftProposer(runner, spec.num_speculative_tokens, max_model_len)
