@@ -15,18 +15,22 @@ def _make_llm(args):
 
 
 def cmd_generate(args) -> int:
-    llm = _make_llm(args)
-    for prompt in args.prompt:
-        sys.stdout.write(prompt)
-        for piece in llm.stream(prompt, sampling_params(args)):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+    with _make_llm(args) as llm:  # the exit stops a parallel engine's ranks
+        for prompt in args.prompt:
+            sys.stdout.write(prompt)
+            for piece in llm.stream(prompt, sampling_params(args)):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
     return 0
 
 
 def cmd_chat(args) -> int:
-    llm = _make_llm(args)
+    with _make_llm(args) as llm:
+        return _chat(llm, args)
+
+
+def _chat(llm, args) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -146,6 +150,12 @@ def cmd_fleet_up(args) -> int:
     names = ", ".join(f"{r.name} :{r.port}" for r in launcher.replicas)
     print(f"shoal: starting {fleet.replicas} replicas ({names}); logs in {launcher.log_dir}", flush=True)
     return _run_gateway(Gateway(fleet.gateway, launcher), "fleet gateway up")
+
+
+def cmd_worker(args) -> int:
+    from shoal.engine.parallel.worker import main
+
+    return main(["--driver", args.driver, "--rank", str(args.rank)])
 
 
 def cmd_gateway(args) -> int:
@@ -304,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway_args(p)
     p.set_defaults(func=cmd_fleet_up)
+
+    p = sub.add_parser("worker", help="one rank of a tensor/pipeline-parallel engine, on another host")
+    p.add_argument("--driver", required=True, help="HOST:PORT of the engine (its --distributed-port)")
+    p.add_argument("--rank", type=int, required=True)
+    p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("gateway", help="front replicas that already run (shoal, vLLM, SGLang, llama.cpp)")
     p.add_argument("--backend", action="append", default=[], help="a replica's base URL (repeat)")

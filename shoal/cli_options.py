@@ -53,6 +53,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "weights; int4: 4-bit blocks, a GGUF's own Q4/Q8 tensors as stored",
     )
     add_speculative_args(g)
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallel (one model across processes)")
+    g.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=None, help="ranks each layer is split across"
+    )
+    g.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=None, help="stages the layers are split into"
+    )
+    g.add_argument(
+        "--distributed-host", default=None, help="address the ranks reach this process at (127.0.0.1)"
+    )
+    g.add_argument(
+        "--distributed-port", type=int, default=None, help="rank connections here, rendezvous at +1 (0: free)"
+    )
+    g.add_argument(
+        "--external-workers",
+        action="store_true",
+        help="start no ranks here: each connects from its host with `shoal worker` (SHOAL_WORKER_AUTHKEY)",
+    )
+    g.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=None,
+        help="seconds a rank may take for a step before it is dead",
+    )
 
 
 def add_speculative_args(g) -> None:
@@ -97,8 +125,16 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "dtype",
         "device",
         "quantization",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "distributed_host",
+        "distributed_port",
     ]
     opts = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if getattr(args, "external_workers", False):
+        opts["launch_workers"] = False
+    if getattr(args, "rank_timeout", None) is not None:
+        opts["step_timeout_s"] = args.rank_timeout
     if args.no_prefix_caching:
         opts["enable_prefix_caching"] = False
     if args.threads:
