@@ -83,7 +83,7 @@ def test_sharded_reads_are_slices_of_the_whole_checkpoint(bundled, tmp_path):
     p0, p1 = (dict(p.model.named_parameters()) for p in parts)
     name = "layers.3.qkv_proj.weight"
     d = bundled.config.head_dim
-    q, kv = bundled.config.q_size, bundled.config.kv_size
+    q = bundled.config.q_size
     w = whole[name]
     assert torch.equal(p0[name][: 6 * d], w[: 6 * d]) and torch.equal(p1[name][: 3 * d], w[6 * d : q])
     assert torch.equal(p0[name][6 * d : 8 * d], w[q : q + 2 * d])  # its two K heads

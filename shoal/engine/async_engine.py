@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from shoal.engine.llm_engine import EngineStats, LLMEngine
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import EngineCoreOutput, RequestOutput
+from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,12 @@ class EngineOverloadedError(Exception):
 
 
 class EngineDeadError(Exception):
-    """The engine loop has stopped; nothing more will be served."""
+    """The engine loop has stopped; nothing more will be served. `rank_lost`: because a rank of a
+    parallel model died or hung, not because of anything a request did."""
+
+    def __init__(self, message: str, rank_lost: bool = False):
+        super().__init__(message)
+        self.rank_lost = rank_lost
 
 
 @dataclass
@@ -92,7 +98,11 @@ class RequestStream:
             if not self.pending:
                 if self.dead:
                     self.finished = True
-                    raise EngineDeadError("the engine loop stopped while the request ran")
+                    error = self.engine.error
+                    raise EngineDeadError(
+                        f"the engine loop stopped while the request ran: {error}",
+                        rank_lost=isinstance(error, ExecutorDeadError),
+                    )
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue

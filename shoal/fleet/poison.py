@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from shoal.fleet.replica import Death
-from shoal.protocol.errors import APIError
+from shoal.protocol.errors import EXIT_RANK_LOST, APIError
 
 # Exit by these signals is someone ending the process; anything else it did itself.
 KILL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
@@ -52,6 +52,8 @@ def crashed(death: Death, reported_engine_dead: bool) -> bool:
     if reported_engine_dead or death.engine_dead:
         return True
     code = death.exit_code
+    if code == EXIT_RANK_LOST:  # one of its ranks died or hung: like a kill from outside
+        return False
     return code is not None and (code >= 0 or -code not in KILL_SIGNALS)
 
 

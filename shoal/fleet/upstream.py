@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from shoal.fleet.replica import Replica
+from shoal.protocol.errors import RANK_LOST_CODE
 
 # Errors that prove the request never reached the replica's application: safe to send elsewhere.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError, httpx.WriteTimeout)
@@ -92,6 +93,8 @@ def error_outcome(body: object) -> Outcome:
     code, message = err.get("code"), str(err.get("message") or "error")
     if code == "engine_dead":
         return Outcome("engine_dead", message)
+    if code == RANK_LOST_CODE:  # the replica is going down, through no fault of the request
+        return Outcome("dropped", message)
     if code == "internal_error":  # a shoal replica's word: the engine failed this request alone
         return Outcome("internal_error", message)
     return Outcome("error", message)

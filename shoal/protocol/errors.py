@@ -11,6 +11,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
+# Exit statuses a replica ends with, for its supervisor: its engine loop died (restart it), or it
+# lost a rank of a tensor/pipeline-parallel model (restart it; no request is to blame).
+EXIT_ENGINE_DEAD = 3
+EXIT_RANK_LOST = 4
+# The in-band error code of a request cut short by a lost rank: the gateway continues it elsewhere.
+RANK_LOST_CODE = "rank_lost"
+
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

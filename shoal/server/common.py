@@ -20,7 +20,7 @@ from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import SMOLLM2, ToolFormat
-from shoal.protocol.errors import APIError, overloaded
+from shoal.protocol.errors import RANK_LOST_CODE, APIError, overloaded
 from shoal.protocol.seeds import derive_seed
 from shoal.server.metrics import RequestTimer, ServerMetrics
 from shoal.server.protocol import Resume
@@ -146,7 +146,8 @@ def engine_error(exc: BaseException) -> BaseException:
     if isinstance(exc, EngineOverloadedError):
         return overloaded(str(exc))
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_dead", headers={"Retry-After": "5"})
+        code = RANK_LOST_CODE if exc.rank_lost else "engine_dead"
+        return APIError(503, str(exc), code=code, headers={"Retry-After": "5"})
     return exc
 
 

@@ -16,15 +16,15 @@ import uvicorn
 from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.models.tool_formats import tool_format
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
+from shoal.protocol.errors import EXIT_ENGINE_DEAD, EXIT_RANK_LOST
 from shoal.protocol.secrets import kv_salt
 from shoal.server.app import ServerState, build_app
 from shoal.server.common import ServingContext
 from shoal.server.metrics import ServerMetrics
 
-# Exit status of a replica whose engine loop died: its supervisor restarts it.
-EXIT_ENGINE_DEAD = 3
 # A supervisor that wants its replicas to die with it names itself here.
 PARENT_PID_ENV = "SHOAL_PARENT_PID"
 WATCH_INTERVAL_S = 0.5
@@ -99,7 +99,9 @@ def create_server(
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if state.ctx is not None and not state.ctx.engine.is_alive:
-                return stop(f"the engine loop died ({state.ctx.engine.error!r})", EXIT_ENGINE_DEAD)
+                error = state.ctx.engine.error
+                code = EXIT_RANK_LOST if isinstance(error, ExecutorDeadError) else EXIT_ENGINE_DEAD
+                return stop(f"the engine loop died ({error!r})", code)
             if parent and os.getppid() != int(parent):
                 return stop(f"the supervisor (pid {parent}) is gone", 0)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
@@ -32,6 +32,7 @@ from shoal.models.parallel import ModelShard
 log = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "SHOAL_WORKER_AUTHKEY"
+CONNECT_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -67,12 +68,17 @@ class RankPlace:
 
 
 def _die_with_parent() -> None:
-    """A rank started by the driver ends when the driver does, even by kill -9 (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the driver was already gone before the line above ran
+    """A rank started by the driver ends when the driver does, even by kill -9, even while it
+    waits in a collective. (Not PR_SET_PDEATHSIG: that fires when the thread that started the
+    rank ends, and the driver starts its ranks from a loader thread.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
         os._exit(1)
+
+    threading.Thread(target=watch, name="shoal-parent-watch", daemon=True).start()
 
 
 class Rank:
@@ -85,6 +91,8 @@ class Rank:
         store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, timeout=timeout)
         device = torch.device(config.device)
         if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"no CUDA device on {socket.gethostname()}")
             device = torch.device("cuda", place.rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -160,11 +168,23 @@ class Rank:
             dist.destroy_process_group()
 
 
+def _connect(driver: str, authkey: bytes, timeout: float) -> Connection:
+    """A rank started by hand may come up before its driver listens: it retries for a while."""
+    host, port = driver.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client((host, int(port)), authkey=authkey)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def run_worker(driver: str, rank: int, authkey: bytes, spawned: bool) -> int:
     if spawned:
         _die_with_parent()
-    host, port = driver.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=authkey)
+    conn = _connect(driver, authkey, CONNECT_TIMEOUT_S)
     conn.send(("hello", rank, socket.gethostname(), os.getpid()))
     setup: WorkerSetup = conn.recv()
     par = setup.config.parallel
