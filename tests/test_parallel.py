@@ -119,9 +119,7 @@ def single(bundled, reference):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_fp32_output_equals_one_process(tp, pp, single, reference):
-    with LLM(
-        quantization="none", num_blocks=512, tensor_parallel_size=tp, pipeline_parallel_size=pp
-    ) as llm:
+    with LLM(quantization="none", num_blocks=512, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         outs = _greedy(llm, [reference[p][0] for p in PROMPTS])
         _assert_same(outs, single)
         for p, out in zip(PROMPTS, outs):
