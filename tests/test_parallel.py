@@ -179,3 +179,21 @@ def test_model_shard_is_whole_without_parallelism(bundled):
     shard = ModelShard(bundled.config)
     assert shard.local_config() == bundled.config
     assert shard.slice_of("model.layers.0.self_attn.q_proj.weight") is None
+
+
+# --- pipeline stages kept busy ----------------------------------------------------------
+
+
+def test_pipeline_keeps_a_step_per_stage_in_flight_and_isolates_a_failing_request(monkeypatch, single):
+    """With two stages, the running requests are spread over two steps in flight (twice the steps
+    of one batch a token); a request whose part fails is failed alone, the others are unchanged."""
+    monkeypatch.setenv("SHOAL_FAULT_STEP_ERROR_ON", "ZZBADZZ")
+    params = SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True, logprobs=5)
+    with LLM(quantization="none", num_blocks=512, pipeline_parallel_size=2) as llm:
+        prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+        outs = llm.generate([*prompts, "ZZBADZZ and more"], params)
+        assert llm.engine.num_steps >= 2 * REF_TOKENS
+        assert llm.engine.scheduler.in_flight == set()
+        assert_pool_whole(llm.engine)
+    _assert_same([o.outputs[0] for o in outs[:-1]], single)
+    assert outs[-1].outputs[0].finish_reason == "error"

@@ -23,6 +23,7 @@ from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import SpecDecodeStats
+from shoal.engine.step_pipeline import StepPipeline
 from shoal.models.loader import LoadedModel, describe_model, load_model
 from shoal.models.parallel import all_shards
 from shoal.protocol.block_hash import root_hash
@@ -104,8 +105,17 @@ class LLMEngine:
         self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt))
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos)
+        self.pipeline = None
         if config.parallel.world_size > 1:
             self.executor = MultiprocExecutor(config, loaded, num_blocks, self.max_model_len)
+            if parallel.pipeline_parallel_size > 1:
+                self.pipeline = StepPipeline(
+                    self.scheduler,
+                    self.executor,
+                    parallel.pipeline_parallel_size,
+                    self._check_faults,
+                    self._execute_parts,
+                )
         else:
             self.executor = UniprocExecutor(build_runner(config, loaded, num_blocks, self.max_model_len))
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
@@ -238,7 +248,8 @@ class LLMEngine:
         return req.group_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        # Steps still in flight count: their results must be taken back.
+        return self.scheduler.num_unfinished > 0 or (self.pipeline is not None and self.pipeline.busy)
 
     # --- stepping ------------------------------------------------------------------------
 
@@ -251,10 +262,15 @@ class LLMEngine:
 
     def step_core(self) -> list[EngineCoreOutput]:
         """One step, as token deltas per choice that moved or finished."""
-        so = self.scheduler.schedule()
-        result, failures = self._execute(so)
-        if so.empty:
-            return []
+        if self.pipeline is not None:
+            so, result, failures = self.pipeline.step()
+            if so is None or so.empty:
+                return []
+        else:
+            so = self.scheduler.schedule()
+            result, failures = self._execute(so)
+            if so.empty:
+                return []
         self.num_steps += 1
         self.last_kv_occupancy = self._occupancy(so)
         for rid in failures:
@@ -292,12 +308,15 @@ class LLMEngine:
             co.prompt_logprobs = found
         return list(outs.values())
 
-    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _check_faults(self, so: SchedulerOutput) -> None:
         faults = {self._marked.get(c.request_id) for c in so.scheduled} if self._marked else ()
         if "crash" in faults:
             raise InjectedCrash("injected crash")
         if "step_error" in faults:
             raise InjectedStepError("injected step error")
+
+    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_faults(so)
         return self.executor.execute_model(so)
 
     def _execute(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
@@ -314,10 +333,14 @@ class LLMEngine:
         except Exception as exc:
             if not so.scheduled:
                 raise
-            log.exception("a step of %d requests failed", len(so.scheduled))
-            if len(so.scheduled) == 1:  # nothing to tell apart: the one request is the culprit
-                only = so.scheduled[0].request_id
-                return ModelRunnerOutput(), self._after_failures(1, {only: _describe(exc)})
+            return self._execute_parts(so, exc)
+
+    def _execute_parts(self, so: SchedulerOutput, exc: Exception) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        """After the whole step raised `exc`: each request's part alone."""
+        log.error("a step of %d requests failed", len(so.scheduled), exc_info=exc)
+        if len(so.scheduled) == 1:  # nothing to tell apart: the one request is the culprit
+            only = so.scheduled[0].request_id
+            return ModelRunnerOutput(), self._after_failures(1, {only: _describe(exc)})
         merged, failures = ModelRunnerOutput(), {}
         for c in so.scheduled:
             part = SchedulerOutput(

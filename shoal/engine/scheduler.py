@@ -45,6 +45,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # runner state to drop at the next step
         self._new_blocks: dict[str, list[int]] = {}  # blocks added to tables in this step
         self._step_id = 0
+        # Requests in a step whose results have not come back (pipeline parallel keeps several
+        # steps in flight): they sit out later steps, and are never preempted mid-flight.
+        self.in_flight: set[str] = set()
         self.num_preemptions = 0
         self._reserve = int(cfg.admission_watermark * kv.pool.num_blocks)
 
@@ -142,28 +145,42 @@ class Scheduler:
 
     # --- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def _victim(self) -> Request | None:
+        """The running request to preempt: worst priority, then newest; never one in flight."""
+        return next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
+
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """`max_seqs` caps the requests in this step (pipeline parallel spreads the running ones
+        over the steps it keeps in flight)."""
         budget = self.cfg.max_num_batched_tokens
+        cap = max_seqs or self.cfg.max_num_seqs
         scheduled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         preempted = False
         self.running.sort(key=lambda r: r.sort_key)
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._speculative_tokens(req, n, budget)
+            stuck = False
             while not self._allocate(req, n, num_lookahead_tokens=len(drafts)):
                 if drafts:  # the pool is short: drop the guesses before preempting anyone
                     drafts = []
                     continue
-                victim = self.running[-1]  # worst priority, then newest
+                victim = self._victim()
+                if victim is None:  # all the others are in flight: try again next step
+                    stuck = True
+                    break
                 budget += self._preempt(victim, scheduled) + len(spec.pop(victim.request_id, []))
                 preempted = True
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING or stuck:
                 break
             scheduled[req.request_id] = n
             if drafts:
@@ -172,14 +189,20 @@ class Scheduler:
             i += 1
 
         # After a preemption the pool is short: admitting new work now would only thrash.
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.cfg.max_num_seqs
+            and len(scheduled) < cap
+            and not preempted
+        ):
             req = self.waiting[0]
             wants_prompt_logprobs = req.params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self._allocate(req, n, cached=cached, reserve=self._reserve):
-                victim = self.running[-1] if self.running else None
+                victim = self._victim()
                 if victim is not None and victim.priority > req.priority:
                     budget += self._preempt(victim, scheduled) + len(spec.pop(victim.request_id, []))
                     continue
@@ -202,6 +225,7 @@ class Scheduler:
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id, finished_ids=self._finished_ids)
         self._finished_ids = []
+        self.in_flight.update(scheduled)
         new_blocks, self._new_blocks = self._new_blocks, {}
         for rid, n in scheduled.items():
             req = self.requests[rid]
@@ -237,6 +261,7 @@ class Scheduler:
         Every stop but a stop string (which needs text, and is found by the front) is decided
         here, token by token: tokens past a stop are dropped."""
         changed = []
+        self.in_flight.difference_update(sr.request_id for sr in out.scheduled)
         for sr in out.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
