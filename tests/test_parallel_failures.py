@@ -103,6 +103,14 @@ def test_a_rank_dying_while_idle_turns_health_503():
     try:
         ranks = ranks_of(server.proc.pid)
         assert server.get("/health").status_code == 200
+        body = {**LONG, "stream": False, "max_tokens": 8}
+        assert server.post("/v1/completions", json=body).status_code == 200
+        # Each rank's profile: its steps, and the time it spent in collectives.
+        metrics = server.get("/metrics").text
+        label = 'model_name="SmolLM2-135M-Instruct",rank='
+        for rank in (0, 1):
+            assert f'shoal:parallel_rank_steps_total{{{label}"{rank}"}}' in metrics
+        assert f'shoal:parallel_rank_comm_seconds_total{{{label}"1"}}' in metrics
         os.kill(ranks[0], signal.SIGKILL)
         t0 = time.monotonic()
         status = 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from shoal.engine.model_runner import kv_bytes_per_block
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import EngineCoreOutput, RequestOutput
 from shoal.engine.parallel.executor import ExecutorDeadError, MultiprocExecutor
+from shoal.engine.parallel.messages import RankStats
 from shoal.engine.request import Request
 from shoal.engine.runner_setup import DTYPES, build_runner, kv_dtype_of
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
@@ -58,6 +60,7 @@ class EngineStats:
     prefix_hits: int
     num_evictions: int
     spec: SpecDecodeStats | None = None  # with speculative decoding on
+    ranks: list[RankStats] | None = None  # with tensor or pipeline parallelism
 
 
 class LLMEngine:
@@ -385,6 +388,7 @@ class LLMEngine:
             prefix_hits=self.kv.prefix_hits,
             num_evictions=pool.num_evictions,
             spec=self.spec_stats.snapshot() if self.config.speculative.speculative else None,
+            ranks=[dataclasses.replace(s) for s in getattr(self.executor, "rank_stats", None) or []] or None,
         )
 
     def take_kv_events(self) -> list[KVEvent]:

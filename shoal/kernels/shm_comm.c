@@ -21,6 +21,8 @@ typedef struct {
     uint64_t seq;       /* calls made so far by this rank */
     double timeout_s;   /* a peer silent this long is taken as dead */
     int64_t failed;     /* set once a wait timed out: the group is unusable */
+    int64_t busy_ns;    /* time spent in calls (copies and waits), for the profile */
+    int64_t calls;
 } ShmComm;
 
 static volatile uint64_t *flag(const ShmComm *c, int64_t r) { return (volatile uint64_t *)(c->base + 64 * r); }
@@ -60,14 +62,27 @@ static int barrier(ShmComm *c, uint64_t seq) {
 }
 
 /* buf [n] floats: summed across ranks, in place. 0, or -1 when a peer did not arrive in time. */
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int done(ShmComm *c, int64_t t0, int rc) {
+    c->busy_ns += now_ns() - t0;
+    c->calls++;
+    return rc;
+}
+
 int shoal_shm_allreduce(ShmComm *c, float *buf, int64_t n) {
     if (c->failed) return -1;
+    const int64_t t0 = now_ns();
     const int64_t per = c->slot_bytes / (int64_t)sizeof(float);
     for (int64_t off = 0; off < n; off += per) {
         const int64_t len = n - off < per ? n - off : per;
         const uint64_t seq = ++c->seq;
         memcpy(slot(c, seq, c->rank), buf + off, sizeof(float) * len);
-        if (barrier(c, seq)) return -1;
+        if (barrier(c, seq)) return done(c, t0, -1);
         float *out = buf + off;
         const float *first = (const float *)slot(c, seq, 0);
         for (int64_t i = 0; i < len; i++) out[i] = first[i];
@@ -76,18 +91,19 @@ int shoal_shm_allreduce(ShmComm *c, float *buf, int64_t n) {
             for (int64_t i = 0; i < len; i++) out[i] += part[i];
         }
     }
-    return 0;
+    return done(c, t0, 0);
 }
 
 /* src [nbytes] from every rank into dst [world, nbytes], in rank order. 0, or -1 on timeout. */
 int shoal_shm_allgather(ShmComm *c, const char *src, int64_t nbytes, char *dst) {
     if (c->failed) return -1;
+    const int64_t t0 = now_ns();
     for (int64_t off = 0; off < nbytes; off += c->slot_bytes) {
         const int64_t len = nbytes - off < c->slot_bytes ? nbytes - off : c->slot_bytes;
         const uint64_t seq = ++c->seq;
         memcpy(slot(c, seq, c->rank), src + off, len);
-        if (barrier(c, seq)) return -1;
+        if (barrier(c, seq)) return done(c, t0, -1);
         for (int64_t r = 0; r < c->world; r++) memcpy(dst + r * nbytes + off, slot(c, seq, r), len);
     }
-    return 0;
+    return done(c, t0, 0);
 }

@@ -69,6 +69,27 @@ class _EngineCollector:
             for j, n in enumerate(s.spec.accepted_per_position):
                 per_pos.add_metric([self.model_name, str(j)], n)
             yield per_pos
+        if s.ranks:
+            yield from self._rank_metrics(s.ranks)
+
+    def _rank_metrics(self, ranks):
+        """Each tensor/pipeline-parallel rank's profile: where its step time goes."""
+        families = [
+            ("shoal:parallel_rank_steps", "Steps a rank has run.", "steps"),
+            ("shoal:parallel_rank_step_seconds", "Time a rank spent in steps.", "step_s"),
+            ("shoal:parallel_rank_comm_seconds", "Time a rank spent in all-reduce/all-gather.", "comm_s"),
+            ("shoal:parallel_rank_collectives", "Collectives a rank has joined.", "comm_calls"),
+            (
+                "shoal:parallel_rank_stage_wait_seconds",
+                "Time a rank waited for the previous pipeline stage's hidden states.",
+                "stage_wait_s",
+            ),
+        ]
+        for name, doc, attr in families:
+            c = CounterMetricFamily(name, doc, labels=["model_name", "rank"])
+            for r in ranks:
+                c.add_metric([self.model_name, str(r.rank)], getattr(r, attr))
+            yield c
 
 
 class ServerMetrics:

@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ class _ShmState(ctypes.Structure):
         ("seq", ctypes.c_uint64),
         ("timeout_s", ctypes.c_double),
         ("failed", ctypes.c_int64),
+        ("busy_ns", ctypes.c_int64),
+        ("calls", ctypes.c_int64),
     ]
 
 
@@ -46,13 +49,26 @@ class TorchCommunicator:
     def __init__(self, group, world_size: int):
         self.group = group
         self.world_size = world_size
+        self._busy_ns = 0
+        self._calls = 0
+
+    @property
+    def busy(self) -> tuple[int, int]:
+        """(nanoseconds spent in collectives, calls) so far: the communication profile."""
+        return self._busy_ns, self._calls
 
     def all_reduce(self, t: torch.Tensor) -> None:
+        t0 = time.perf_counter_ns()
         dist.all_reduce(t, group=self.group)
+        self._busy_ns += time.perf_counter_ns() - t0
+        self._calls += 1
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter_ns()
         out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
         dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
+        self._busy_ns += time.perf_counter_ns() - t0
+        self._calls += 1
         return out
 
     def native(self) -> tuple[int, int] | None:
@@ -97,12 +113,17 @@ class ShmCommunicator(TorchCommunicator):
         if rank == 0:
             path.unlink()
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self.state = _ShmState(rank, world_size, base, SLOT_BYTES, 0, timeout_s, 0)
+        self.state = _ShmState(rank, world_size, base, SLOT_BYTES, 0, timeout_s, 0, 0, 0)
         self._fn = ctypes.cast(lib.shoal_shm_allreduce, ctypes.c_void_p).value
 
     @property
     def failed(self) -> bool:
         return bool(self.state.failed)
+
+    @property
+    def busy(self) -> tuple[int, int]:
+        own_ns, own_calls = super().busy  # tensors that went through the group
+        return own_ns + self.state.busy_ns, own_calls + self.state.calls
 
     def native(self) -> tuple[int, int]:
         """(function, state) pointers for C code that calls the all-reduce itself."""
@@ -154,10 +175,13 @@ class StageLink:
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.hidden, self.dtype, self.device = hidden, dtype, device
         self._pending: list = []  # (work, tensor): sends in flight, tensors kept alive until done
+        self.wait_ns = 0  # time spent waiting for the previous stage: the pipeline's bubbles
 
     def recv(self, rows: int) -> torch.Tensor:
+        t0 = time.perf_counter_ns()
         t = torch.empty((rows, self.hidden), dtype=self.dtype, device=self.device)
         dist.recv(t, src=self.prev_rank)
+        self.wait_ns += time.perf_counter_ns() - t0
         return t
 
     def send(self, t: torch.Tensor) -> None:

@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection, Listener, wait
 import torch.distributed as dist
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.parallel.worker import AUTHKEY_ENV, WorkerSetup
+from shoal.engine.parallel.messages import RankStats, WorkerSetup
+from shoal.engine.parallel.worker import AUTHKEY_ENV
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.models.loader import LoadedModel
 from shoal.models.parallel import check_parallel_sizes
@@ -62,6 +63,7 @@ class MultiprocExecutor:
         self.dead: str | None = None
         self._closed = False
         self._exit_fds: list[int] = []
+        self.rank_stats: list[RankStats] = [RankStats(r) for r in range(self.world_size)]
         host = par.distributed_host
         port = par.distributed_port or _free_port(host)
         store_port = par.distributed_port + 1 if par.distributed_port else _free_port(host)
@@ -197,6 +199,9 @@ class MultiprocExecutor:
         fatal = [(r, m[1]) for r, m in replies.items() if m[0] == "fatal"]
         if fatal:
             self._fail(f"rank {fatal[0][0]}: {fatal[0][1]}")
+        for rank, msg in replies.items():
+            if msg[0] == "ok":
+                self.rank_stats[rank] = msg[2]
         errors = [(r, m[1]) for r, m in sorted(replies.items()) if m[0] == "error"]
         if errors:
             raise RankStepError(errors[0][1])

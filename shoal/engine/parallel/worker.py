@@ -16,15 +16,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 
 import torch
 import torch.distributed as dist
 
-from shoal.engine.config import EngineConfig
 from shoal.engine.parallel.comm import CommError, StageLink, tp_communicator
+from shoal.engine.parallel.messages import RankPlace, RankStats, WorkerSetup
 from shoal.engine.runner_setup import DTYPES, build_runner
 from shoal.models.loader import load_model
 from shoal.models.parallel import ModelShard
@@ -33,38 +32,6 @@ log = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "SHOAL_WORKER_AUTHKEY"
 CONNECT_TIMEOUT_S = 300.0
-
-
-@dataclass
-class WorkerSetup:
-    """What the driver tells a rank once it has connected."""
-
-    config: EngineConfig
-    num_blocks: int
-    max_model_len: int
-    store_host: str
-    store_port: int
-    run_id: str  # names this run's shared-memory segments
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    rank: int
-    tp_size: int
-    pp_size: int
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // self.tp_size
-
-    @property
-    def answers(self) -> bool:
-        """The rank whose reply carries the step's sampled tokens: the last stage's first."""
-        return self.pp_rank == self.pp_size - 1 and self.tp_rank == 0
 
 
 def _die_with_parent() -> None:
@@ -129,6 +96,18 @@ class Rank:
             config, loaded, setup.num_blocks, setup.max_model_len, self.stage, device=str(device)
         )
         self.fused = self.runner.fused_decoder is not None
+        self.stats = RankStats(place.rank)
+
+    def _profile(self, step_ns: int) -> RankStats:
+        s = self.stats
+        s.steps += 1
+        s.step_s += step_ns * 1e-9
+        if self.comm is not None:
+            ns, s.comm_calls = self.comm.busy
+            s.comm_s = ns * 1e-9
+        if self.stage is not None:
+            s.stage_wait_s = self.stage.wait_ns * 1e-9
+        return s
 
     def serve(self) -> None:
         """Runs steps until told to stop or the driver goes away."""
@@ -140,6 +119,7 @@ class Rank:
             if msg[0] == "shutdown":
                 return
             so = msg[1]
+            t0 = time.perf_counter_ns()
             try:
                 out = self.runner.execute(so)
             except CommError as exc:
@@ -152,7 +132,8 @@ class Rank:
                 if fatal:
                     return
                 continue
-            self._reply(("ok", out if self.place.answers else None))
+            stats = self._profile(time.perf_counter_ns() - t0)
+            self._reply(("ok", out if self.place.answers else None, stats))
 
     def _reply(self, msg) -> None:
         with contextlib.suppress(OSError):

@@ -1,0 +1,53 @@
+"""What the driver and its ranks send each other (defined apart from the worker's entry point,
+so that they unpickle the same on both sides)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.engine.config import EngineConfig
+
+
+@dataclass
+class WorkerSetup:
+    """What the driver tells a rank once it has connected."""
+
+    config: EngineConfig
+    num_blocks: int
+    max_model_len: int
+    store_host: str
+    store_port: int
+    run_id: str  # names this run's shared-memory segments
+
+
+@dataclass
+class RankStats:
+    """A rank's cumulative profile: time in steps, in collectives, and waiting for the previous
+    pipeline stage. Sent with every step's reply."""
+
+    rank: int
+    steps: int = 0
+    step_s: float = 0.0
+    comm_s: float = 0.0
+    comm_calls: int = 0
+    stage_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    rank: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def answers(self) -> bool:
+        """The rank whose reply carries the step's sampled tokens: the last stage's first."""
+        return self.pp_rank == self.pp_size - 1 and self.tp_rank == 0
