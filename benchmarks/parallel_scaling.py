@@ -44,19 +44,23 @@ def rank_profile(url: str) -> dict[tuple[str, int], float]:
     for line in text.splitlines():
         m = RANK_METRIC.match(line)
         if m:
-            out[(m.group(1).removeprefix("shoal:parallel_rank_"), int(m.group(2)))] = float(m.group(3))
+            name = m.group(1).removeprefix("shoal:parallel_rank_").removesuffix("_total")
+            out[(name, int(m.group(2)))] = float(m.group(3))
     return out
 
 
-def shares(before: dict, after: dict) -> tuple[float | None, float | None]:
-    """(share of step time in collectives, share waiting for the previous stage), over ranks."""
+def shares(before: dict, after: dict) -> tuple[float | None, float | None, float | None]:
+    """(share of the ranks' step time in collectives, share waiting for the previous stage, mean
+    time of one rank's step in seconds)."""
     ranks = {r for _, r in after}
-    step = sum(after[("step_seconds", r)] - before.get(("step_seconds", r), 0) for r in ranks)
-    if not ranks or step <= 0:
-        return None, None
-    comm = sum(after[("comm_seconds", r)] - before.get(("comm_seconds", r), 0) for r in ranks)
-    wait = sum(after[("stage_wait_seconds", r)] - before.get(("stage_wait_seconds", r), 0) for r in ranks)
-    return comm / step, wait / step
+
+    def delta(name: str) -> float:
+        return sum(after[(name, r)] - before.get((name, r), 0) for r in ranks)
+
+    step, steps = (delta("step_seconds"), delta("steps")) if ranks else (0, 0)
+    if step <= 0:
+        return None, None, None
+    return delta("comm_seconds") / step, delta("stage_wait_seconds") / step, step / steps
 
 
 def run_config(mode: str, args: list[str], levels: list[int], output_len: int) -> dict[int, dict]:
@@ -78,7 +82,7 @@ def run_config(mode: str, args: list[str], levels: list[int], output_len: int) -
                 output_len=output_len,
             )
             res = run_serve_bench(cfg)
-            res["comm_share"], res["wait_share"] = shares(before, rank_profile(url))
+            res["comm_share"], res["wait_share"], res["rank_step_s"] = shares(before, rank_profile(url))
             out[conc] = res
         return out
     finally:
@@ -142,19 +146,20 @@ def main() -> None:
         print(f"\n== weights {mode} ==")
         print(
             f"{'config':<22} {'c':>3} {'out tok/s':>9} {'vs TP=1':>7} {'TTFT p50':>9} {'p99':>7} "
-            f"{'ITL p50':>8} {'p99':>7} {'comm %':>7} {'wait %':>7}"
+            f"{'ITL p50':>8} {'p99':>7} {'comm %':>7} {'wait %':>7} {'rank step':>9}"
         )
         for key, per_level in results.items():
             for conc, r in per_level.items():
                 ratio = r["output_token_throughput"] / base[conc]["output_token_throughput"] if base else None
-                comm, wait = r["comm_share"], r["wait_share"]
+                comm, wait, rank_step = r["comm_share"], r["wait_share"], r["rank_step_s"]
                 print(
                     f"{CONFIGS[key][0]:<22} {conc:>3} {r['output_token_throughput']:9.1f} "
                     f"{ratio if ratio is not None else float('nan'):7.2f} "
                     f"{1000 * r['ttft_s']['p50']:8.1f}ms {1000 * r['ttft_s']['p99']:6.1f} "
                     f"{1000 * r['itl_s']['p50']:7.1f}ms {1000 * r['itl_s']['p99']:6.1f} "
                     f"{'' if comm is None else f'{100 * comm:6.1f}%':>7} "
-                    f"{'' if wait is None else f'{100 * wait:6.1f}%':>7}"
+                    f"{'' if wait is None else f'{100 * wait:6.1f}%':>7} "
+                    f"{'' if rank_step is None else f'{1000 * rank_step:7.1f}ms':>9}"
                 )
 
 

@@ -117,9 +117,11 @@ def single(bundled, reference):
     return outs
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_fp32_output_equals_one_process(tp, pp, single, reference):
-    with LLM(quantization="none", num_blocks=512, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+@pytest.mark.parametrize("tp,pp,spec", [(2, 1, None), (1, 2, None), (2, 2, None), (1, 2, "ngram")])
+def test_fp32_output_equals_one_process(tp, pp, spec, single, reference):
+    opts = dict(speculative=spec, num_speculative_tokens=3) if spec else {}
+    split = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    with LLM(quantization="none", num_blocks=512, **split, **opts) as llm:
         outs = _greedy(llm, [reference[p][0] for p in PROMPTS])
         _assert_same(outs, single)
         for p, out in zip(PROMPTS, outs):
@@ -130,10 +132,15 @@ def test_fp32_output_equals_one_process(tp, pp, single, reference):
 
 @pytest.mark.parametrize("method,tp", [("int4", 2), ("int8", 3)])
 def test_quantized_under_tp_stays_as_close_to_fp32(method, tp, reference):
-    one = LLM(quantization=method, num_blocks=256)
+    budget = 40 * 737_280  # 40 blocks of the whole model's KV (30 layers x 3 heads x 64 x 16 x 2 x 4 B)
+    one = LLM(quantization=method, kv_cache_memory=budget)
+    assert one.engine.kv.pool.num_blocks == 40
     base = closeness_to_reference(one, reference, 8)
-    with LLM(quantization=method, num_blocks=256, tensor_parallel_size=tp) as llm:
+    with LLM(quantization=method, kv_cache_memory=budget, tensor_parallel_size=tp) as llm:
         split = closeness_to_reference(llm, reference, 8)
+        # The budget is per rank, and a rank holds only its KV heads: 3 ranks of one head each hold
+        # 3 times the blocks; 2 ranks (2 heads and 1) 1.5 times.
+        assert llm.engine.kv.pool.num_blocks == {2: 60, 3: 120}[tp]
     print(f"\n{method}: TP=1 {base}\n{method}: TP={tp} {split}")
     assert split["agreement"] >= base["agreement"] - 0.02
     assert split["mean_error"] <= base["mean_error"] * 1.25 + 1e-3

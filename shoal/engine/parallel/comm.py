@@ -152,8 +152,8 @@ class ShmCommunicator(TorchCommunicator):
         return out
 
     def close(self) -> None:
-        self.state.base = None
-        self._map.close()
+        """Nothing to undo: the mapping is unlinked already and goes with the process (it cannot be
+        closed while the C state points into it)."""
 
 
 def tp_communicator(group, world_size: int, rank: int, name: str, device: torch.device, timeout_s: float):

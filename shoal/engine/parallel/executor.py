@@ -24,12 +24,14 @@ import uuid
 from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
 
+import torch
 import torch.distributed as dist
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.parallel.messages import RankStats, WorkerSetup
+from shoal.engine.parallel.messages import RankStats, WorkerSetup, rank_threads
 from shoal.engine.parallel.worker import AUTHKEY_ENV
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.kernels.cpu import cpu_kernels
 from shoal.models.loader import LoadedModel
 from shoal.models.parallel import check_parallel_sizes
 
@@ -77,6 +79,7 @@ class MultiprocExecutor:
         self.address = f"{host}:{port}"
         try:
             if par.launch_workers:
+                self._tune_kernels(rank_threads(config))
                 self._spawn(authkey)
             else:
                 log.info(
@@ -90,6 +93,21 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
+
+    @staticmethod
+    def _tune_kernels(threads: int) -> None:
+        """Measures the kernel crossovers for the ranks' thread count here, on a quiet machine,
+        before they start: ranks that measured at once would time each other (two 1-thread ranks
+        measured an fp32 tie at 8 rows that way, and sent 8-row steps to the slower path)."""
+        kernels = cpu_kernels()
+        if kernels is None:
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            kernels.choices  # noqa: B018 - measured and stored on first use
+        finally:
+            torch.set_num_threads(before)
 
     def _spawn(self, authkey: bytes) -> None:
         env = {**os.environ, AUTHKEY_ENV: authkey.hex()}

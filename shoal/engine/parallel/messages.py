@@ -3,6 +3,7 @@ so that they unpickle the same on both sides)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from shoal.engine.config import EngineConfig
@@ -51,3 +52,8 @@ class RankPlace:
     def answers(self) -> bool:
         """The rank whose reply carries the step's sampled tokens: the last stage's first."""
         return self.pp_rank == self.pp_size - 1 and self.tp_rank == 0
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Threads per rank: as configured, or this host's cores shared among the ranks."""
+    return config.num_threads or max(1, (os.cpu_count() or 1) // config.parallel.world_size)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.engine.parallel.comm import CommError, StageLink, tp_communicator
-from shoal.engine.parallel.messages import RankPlace, RankStats, WorkerSetup
+from shoal.engine.parallel.messages import RankPlace, RankStats, WorkerSetup, rank_threads
 from shoal.engine.runner_setup import DTYPES, build_runner
 from shoal.models.loader import load_model
 from shoal.models.parallel import ModelShard
@@ -170,8 +170,7 @@ def run_worker(driver: str, rank: int, authkey: bytes, spawned: bool) -> int:
     setup: WorkerSetup = conn.recv()
     par = setup.config.parallel
     place = RankPlace(rank, par.tensor_parallel_size, par.pipeline_parallel_size)
-    # Without a thread count, the ranks share this host's cores (ranks on one host are the common case).
-    torch.set_num_threads(setup.config.num_threads or max(1, (os.cpu_count() or 1) // par.world_size))
+    torch.set_num_threads(rank_threads(setup.config))
     try:
         worker = Rank(conn, place, setup)
     except Exception as exc:

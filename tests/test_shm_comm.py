@@ -1,0 +1,65 @@
+"""The shared-memory collectives between real processes: exact sums in rank order, slices larger
+than one slot, all-gather, and a peer that never arrives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shoal.engine.parallel.comm import SLOT_BYTES, CommError, ShmCommunicator
+from shoal.fleet.launcher import free_port
+from shoal.kernels.build import load_shm_library
+
+pytestmark = pytest.mark.skipif(load_shm_library() is None, reason="no C compiler")
+
+WORLD = 3
+
+
+def _inputs(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(rank))
+
+
+def _collectives(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    comm = ShmCommunicator(dist.group.WORLD, WORLD, rank, f"shoal-test-{port}", timeout_s=3.0)
+    big = SLOT_BYTES // 4 * 2 + 123  # three slices of a slot, the last one short
+    for n in (576, big):
+        t = _inputs(rank, n)
+        for _ in range(3):  # back-to-back calls reuse the two buffers in turn
+            x = t.clone()
+            comm.all_reduce(x)
+        results[("sum", rank, n)] = x
+    results[("gather", rank)] = comm.all_gather(torch.full((5, 7), float(rank)))
+    if rank == 2:
+        return  # leaves; the others' next all-reduce must give up, not hang
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(8))
+        results[("timeout", rank)] = None
+    except CommError:
+        results[("timeout", rank)] = time.monotonic() - t0
+    results[("failed", rank)] = comm.failed
+
+
+def test_shared_memory_collectives_between_processes():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_collectives, args=(free_port(), results), nprocs=WORLD)
+        results = dict(results)
+    for n in (576, SLOT_BYTES // 4 * 2 + 123):
+        want = _inputs(0, n) + _inputs(1, n) + _inputs(2, n)  # rank order, as every rank sums
+        for rank in range(WORLD):
+            assert torch.equal(results[("sum", rank, n)], want)  # the same bits everywhere
+    for rank in range(WORLD):
+        gathered = results[("gather", rank)]
+        assert gathered.shape == (WORLD, 5, 7)
+        assert [float(g[0, 0]) for g in gathered] == [0.0, 1.0, 2.0]
+    for rank in (0, 1):
+        assert results[("timeout", rank)] is not None and 2.5 < results[("timeout", rank)] < 10
+        assert results[("failed", rank)]
