@@ -269,6 +269,8 @@ class LLMEngine:
             so, result, failures = self.pipeline.step()
             if so is None or so.empty:
                 return []
+            if not failures:
+                self._failed_steps = 0
         else:
             so = self.scheduler.schedule()
             result, failures = self._execute(so)

@@ -150,7 +150,6 @@ class LlamaForCausalLM(nn.Module):
         if shard.tp_size > 1 and comm is None:
             raise ValueError("a tensor-parallel shard needs a communicator")
         reduce = comm.all_reduce if shard.tp_size > 1 else _no_reduce
-        self.full_cfg = cfg
         self.cfg = cfg = shard.local_config()
         if shard.has_embedding:
             if shard.tp_size > 1:
