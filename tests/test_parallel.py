@@ -204,3 +204,31 @@ def test_pipeline_keeps_a_step_per_stage_in_flight_and_isolates_a_failing_reques
         assert_pool_whole(llm.engine)
     _assert_same([o.outputs[0] for o in outs[:-1]], single)
     assert outs[-1].outputs[0].finish_reason == "error"
+
+
+def test_sampling_grammars_and_choices_under_tp_equal_one_process():
+    """Seeded sampling with n=2, a JSON grammar and prompt logprobs: every sampling rank keeps the
+    same state, and the answering rank's tokens are the single process's."""
+    from shoal.engine.structured import StructuredOutput
+
+    prompts = ["Write a JSON object about a cat:", "List three colors:"]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.8, seed=7, structured=StructuredOutput("json_object")),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=3, n=2, prompt_logprobs=2),
+    ]
+
+    def run(llm):
+        outs = llm.generate(prompts, params)
+        found = []
+        for o in outs:
+            scored = [(p.token_id, p.logprob) for p in o.prompt_logprobs or [] if p]
+            found.append(([c.token_ids for c in o.outputs], scored))
+        return found
+
+    want = run(LLM(quantization="none", num_blocks=128))
+    with LLM(quantization="none", num_blocks=128, tensor_parallel_size=2) as llm:
+        got = run(llm)
+    for (g_tokens, g_plp), (w_tokens, w_plp) in zip(got, want):
+        assert g_tokens == w_tokens
+        assert [t for t, _ in g_plp] == [t for t, _ in w_plp]
+        assert all(abs(a - b) < LOGIT_ATOL for (_, a), (_, b) in zip(g_plp, w_plp))
