@@ -13,5 +13,8 @@ class UniprocExecutor:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(so)
 
+    def export_kv(self, block_ids: list[int], num_tokens: int):
+        return self.runner.export_kv(block_ids, num_tokens)
+
     def shutdown(self) -> None:
         pass

@@ -33,6 +33,10 @@ class KVCacheManager:
             req.token_ids[:num_tokens], self.block_size, req.extra_keys, req.block_hashes, self.root_hash
         )
 
+    def block_hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """The hash chain of the request's full blocks among its first num_tokens tokens."""
+        return self._hashes(req, num_tokens // self.block_size * self.block_size)
+
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of the request (never its last token)."""
         if not self.pool.enable_caching:

@@ -14,6 +14,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.executor import UniprocExecutor
 from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.kv_transfer import PackedKV, checked
 from shoal.engine.model_runner import kv_bytes_per_block
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import EngineCoreOutput, RequestOutput
@@ -148,6 +149,8 @@ class LLMEngine:
         prior_output_ids: list[int] | None = None,
         prior_text_sent: int | None = None,
         track_output: bool = True,
+        hold_kv: bool = False,
+        external_kv: PackedKV | None = None,
     ) -> Request:
         """`prior_output_ids` resumes a request: tokens it already produced (on another replica)
         after `prompt`. They count as output for limits, penalties, stop strings and the seeded
@@ -155,7 +158,11 @@ class LLMEngine:
         with any text of the prior tokens past `prior_text_sent` characters first.
 
         `track_output=False` leaves text to the caller: `step_core` reports its tokens, and the
-        caller's own OutputProcessor (the async front's, on its event loop) turns them into text."""
+        caller's own OutputProcessor (the async front's, on its event loop) turns them into text.
+
+        Disaggregation: `hold_kv` keeps the request's blocks after it finishes, for `export_kv`
+        (until `release_kv`); `external_kv` is the prompt's K/V computed by another engine, loaded
+        instead of computed here."""
         params = params or SamplingParams()
         prior = list(prior_output_ids or [])
         if request_id in self.scheduler.groups or request_id in self.output_processor.groups:
@@ -206,12 +213,42 @@ class LLMEngine:
             arrival_time=arrival_time,
             num_prompt_tokens=len(ids),
         )
+        if external_kv is not None:
+            req.external_kv = self._check_external_kv(req, external_kv)
+        req.hold_kv = hold_kv
         if self.faults.active:
             self._mark_faults(request_id, ids)
         self.scheduler.add_request(req)
         if track_output:
             self.output_processor.add(request_id, text, ids, params, prior, prior_text_sent)
         return req
+
+    def _check_external_kv(self, req: Request, packed: PackedKV) -> PackedKV:
+        if self.config.parallel.world_size > 1:
+            raise RequestRejectedError("K/V from another engine does not load into a parallel engine yet")
+        runner = self.executor.runner
+        cfg = runner.cfg
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+        num = getattr(packed, "num_tokens", 0)
+        hashes = self.kv.block_hashes(req, min(num, req.num_tokens)) if isinstance(num, int) else []
+        try:
+            return checked(
+                packed, req.num_tokens, hashes, shape, runner.kv_caches[0][0].dtype, self.kv.block_size
+            )
+        except (ValueError, AttributeError) as exc:
+            raise RequestRejectedError(str(exc), "kv_transfer_params") from None
+
+    def export_kv(self, request_id: str) -> PackedKV:
+        """The K/V of a finished request held with `hold_kv`: its computed tokens, packed."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            raise KeyError(f"no K/V is held for request {request_id!r}")
+        n = min(req.num_computed_tokens, req.num_prompt_tokens)
+        data = self.executor.export_kv(self.kv.block_ids(request_id), n)
+        return PackedKV(n, self.kv.block_hashes(req, n), data)
+
+    def release_kv(self, request_id: str) -> bool:
+        return self.scheduler.release_kv(request_id)
 
     def _check_token_ids(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
         vocab = self.loaded.config.vocab_size

@@ -22,6 +22,7 @@ from shoal.engine.attention import (
 )
 from shoal.engine.cpu_decode import CpuFusedDecoder
 from shoal.engine.cuda_graphs import CudaGraphDecoder
+from shoal.engine.kv_transfer import pack, token_slots, unpack
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.parallel.comm import StageLink
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
@@ -148,6 +149,8 @@ class ModelRunner:
         for new in so.new_requests:
             if self._applied_step.get(new.request_id) == so.step_id:
                 continue
+            if new.external_kv is not None:  # its prompt's K/V came from another engine
+                self.import_kv(new.block_ids, new.external_kv)
             if not self.samples:  # an earlier pipeline stage keeps only the block table
                 self.block_tables[new.request_id] = list(new.block_ids)
                 self._applied_step[new.request_id] = so.step_id
@@ -166,6 +169,14 @@ class ModelRunner:
             if sr.new_block_ids and self._applied_step.get(sr.request_id) != so.step_id:
                 self.block_tables[sr.request_id].extend(sr.new_block_ids)
                 self._applied_step[sr.request_id] = so.step_id
+
+    def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """The K/V of a request's first num_tokens tokens, packed (see engine.kv_transfer)."""
+        return pack(self.kv_caches, token_slots(block_ids, num_tokens, self.block_size, self.device))
+
+    def import_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+        slots = token_slots(block_ids, data.shape[2], self.block_size, self.device)
+        unpack(self.kv_caches, slots, data)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -71,6 +71,10 @@ class Request:
         self.pending_children = params.n - 1 if index == 0 else 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # Disaggregation: keep the blocks after finishing, for another engine to take the K/V
+        # (hold_kv); or the prompt's K/V arrives from another engine (external_kv, a PackedKV).
+        self.hold_kv = False
+        self.external_kv = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -48,6 +48,8 @@ class Scheduler:
         # Requests in a step whose results have not come back (pipeline parallel keeps several
         # steps in flight): they sit out later steps, and are never preempted mid-flight.
         self.in_flight: set[str] = set()
+        # Finished requests whose blocks are kept until another engine has taken their K/V.
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self._reserve = int(cfg.admission_watermark * kv.pool.num_blocks)
 
@@ -79,6 +81,13 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         return aborted
 
+    def release_kv(self, request_id: str) -> bool:
+        """Frees a finished request's held blocks (its K/V was taken, or is no longer wanted)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+        return req is not None
+
     def _enqueue(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
@@ -88,7 +97,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if req.hold_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            self.held[req.request_id] = req  # its K/V is wanted elsewhere: freed on release_kv
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         group = self.groups.get(req.group_id)
         if (
@@ -198,10 +210,12 @@ class Scheduler:
         ):
             req = self.waiting[0]
             wants_prompt_logprobs = req.params.prompt_logprobs is not None
-            cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
+            external = req.external_kv.num_tokens if req.external_kv is not None else 0
+            cached = [] if wants_prompt_logprobs or external else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
-            if not self._allocate(req, n, cached=cached, reserve=self._reserve):
+            n = min(req.num_tokens - num_cached - external, budget)
+            ok = self._allocate(req, n, cached=cached, num_external_tokens=external, reserve=self._reserve)
+            if not ok:
                 victim = self._victim()
                 if victim is not None and victim.priority > req.priority:
                     budget += self._preempt(victim, scheduled) + len(spec.pop(victim.request_id, []))
@@ -210,8 +224,9 @@ class Scheduler:
             self.waiting.pop(0)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
-                self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
-            req.num_computed_tokens = num_cached
+                if not external:
+                    self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
+            req.num_computed_tokens = num_cached + external
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -231,6 +246,9 @@ class Scheduler:
             req = self.requests[rid]
             if rid in self._unseen:
                 self._unseen.discard(rid)
+                external = req.external_kv.data if req.external_kv is not None else None
+                # Loaded once: a request preempted later computes its prompt like any other.
+                req.external_kv = None
                 out.new_requests.append(
                     NewRequestData(
                         rid,
@@ -239,6 +257,7 @@ class Scheduler:
                         req.seed,
                         req.output_token_ids,
                         self.kv.block_ids(rid),
+                        external,
                     )
                 )
             start = req.num_computed_tokens

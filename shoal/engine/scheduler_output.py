@@ -4,6 +4,7 @@ runner in another process (a tensor- or pipeline-parallel worker) can take it as
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampling_params import SamplingParams
@@ -20,6 +21,9 @@ class NewRequestData:
     seed: int
     output_token_ids: list[int] = field(default_factory=list)  # produced before (resumed, preempted)
     block_ids: list[int] = field(default_factory=list)
+    # The packed K/V of its first tokens, computed by another engine: loaded into its blocks before
+    # the step runs (see engine.kv_transfer).
+    external_kv: Any = None
 
 
 @dataclass

@@ -1,0 +1,93 @@
+"""A request's K/V moved from one engine to another (the core of prefill/decode disaggregation):
+the bytes that arrive are what prefill computed, block by block, and decode goes on as if one
+engine had done it all."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.engine.kv_transfer import token_slots
+from shoal.engine.llm_engine import RequestRejectedError
+from tests.conftest import REF_TOKENS
+from tests.helpers import PROMPTS, assert_pool_whole, run_to_completion
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(bundled):
+    prefill = LLM(loaded=bundled, num_blocks=128).engine
+    decode = LLM(loaded=bundled, num_blocks=96).engine
+    # Some blocks of the decode pool in use first, so that the request lands on other block ids.
+    decode.add_request("other", "Hello there, how are you today?", SamplingParams(max_tokens=2))
+    run_to_completion(decode)
+    return prefill, decode
+
+
+def _prefill(engine, rid: str, ids: list[int]):
+    engine.add_request(rid, ids, SamplingParams(max_tokens=1, **GREEDY), hold_kv=True)
+    first = run_to_completion(engine)[rid].outputs[0].token_ids
+    return first, engine.export_kv(rid)
+
+
+def _kv_at(engine, rid_blocks: list[int], n: int) -> torch.Tensor:
+    runner = engine.executor.runner
+    slots = token_slots(rid_blocks, n, runner.block_size, runner.device)
+    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in runner.kv_caches])
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[6], PROMPTS[1], PROMPTS[0]])
+def test_kv_moves_bit_for_bit_and_decode_goes_on_as_one_engine(engines, bundled, prompt):
+    prefill, decode = engines
+    ids = bundled.tokenizer.encode(prompt)
+    whole = LLM(loaded=bundled, num_blocks=64).generate(ids, SamplingParams(max_tokens=REF_TOKENS, **GREEDY))
+    first, packed = _prefill(prefill, "p", ids)
+    assert packed.num_tokens == len(ids) and len(packed.block_hashes) == len(ids) // 16
+    assert packed.data.shape == (30, 2, len(ids), 3, 64)
+    computed = _kv_at(prefill, prefill.kv.block_ids("p"), len(ids))
+
+    decode.add_request(
+        "d", ids, SamplingParams(max_tokens=REF_TOKENS, **GREEDY), prior_output_ids=first, external_kv=packed
+    )
+    decode.step()  # loads the K/V, then decodes the first token after it
+    arrived = _kv_at(decode, decode.kv.block_ids("d"), len(ids))
+    assert decode.kv.block_ids("d")[0] != prefill.kv.block_ids("p")[0] or len(ids) < 16
+    for b in range(0, len(ids), 16):  # per block: exactly the bytes prefill computed
+        assert torch.equal(arrived[:, :, b : b + 16], computed[:, :, b : b + 16]), b
+    # The output counts the prefill's first token as its own (prior output), then what came after.
+    got = run_to_completion(decode)["d"].outputs[0].token_ids
+    assert got[:1] == first and got == whole[0].outputs[0].token_ids
+
+    # The blocks that arrived feed the decode engine's prefix cache.
+    decode.add_request("again", ids, SamplingParams(max_tokens=1, **GREEDY))
+    assert run_to_completion(decode)["again"].num_cached_tokens == len(ids) // 16 * 16
+    assert prefill.release_kv("p") and not prefill.release_kv("p")
+    assert_pool_whole(prefill)
+    assert_pool_whole(decode)
+
+
+def test_kv_that_does_not_fit_the_request_is_refused_and_changes_nothing(engines, bundled):
+    prefill, decode = engines
+    ids = bundled.tokenizer.encode(PROMPTS[1])
+    _, packed = _prefill(prefill, "p2", ids)
+    other = bundled.tokenizer.encode(PROMPTS[4])
+    bad = {
+        "another prompt": (other, packed),
+        "wrong shape": (ids, dataclasses.replace(packed, data=packed.data[:, :, :, :2])),
+        "wrong dtype": (ids, dataclasses.replace(packed, data=packed.data.half())),
+        "count mismatch": (ids, dataclasses.replace(packed, num_tokens=packed.num_tokens - 1)),
+        "not a tensor": (ids, dataclasses.replace(packed, data=[1, 2, 3])),
+    }
+    for why, (prompt, kv) in bad.items():
+        with pytest.raises(RequestRejectedError) as err:
+            decode.add_request(
+                "bad", prompt, SamplingParams(max_tokens=4), prior_output_ids=[1], external_kv=kv
+            )
+        assert err.value.param == "kv_transfer_params", why
+    prefill.release_kv("p2")
+    assert_pool_whole(prefill)
+    assert_pool_whole(decode)
