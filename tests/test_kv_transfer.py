@@ -4,6 +4,7 @@ engine had done it all."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -91,3 +92,45 @@ def test_kv_that_does_not_fit_the_request_is_refused_and_changes_nothing(engines
     prefill.release_kv("p2")
     assert_pool_whole(prefill)
     assert_pool_whole(decode)
+
+
+def test_async_engines_hand_kv_over_and_kv_nobody_takes_is_freed(bundled):
+    """The same handoff through the async front (export and release run on the engine thread),
+    and held K/V that no decode engine takes is freed after kv_hold_timeout_s."""
+    from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
+    from shoal.engine.config import CacheConfig, EngineConfig
+    from shoal.engine.llm_engine import LLMEngine
+
+    def front():
+        engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=96)), loaded=bundled)
+        return engine, AsyncEngine(engine, AsyncEngineConfig(kv_hold_timeout_s=1.0)).start()
+
+    (p_engine, prefill), (d_engine, decode) = front(), front()
+    ids = bundled.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    want = LLM(loaded=bundled, num_blocks=64).generate(ids, params)[0].outputs[0].token_ids
+
+    async def tokens(stream) -> list[int]:
+        return [t async for out in stream for t in out.outputs[0].delta_token_ids]
+
+    async def run():
+        one = SamplingParams(max_tokens=1, **GREEDY)
+        first = await tokens(await prefill.add_request("p", ids, one, hold_kv=True))
+        packed = await prefill.export_kv("p")
+        stream = await decode.add_request("d", ids, params, prior_output_ids=first, external_kv=packed)
+        rest = await tokens(stream)
+        assert await prefill.release_kv("p")
+        await tokens(await prefill.add_request("q", ids, one, hold_kv=True))
+        await asyncio.sleep(1.8)  # nobody takes q's K/V
+        with pytest.raises(KeyError):
+            await prefill.export_kv("q")
+        return first, rest
+
+    try:
+        first, rest = asyncio.run(run())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert first + rest == want
+    assert_pool_whole(p_engine)
+    assert_pool_whole(d_engine)

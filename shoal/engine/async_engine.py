@@ -20,7 +20,9 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.engine.llm_engine import EngineStats, LLMEngine
 from shoal.engine.output_processor import OutputProcessor
@@ -53,6 +55,8 @@ class AsyncEngineConfig:
     stall_timeout_s: float = 60.0
     # KV events kept for routers that poll; one that falls further behind is told to resync.
     kv_event_log_size: int = 200_000
+    # K/V held for another engine (disaggregation) is freed if nobody takes it within this.
+    kv_hold_timeout_s: float = 30.0
 
 
 @dataclass
@@ -69,6 +73,14 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Runs fn() on the engine thread and settles `future` with what it returns or raises."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future
 
 
 @dataclass
@@ -241,6 +253,20 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def export_kv(self, request_id: str):
+        """The K/V a finished request held (`hold_kv`), packed; taken on the engine thread."""
+        return await self._call(lambda: self.engine.export_kv(request_id))
+
+    async def release_kv(self, request_id: str) -> bool:
+        return await self._call(lambda: self.engine.release_kv(request_id))
+
+    async def _call(self, fn):
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
     def stop(self, request_id: str, stop: str) -> None:
         """Finishes one choice whose text reached a stop string (found by its stream)."""
         self._commands.put(_Stop(request_id, stop))
@@ -273,6 +299,7 @@ class AsyncEngine:
                 self._drain(block=idle)
                 if idle:
                     self.engine.check_health()  # a rank of a parallel engine may die between steps
+                self.engine.scheduler.expire_held(self.config.kv_hold_timeout_s)
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 self._step_started = time.monotonic()
@@ -300,6 +327,12 @@ class AsyncEngine:
             elif isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
                 self._streams.pop(cmd.request_id, None)
+            elif isinstance(cmd, _Call):
+                try:
+                    result, error = cmd.fn(), None
+                except Exception as exc:
+                    result, error = None, exc
+                cmd.future.get_loop().call_soon_threadsafe(_resolve, cmd.future, result, error)
             elif isinstance(cmd, _Stop):
                 group = self.engine.stop_request(cmd.request_id, cmd.stop)
                 if group is not None and group not in self.engine.scheduler.groups:
@@ -397,6 +430,15 @@ class AsyncEngine:
                 fut.get_loop().call_soon_threadsafe(
                     _settle, fut, EngineDeadError("the engine loop has stopped")
                 )
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(exc)
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:

@@ -48,8 +48,10 @@ class Scheduler:
         # Requests in a step whose results have not come back (pipeline parallel keeps several
         # steps in flight): they sit out later steps, and are never preempted mid-flight.
         self.in_flight: set[str] = set()
-        # Finished requests whose blocks are kept until another engine has taken their K/V.
+        # Finished requests whose blocks are kept until another engine has taken their K/V, and
+        # when each was finished.
         self.held: dict[str, Request] = {}
+        self._held_since: dict[str, float] = {}
         self.num_preemptions = 0
         self._reserve = int(cfg.admission_watermark * kv.pool.num_blocks)
 
@@ -84,9 +86,18 @@ class Scheduler:
     def release_kv(self, request_id: str) -> bool:
         """Frees a finished request's held blocks (its K/V was taken, or is no longer wanted)."""
         req = self.held.pop(request_id, None)
+        self._held_since.pop(request_id, None)
         if req is not None:
             self.kv.free(req)
         return req is not None
+
+    def expire_held(self, timeout_s: float) -> list[str]:
+        """Frees held K/V that nobody took within timeout_s (its taker died, or never came)."""
+        now = time.monotonic()
+        late = [rid for rid, since in self._held_since.items() if now - since > timeout_s]
+        for rid in late:
+            self.release_kv(rid)
+        return late
 
     def _enqueue(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
@@ -99,6 +110,7 @@ class Scheduler:
         req.status = status
         if req.hold_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             self.held[req.request_id] = req  # its K/V is wanted elsewhere: freed on release_kv
+            self._held_since[req.request_id] = time.monotonic()
         else:
             self.kv.free(req)
         self.requests.pop(req.request_id, None)
