@@ -442,12 +442,7 @@ def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> Non
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(exc)
+    _resolve(fut, None, exc)
 
 
 def _push_all(items: list[tuple[RequestStream, list[EngineCoreOutput]]]) -> None:
