@@ -232,3 +232,23 @@ def test_sampling_grammars_and_choices_under_tp_equal_one_process():
         assert g_tokens == w_tokens
         assert [t for t, _ in g_plp] == [t for t, _ in w_plp]
         assert all(abs(a - b) < LOGIT_ATOL for (_, a), (_, b) in zip(g_plp, w_plp))
+
+
+def test_block_slices_from_memory_and_from_the_cache_agree(bundled):
+    """A GGUF's quantized blocks cut for a rank the two ways a rank gets them: from the conversion
+    cache (a first load without a cache cuts them in memory instead)."""
+    from shoal.models.checkpoint import bundled_model_path
+    from shoal.models.gguf_cache import load_cached
+    from shoal.models.sharded_read import take_blocks
+
+    cached = load_cached(bundled_model_path(), torch.float32)
+    whole = cached.blocks()
+    assert any(".down_proj." in n for n in whole)  # row-parallel (input dimension) cuts are among them
+    for rank in range(2):
+        shard = ModelShard(bundled.config, rank, 2)
+        from_cache = cached.blocks(shard)
+        assert from_cache.keys() == whole.keys()
+        for name, b in whole.items():
+            got, want = take_blocks(shard, name, b), from_cache[name]
+            assert got.format == want.format and torch.equal(got.qs, want.qs), name
+            assert torch.equal(got.d, want.d) and (got.mn is None or torch.equal(got.mn, want.mn)), name

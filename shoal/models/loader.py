@@ -63,12 +63,7 @@ def load_model(
             if quantization == "int4":
                 stored = cached.blocks(shard)
         else:
-            reader = open_gguf(path)
-            cfg = load_gguf_config(reader)
-            tokenizer = Tokenizer.from_gguf(reader)
-            converted = dict(iter_gguf_weights(reader, cfg, dtype))
-            stored = dict(iter_gguf_blocks(reader, cfg))
-            store(path, dtype, cfg, tokenizer, converted, stored)
+            cfg, tokenizer, converted, stored = _convert_gguf(path, dtype)
             quantization = resolve_quantization(quantization, {k: b.format for k, b in stored.items()})
             shard = ModelShard(cfg, *parallel) if parallel else ModelShard(cfg)
             weights = ((n, shard.take(n, t)) for n, t in converted.items() if shard.local_name(n))
@@ -106,15 +101,21 @@ def describe_model(
         cached = load_cached(path, dtype)
         if cached is not None:
             cfg, tokenizer, formats = cached.config, cached.tokenizer, cached.block_formats()
-        else:  # without a cache (SHOAL_NO_CACHE), every rank converts the file itself
-            reader = open_gguf(path)
-            cfg, tokenizer = load_gguf_config(reader), Tokenizer.from_gguf(reader)
-            converted = dict(iter_gguf_weights(reader, cfg, dtype))
-            stored = dict(iter_gguf_blocks(reader, cfg))
-            store(path, dtype, cfg, tokenizer, converted, stored)
+        else:  # first load: converted and cached (unless SHOAL_NO_CACHE, then each rank converts too)
+            cfg, tokenizer, _, stored = _convert_gguf(path, dtype)
             formats = {k: b.format for k, b in stored.items()}
         quantization = resolve_quantization(quantization, formats)
     else:
         quantization = resolve_quantization(quantization, {})
         cfg, tokenizer = load_hf_config(path), Tokenizer.from_hf_dir(path)
     return LoadedModel(name, path, cfg, None, tokenizer, quantization)
+
+
+def _convert_gguf(path: Path, dtype: torch.dtype):
+    """(config, tokenizer, float weights, stored blocks) read from a GGUF, and written to its cache."""
+    reader = open_gguf(path)
+    cfg, tokenizer = load_gguf_config(reader), Tokenizer.from_gguf(reader)
+    converted = dict(iter_gguf_weights(reader, cfg, dtype))
+    stored = dict(iter_gguf_blocks(reader, cfg))
+    store(path, dtype, cfg, tokenizer, converted, stored)
+    return cfg, tokenizer, converted, stored

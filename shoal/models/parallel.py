@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.kernels.cpu import QK  # quantized blocks run along the input dimension: splits keep to them
 from shoal.models.config import ModelConfig
-
-QK = 32  # quantized blocks run along the input dimension in 32s: a row-parallel split keeps to them
 
 
 class ShardingError(ValueError):

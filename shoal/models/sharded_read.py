@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from shoal.kernels.cpu import QK
 from shoal.models.parallel import ModelShard, Span
-
-QK = 32
 
 
 def read_slice(f, key: str, shard: ModelShard, name: str | None = None) -> torch.Tensor:
@@ -30,12 +29,17 @@ def read_block_part(f, key: str, part: str, fmt: str, shard: ModelShard, name: s
     if where is None:
         return f.get_tensor(key)
     dim, span = where
-    if dim == 1 and not (part == "qs" and fmt == "q8_0"):
-        if span.start % QK or span.size % QK:
-            raise ValueError(f"{name}: a split at {span} does not fall on blocks of {QK}")
-        span = Span(span.start // QK, span.size // QK)
-    t = _cut(f, key, dim, span)
-    return shard.pad_vocab(name, t)
+    return shard.pad_vocab(name, _cut(f, key, dim, _block_part_span(name, dim, span, part, fmt)))
+
+
+def _block_part_span(name: str, dim: int, span: Span, part: str, fmt: str) -> Span:
+    """Where a split of the weight's values falls in one part of its blocks: the same rows for a
+    split of dim 0; for dim 1, whole blocks, counted in blocks except in q8_0's qs."""
+    if dim == 0 or (part == "qs" and fmt == "q8_0"):
+        return span
+    if span.start % QK or span.size % QK:
+        raise ValueError(f"{name}: a split at {span} does not fall on blocks of {QK}")
+    return Span(span.start // QK, span.size // QK)
 
 
 def _cut(f, key: str, dim: int, span: Span) -> torch.Tensor:
@@ -53,12 +57,11 @@ def take_blocks(shard: ModelShard, name: str, b):
     if where is None:
         return b
     dim, span = where
-    blocks = span if dim == 0 else Span(span.start // QK, span.size // QK)
-    if dim == 1 and (span.start % QK or span.size % QK):
-        raise ValueError(f"{name}: a split at {span} does not fall on blocks of {QK}")
-    qs_span = span if (dim == 0 or b.format == "q8_0") else blocks
 
-    def cut(t, s):
-        return None if t is None else shard.pad_vocab(name, t.narrow(dim, s.start, s.size))
+    def cut(t, part):
+        if t is None:
+            return None
+        s = _block_part_span(name, dim, span, part, b.format)
+        return shard.pad_vocab(name, t.narrow(dim, s.start, s.size))
 
-    return BlockWeights(b.format, cut(b.qs, qs_span), cut(b.d, blocks), cut(b.mn, blocks))
+    return BlockWeights(b.format, cut(b.qs, "qs"), cut(b.d, "d"), cut(b.mn, "mn"))
