@@ -64,9 +64,20 @@ def _chat(llm, args) -> int:
 def cmd_serve(args) -> int:
     from shoal.engine.async_engine import AsyncEngineConfig
     from shoal.llm import build_engine_config
+    from shoal.server.kv_connector import KVConnectorConfig
     from shoal.server.launch import ServerConfig, serve
 
     model = args.model_pos or args.model
+    try:
+        kv = KVConnectorConfig(
+            role=args.role,
+            transport=args.kv_transport,
+            transfer_timeout_s=args.kv_transfer_timeout,
+            hold_timeout_s=args.kv_hold_timeout,
+        )
+    except ValueError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
     front = AsyncEngineConfig(
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,
@@ -82,6 +93,7 @@ def cmd_serve(args) -> int:
         trust_request_priority=args.trust_request_priority,
         kv_salt=args.kv_salt,
         tool_call_parser=args.tool_call_parser,
+        kv=kv,
     )
     if args.max_request_bytes:
         server.max_request_bytes = args.max_request_bytes
@@ -270,6 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
         "own where the template has no tools)",
     )
     p.add_argument("--log-level", default="warning")
+    g = p.add_argument_group("prefill/decode disaggregation (the K/V key comes from $SHOAL_KV_TRANSFER_KEY)")
+    g.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="what a disaggregating gateway sends here: prompts to prefill, or generation",
+    )
+    g.add_argument("--kv-transport", choices=["auto", "shm", "tcp", "nixl"], default="auto")
+    g.add_argument(
+        "--kv-transfer-timeout", type=float, default=10.0, help="seconds before a K/V pull is given up"
+    )
+    g.add_argument(
+        "--kv-hold-timeout", type=float, default=30.0, help="seconds a prefilled K/V waits to be pulled"
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -288,6 +288,7 @@ class AsyncEngine:
             "free_blocks": s.num_free_blocks,
             "num_blocks": s.num_blocks,
             "num_steps": self.engine.num_steps,
+            "kv_held": len(self.engine.scheduler.held),
         }
 
     # --- the engine thread ---------------------------------------------------------------

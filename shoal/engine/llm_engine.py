@@ -215,6 +215,10 @@ class LLMEngine:
         )
         if external_kv is not None:
             req.external_kv = self._check_external_kv(req, external_kv)
+        if hold_kv and self.config.parallel.world_size > 1:
+            raise RequestRejectedError(
+                "a parallel engine cannot hand its K/V to another yet", "kv_transfer_params"
+            )
         req.hold_kv = hold_kv
         if self.faults.active:
             self._mark_faults(request_id, ids)

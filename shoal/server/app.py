@@ -35,6 +35,7 @@ class ServerState:
     started: float = 0.0
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES
     exit_code: int = 0  # set when the server stops itself (engine loop dead)
+    role: str = "both"  # prefill, decode or both: what a disaggregating gateway uses it for
 
     def serving(self) -> ServingContext:
         if self.ctx is None:
@@ -185,7 +186,18 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/load")
     async def load():
-        return state.serving().engine.load()
+        return {**state.serving().engine.load(), "role": state.role}
+
+    @app.post("/kv/pull")
+    async def kv_pull(raw: Request):
+        """A prefill worker's held K/V for a decode worker (shared memory or the body)."""
+        ctx = state.serving()
+        return await ctx.kv.serve_pull(raw, parse_json_object(await raw.body()))
+
+    @app.post("/kv/release")
+    async def kv_release(raw: Request):
+        ctx = state.serving()
+        return await ctx.kv.release(raw, parse_json_object(await raw.body()))
 
     @app.get("/kv_events")
     async def kv_events(after: Annotated[int, Query(ge=0, le=2**62)] = 0):

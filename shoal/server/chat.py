@@ -19,6 +19,7 @@ from shoal.server.common import (
     ServingContext,
     close_all,
     close_timers,
+    handoff,
     merged,
     now_s,
     open_streams,
@@ -103,7 +104,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     else:
         prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt, req.active_tools)
     rid = request_id("chatcmpl")
-    streams = await open_streams(ctx, rid, [prompt], params, req.priority, resume)
+    streams = await open_streams(
+        ctx, rid, [prompt], params, req.priority, resume, req.kv_transfer_params, raw
+    )
     timer = ctx.metrics.timer(raw.state.arrival)
     head = {"id": rid, "created": now_s(), "model": ctx.model_name}
     # A resumed stream answers for one choice of the original request, under that choice's index.
@@ -190,6 +193,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 for i in range(req.n)
             ],
             "usage": total_usage(),
+            **handoff(ctx, req.kv_transfer_params, rid),
         }
         return JSONResponse(body)
 

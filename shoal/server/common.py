@@ -22,8 +22,9 @@ from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import SMOLLM2, ToolFormat
 from shoal.protocol.errors import RANK_LOST_CODE, APIError, overloaded
 from shoal.protocol.seeds import derive_seed
+from shoal.server.kv_connector import KVConnector
 from shoal.server.metrics import RequestTimer, ServerMetrics
-from shoal.server.protocol import Resume
+from shoal.server.protocol import KVTransferParams, Resume
 
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL_S = 0.05
@@ -38,6 +39,7 @@ class ServingContext:
     metrics: ServerMetrics
     trust_request_priority: bool = False
     tool_format: ToolFormat = SMOLLM2
+    kv: KVConnector | None = None  # prefill/decode handoff; None: kv_transfer_params are refused
     # Tokenizing a long prompt takes a while: it must never stall the event loop (and with it
     # /health and every other stream), so it runs here.
     text_pool: ThreadPoolExecutor = field(
@@ -104,21 +106,47 @@ async def open_streams(
     params: SamplingParams,
     priority: int,
     resume: Resume | None = None,
+    kv: KVTransferParams | None = None,
+    raw: Request | None = None,
 ) -> list[RequestStream]:
-    """Admits one engine request per prompt, all or none."""
+    """Admits one engine request per prompt, all or none. `kv`: the request's part in a prefill/
+    decode handoff (see server.kv_connector)."""
     streams: list[RequestStream] = []
     extra = {}
     if resume is not None:
         extra = {"prior_output_ids": resume.output_token_ids, "prior_text_sent": resume.text_offset}
+    if kv is not None:
+        if ctx.kv is None:
+            raise APIError(400, "this server takes no kv_transfer_params", "kv_transfer_params")
+        extra.update(await ctx.kv.request_options(kv, raw, len(prompts)))
     try:
         for i, ids in enumerate(prompts):
             name = rid if len(prompts) == 1 else f"{rid}-{i}"
-            streams.append(await ctx.engine.add_request(name, ids, params, ctx.priority(priority), **extra))
+            streams.append(await _add(ctx, name, ids, params, priority, extra))
     except BaseException as exc:
         for s in streams:
             s.abort()
         raise engine_error(exc) from exc
     return streams
+
+
+async def _add(ctx: ServingContext, name: str, ids: list[int], params, priority: int, extra: dict):
+    try:
+        return await ctx.engine.add_request(name, ids, params, ctx.priority(priority), **extra)
+    except RequestRejectedError as exc:
+        if "external_kv" not in extra or exc.param != "kv_transfer_params":
+            raise
+        reason = str(exc)
+    ctx.kv.rejected(reason)  # pulled K/V that does not fit this prompt: compute it here instead
+    extra = {k: v for k, v in extra.items() if k != "external_kv"}
+    return await ctx.engine.add_request(name, ids, params, ctx.priority(priority), **extra)
+
+
+def handoff(ctx: ServingContext, kv: KVTransferParams | None, rid: str) -> dict:
+    """A prefill worker's answer names the K/V it holds for the decode worker to pull."""
+    if kv is None or not kv.do_remote_decode:
+        return {}
+    return {"kv_transfer_params": ctx.kv.handoff(rid)}
 
 
 class RequestFailedError(Exception):

@@ -15,6 +15,7 @@ from shoal.server.common import (
     ServingContext,
     close_all,
     close_timers,
+    handoff,
     merged,
     now_s,
     open_streams,
@@ -94,7 +95,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
     if any(not p for p in prompts):
         raise APIError(400, "prompt is empty", "prompt")
     rid = request_id("cmpl")
-    streams = await open_streams(ctx, rid, prompts, params, req.priority, resume)
+    streams = await open_streams(ctx, rid, prompts, params, req.priority, resume, req.kv_transfer_params, raw)
     start = raw.state.arrival
     timers = [ctx.metrics.timer(start) for _ in streams]
     lp = _Logprobs(ctx) if req.logprobs is not None else None
@@ -174,6 +175,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
                 for c in choices
             ],
             "usage": total_usage(),
+            **handoff(ctx, req.kv_transfer_params, rid),
         }
         return JSONResponse(body)
 

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import uvicorn
 
@@ -23,6 +23,7 @@ from shoal.protocol.errors import EXIT_ENGINE_DEAD, EXIT_RANK_LOST
 from shoal.protocol.secrets import kv_salt
 from shoal.server.app import ServerState, build_app
 from shoal.server.common import ServingContext
+from shoal.server.kv_connector import KVConnector, KVConnectorConfig
 from shoal.server.metrics import ServerMetrics
 
 # A supervisor that wants its replicas to die with it names itself here.
@@ -44,21 +45,26 @@ class ServerConfig:
     trust_request_priority: bool = False
     kv_salt: str | None = None
     tool_call_parser: str = "auto"  # see models.tool_formats
+    kv: KVConnectorConfig = field(default_factory=KVConnectorConfig)  # role and K/V handoff
 
 
 def load_serving_context(engine_config: EngineConfig, server_config: ServerConfig) -> ServingContext:
     salt = kv_salt(server_config.kv_salt, server_config.api_key)
     engine = LLMEngine(replace(engine_config, cache=replace(engine_config.cache, hash_salt=salt)))
-    front = AsyncEngine(engine, server_config.front).start()
+    kv = server_config.kv
+    front_config = replace(server_config.front or AsyncEngineConfig(), kv_hold_timeout_s=kv.hold_timeout_s)
+    front = AsyncEngine(engine, front_config).start()
     name = server_config.served_model_name or engine.model_name
+    metrics = ServerMetrics(name, front.stats)
     return ServingContext(
         engine=front,
         tokenizer=engine.tokenizer,
         model_name=name,
         max_model_len=engine.max_model_len,
-        metrics=ServerMetrics(name, front.stats),
+        metrics=metrics,
         trust_request_priority=server_config.trust_request_priority,
         tool_format=tool_format(server_config.tool_call_parser, engine.tokenizer.chat_template),
+        kv=KVConnector(kv, front, metrics.registry, server_config.api_key),
     )
 
 
@@ -66,7 +72,10 @@ def create_server(
     engine_config: EngineConfig, server_config: ServerConfig
 ) -> tuple[uvicorn.Server, ServerState]:
     state = ServerState(
-        api_key=server_config.api_key, started=time.time(), max_request_bytes=server_config.max_request_bytes
+        api_key=server_config.api_key,
+        started=time.time(),
+        max_request_bytes=server_config.max_request_bytes,
+        role=server_config.kv.role,
     )
     url = f"http://{server_config.host}:{server_config.port}"
 
@@ -116,6 +125,7 @@ def create_server(
             watcher.cancel()
             await asyncio.to_thread(loader.join)
             if state.ctx is not None:
+                await state.ctx.kv.close()
                 await asyncio.to_thread(state.ctx.engine.shutdown)
 
     app = build_app(state, lifespan)

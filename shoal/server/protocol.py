@@ -78,6 +78,28 @@ class Resume(_Request):
     text_offset: Annotated[StrictInt, Field(ge=0)] = 0
 
 
+class KVTransferParams(_Request):
+    """shoal's extension for a fleet's gateway splitting prefill from decode (vLLM's field of the
+    same name does the same job): `do_remote_decode` asks a prefill worker to keep the prompt's
+    K/V for a decode worker; `source` and `handle` tell a decode worker where to pull it from.
+    Only the gateway may send it (it carries the fleet's transfer key)."""
+
+    do_remote_decode: StrictBool = False
+    source: Annotated[StrictStr, Field(max_length=2048, pattern=r"^https?://")] | None = None
+    handle: Annotated[StrictStr, Field(max_length=256)] | None = None
+    host: Annotated[StrictStr, Field(max_length=512)] | None = None
+
+    @model_validator(mode="after")
+    def _one_side(self):
+        if self.do_remote_decode == (self.source is not None):
+            raise InvalidParamError(
+                "kv_transfer_params: give either do_remote_decode or source and handle", "kv_transfer_params"
+            )
+        if self.source is not None and self.handle is None:
+            raise InvalidParamError("kv_transfer_params: source needs a handle", "kv_transfer_params")
+        return self
+
+
 class StreamOptions(_Request):
     include_usage: StrictBool = False
 
@@ -106,6 +128,7 @@ class _SamplingFields(_Request):
     # Lower runs first. A client can only lower its own priority unless the server trusts it.
     priority: Annotated[StrictInt, Field(ge=-(2**31), le=2**31)] = 0
     resume: Resume | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     unsupported: ClassVar[dict] = UNSUPPORTED
 
@@ -139,6 +162,9 @@ class _SamplingFields(_Request):
     def _resume_one_choice(self):
         if self.resume is not None and self.n != 1:
             raise InvalidParamError("resume continues one choice: n must be 1", "n")
+        kv = self.kv_transfer_params
+        if kv is not None and kv.do_remote_decode and (self.stream or self.n != 1):
+            raise InvalidParamError("a remote prefill (do_remote_decode) is one unstreamed choice", "stream")
         return self
 
     # shoal's extension (vLLM has the same): token ids of the prompt and of every delta, which a

@@ -1,0 +1,266 @@
+"""The replica's side of prefill/decode disaggregation: a prefill worker keeps a finished
+prompt's K/V (`do_remote_decode`) and hands it out on `/kv/pull`; a decode worker pulls it before
+admitting the request and loads it instead of computing the prompt, then acknowledges, and only
+then does the prefill worker free the blocks. A pull that fails or stalls past
+`transfer_timeout_s` leaves the decode worker to compute the prompt itself: slower, never wrong.
+
+Every request carrying `kv_transfer_params` and every `/kv/*` call must bear the fleet's transfer
+key: with it a caller can hold blocks and make a worker open connections to a URL it names."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter, Histogram
+
+from shoal.engine.async_engine import AsyncEngine
+from shoal.engine.kv_transfer import PackedKV
+from shoal.engine.kv_transport import (
+    TransferError,
+    check_transport,
+    choose,
+    decode,
+    encode,
+    host_id,
+    shm_read,
+    shm_unlink,
+    shm_write,
+)
+from shoal.protocol.errors import APIError
+from shoal.server.protocol import KVTransferParams
+
+log = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+KV_KEY_ENV = "SHOAL_KV_TRANSFER_KEY"
+KV_KEY_HEADER = "x-shoal-kv-key"
+SWEEP_INTERVAL_S = 5.0
+BYTES_BUCKETS = tuple(2.0**i for i in range(12, 34, 2))  # 4 KiB .. 8 GiB
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass
+class KVConnectorConfig:
+    role: str = "both"  # what the gateway uses this worker for; every role can serve whole requests
+    transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_KEY_ENV) or None)
+    transport: str = "auto"  # shm on one host, tcp between hosts (see engine.kv_transport)
+    transfer_timeout_s: float = 10.0  # a pull past this is given up and the prompt computed here
+    hold_timeout_s: float = 30.0  # held K/V nobody pulls is freed after this (the engine's own bound)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; choose from {', '.join(ROLES)}")
+        check_transport(self.transport)
+
+
+@dataclass
+class _Handoff:
+    since: float  # when the prefill finished and its K/V began to wait
+    shm_name: str | None = None
+
+
+class KVConnector:
+    def __init__(self, config: KVConnectorConfig, engine: AsyncEngine, registry, api_key: str | None):
+        self.config = config
+        self.engine = engine
+        self.api_key = api_key
+        self.host = host_id()
+        self.handoffs: dict[str, _Handoff] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._acks: set[asyncio.Task] = set()
+        self.bytes = Histogram(
+            "shoal:kv_transfer_request_bytes",
+            "K/V bytes moved per request, by direction and transport.",
+            ["direction", "transport"],
+            buckets=BYTES_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "shoal:kv_transfer_duration_seconds",
+            "Time a decode worker spent pulling one request's K/V.",
+            ["transport"],
+            buckets=TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "shoal:kv_transfer_queue_seconds",
+            "Time a prefilled request's K/V waited on its prefill worker before it was pulled.",
+            buckets=TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "shoal:kv_transfer_fallbacks",
+            "Requests whose K/V did not arrive (or did not fit) and whose prompt was computed here.",
+            ["reason"],
+            registry=registry,
+        )
+
+    # --- who may ask -------------------------------------------------------------------------
+
+    def authorize(self, raw: Request) -> None:
+        key = self.config.transfer_key
+        given = raw.headers.get(KV_KEY_HEADER, "")
+        if not key or not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(
+                403,
+                "kv_transfer_params and /kv/* are for the fleet's gateway and workers (they need the "
+                "fleet's KV transfer key)",
+                "kv_transfer_params",
+                "kv_transfer_forbidden",
+            )
+
+    # --- engine options for one request ------------------------------------------------------
+
+    async def request_options(self, kv: KVTransferParams | None, raw: Request, num_prompts: int) -> dict:
+        """add_request options for a request's kv_transfer_params: hold its K/V (prefill side), or
+        load the K/V pulled from its prefill worker (decode side; none when the pull failed)."""
+        if kv is None:
+            return {}
+        self.authorize(raw)
+        if num_prompts != 1:
+            raise APIError(400, "kv_transfer_params takes one prompt", "kv_transfer_params")
+        if kv.do_remote_decode:
+            return {"hold_kv": True}
+        packed = await self.pull(kv)
+        return {} if packed is None else {"external_kv": packed}
+
+    def handoff(self, rid: str) -> dict:
+        """The kv_transfer_params a prefill worker answers with: where decode pulls from."""
+        self.handoffs[rid] = _Handoff(time.monotonic())
+        self._start_sweeper()
+        return {"handle": rid, "host": self.host}
+
+    def rejected(self, reason: str) -> None:
+        """The engine refused the pulled K/V (it does not match this prompt): computed here."""
+        self.fallbacks.labels("mismatch").inc()
+        log.warning("pulled K/V refused; computing the prompt here: %s", reason)
+
+    # --- decode side -------------------------------------------------------------------------
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            headers = {KV_KEY_HEADER: self.config.transfer_key or ""}
+            if self.api_key:
+                headers["authorization"] = f"Bearer {self.api_key}"
+            self._client = httpx.AsyncClient(headers=headers, timeout=self.config.transfer_timeout_s)
+        return self._client
+
+    async def pull(self, kv: KVTransferParams) -> PackedKV | None:
+        transport = choose(self.config.transport, kv.host)
+        t0 = time.monotonic()
+        try:
+            packed = await asyncio.wait_for(self._fetch(kv, transport), self.config.transfer_timeout_s)
+        except TimeoutError:
+            return self._fell_back("timeout", kv, f"no K/V within {self.config.transfer_timeout_s:.1f} s")
+        except (httpx.HTTPError, TransferError, ValueError, KeyError) as exc:
+            return self._fell_back("error", kv, f"{type(exc).__name__}: {exc}")
+        self.duration.labels(transport).observe(time.monotonic() - t0)
+        self.bytes.labels("received", transport).observe(packed.nbytes)
+        task = asyncio.get_running_loop().create_task(self._acknowledge(kv))
+        self._acks.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._acks.discard)
+        return packed
+
+    async def _fetch(self, kv: KVTransferParams, transport: str) -> PackedKV:
+        url = kv.source.rstrip("/") + "/kv/pull"
+        body = {"handle": kv.handle, "transport": transport}
+        if transport == "shm":
+            resp = await self.client.post(url, json=body)
+            resp.raise_for_status()
+            return await asyncio.to_thread(shm_read, resp.json()["name"])
+        async with self.client.stream("POST", url, json=body) as resp:
+            resp.raise_for_status()
+            size = int(resp.headers.get("content-length", "-1"))
+            if size < 0:
+                raise TransferError("the K/V response has no length")
+            buf, at = bytearray(size), 0
+            async for chunk in resp.aiter_raw():
+                if at + len(chunk) > size:
+                    raise TransferError("the K/V response is longer than it said")
+                buf[at : at + len(chunk)] = chunk
+                at += len(chunk)
+            if at != size:
+                raise TransferError(f"the K/V response ended after {at} of {size} bytes")
+        return decode(buf)
+
+    def _fell_back(self, reason: str, kv: KVTransferParams, detail: str) -> None:
+        self.fallbacks.labels(reason).inc()
+        log.warning("K/V pull from %s failed (%s); computing the prompt here", kv.source, detail)
+        return None
+
+    async def _acknowledge(self, kv: KVTransferParams) -> None:
+        """Tells the prefill worker it may free the blocks (it frees them anyway after its hold
+        timeout, so a lost acknowledgement costs memory for a while, not correctness)."""
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.post(kv.source.rstrip("/") + "/kv/release", json={"handle": kv.handle})
+
+    # --- prefill side ------------------------------------------------------------------------
+
+    async def serve_pull(self, raw: Request, body: dict) -> Response:
+        self.authorize(raw)
+        handle, transport = body.get("handle"), body.get("transport", "tcp")
+        if not isinstance(handle, str) or transport not in ("shm", "tcp"):
+            raise APIError(400, "give a handle and a transport (shm or tcp)", "handle")
+        try:
+            packed = await self.engine.export_kv(handle)
+        except KeyError:
+            raise APIError(404, f"no K/V is held under {handle[:80]!r}", "handle", "kv_not_found") from None
+        h = self.handoffs.get(handle)
+        if h is not None:
+            self.queue_time.observe(time.monotonic() - h.since)
+        self.bytes.labels("sent", transport).observe(packed.nbytes)
+        if transport == "shm":
+            name = await asyncio.to_thread(shm_write, packed)
+            h = self.handoffs.setdefault(handle, _Handoff(time.monotonic()))
+            if h.shm_name is not None:  # pulled before, by a decode worker that did not take it
+                shm_unlink(h.shm_name)
+            h.shm_name = name
+            self._start_sweeper()
+            return JSONResponse({"name": name, "num_tokens": packed.num_tokens})
+        frame = await asyncio.to_thread(encode, packed)
+        return Response(frame, media_type="application/octet-stream")
+
+    async def release(self, raw: Request, body: dict) -> dict:
+        self.authorize(raw)
+        handle = body.get("handle")
+        if not isinstance(handle, str):
+            raise APIError(400, "give a handle", "handle")
+        released = await self.engine.release_kv(handle)
+        self._forget(handle)
+        return {"released": bool(released)}
+
+    def _forget(self, handle: str) -> None:
+        h = self.handoffs.pop(handle, None)
+        if h is not None and h.shm_name is not None:
+            shm_unlink(h.shm_name)
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Forgets handoffs whose K/V the engine freed after its hold timeout (and their files)."""
+        while self.handoffs:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            cutoff = time.monotonic() - self.config.hold_timeout_s - SWEEP_INTERVAL_S
+            for handle in [k for k, h in self.handoffs.items() if h.since < cutoff]:
+                self._forget(handle)
+
+    async def close(self) -> None:
+        for handle in list(self.handoffs):
+            self._forget(handle)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._client is not None:
+            await self._client.aclose()
