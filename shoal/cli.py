@@ -115,6 +115,7 @@ def _gateway_config(args):
         ("kv_salt", "kv_salt"),
         ("max_request_bytes", "max_body_bytes"),
         ("tokenizer", "tokenizer"),
+        ("disagg_min_prompt_tokens", "disagg_min_prompt_tokens"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
@@ -142,6 +143,13 @@ def cmd_fleet_up(args) -> int:
     fleet = _gateway_config(args)
     if args.replicas is not None:
         fleet.replicas = args.replicas
+    if args.prefill is not None or args.decode is not None:
+        fleet.prefill, fleet.decode = args.prefill or 0, args.decode or 0
+    try:
+        fleet.check()
+    except ValueError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
     fleet.model = args.model_pos or args.model or fleet.model
     if args.base_port is not None:
         fleet.base_port = args.base_port
@@ -160,7 +168,9 @@ def cmd_fleet_up(args) -> int:
         )
         return 1
     names = ", ".join(f"{r.name} :{r.port}" for r in launcher.replicas)
-    print(f"shoal: starting {fleet.replicas} replicas ({names}); logs in {launcher.log_dir}", flush=True)
+    print(
+        f"shoal: starting {len(launcher.replicas)} replicas ({names}); logs in {launcher.log_dir}", flush=True
+    )
     return _run_gateway(Gateway(fleet.gateway, launcher), "fleet gateway up")
 
 
@@ -334,6 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_pos", nargs="?", metavar="MODEL")
     p.add_argument("--model", "-m", default=None)
     p.add_argument("--replicas", type=int, default=None)
+    p.add_argument(
+        "--prefill", type=int, default=None, help="prefill workers (with --decode: a disaggregated fleet)"
+    )
+    p.add_argument("--decode", type=int, default=None, help="decode workers (with --prefill)")
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompts with fewer uncached tokens are prefilled on their decode worker",
+    )
     p.add_argument("--base-port", type=int, default=None, help="replica ports from here (0: any free ports)")
     p.add_argument(
         "--replica-args", default=None, help="extra `shoal serve` flags, e.g. '--kv-cache-memory 1GiB'"

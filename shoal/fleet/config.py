@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
+from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 
 POLICIES = ("kv_aware", "round_robin", "least_load", "power_of_two", "session")
 
@@ -59,6 +61,15 @@ class GatewayConfig:
     load_weight: float = 8.0
     imbalance_limit: int = 16
     block_size: int = 16  # until a replica reports its own
+    # Prefill/decode disaggregation, where some replicas have the prefill role: a prompt with fewer
+    # tokens than this left to compute on the chosen decode worker (short, or mostly cached there)
+    # is prefilled on that worker, since moving its K/V would cost more than it saves. 0 sends
+    # every prompt to a prefill worker. The default is from benchmarks/disaggregation.py (see README).
+    disagg_min_prompt_tokens: int = 256
+    prefill_timeout_s: float = 30.0  # a remote prefill past this is abandoned and run on decode
+    # Authenticates the gateway's kv_transfer_params and the workers' K/V pulls to each other;
+    # default $SHOAL_KV_TRANSFER_KEY, and a local fleet makes one for itself.
+    kv_transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_TRANSFER_KEY_ENV) or None)
 
     @property
     def replica_key(self) -> str | None:
@@ -68,6 +79,9 @@ class GatewayConfig:
 @dataclass
 class FleetConfig:
     replicas: int = 2
+    # A disaggregated fleet: this many prefill and decode workers instead of `replicas` of both roles.
+    prefill: int = 0
+    decode: int = 0
     model: str | None = None
     base_port: int = 8100  # replicas listen on base_port, base_port + 1, ...
     replica_args: list[str] = field(default_factory=list)  # extra `shoal serve` flags
@@ -75,6 +89,16 @@ class FleetConfig:
     restart_backoff_max_s: float = 30.0
     restart_reset_after_s: float = 60.0  # a replica up this long starts from the first backoff again
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+
+    def check(self) -> None:
+        if self.prefill < 0 or self.decode < 0 or (self.prefill > 0) != (self.decode > 0):
+            raise ValueError("a disaggregated fleet needs at least one prefill and one decode worker")
+
+    def roles(self) -> list[str]:
+        """Each replica's role, in order."""
+        if self.prefill:
+            return ["prefill"] * self.prefill + ["decode"] * self.decode
+        return ["both"] * self.replicas
 
 
 def _fill(cls, data: dict[str, Any]):
@@ -91,6 +115,7 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
     cfg = _fill(FleetConfig, data)
     cfg.gateway = gateway
+    cfg.check()
     if gateway.policy not in POLICIES:
         raise ValueError(f"unknown policy {gateway.policy!r}; choose from {', '.join(POLICIES)}")
     return cfg

@@ -161,6 +161,10 @@ class Gateway:
             else:
                 body = parse_json_object(data)
             self.clamp_priority(body)
+            if body.pop("kv_transfer_params", None) is not None:
+                raise APIError(
+                    400, "kv_transfer_params is set by the gateway, not by clients", "kv_transfer_params"
+                )
             route = await self.route_request(path, body, raw.headers)
             fwd = Forward(path, body, self.upstream_headers(raw), route, time.monotonic(), len(data))
             resp = await self.proxy.handle(fwd)

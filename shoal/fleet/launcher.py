@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from shoal.fleet.config import FleetConfig
 from shoal.fleet.registry import Registry
-from shoal.protocol.secrets import KV_SALT_ENV
+from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class LocalReplica:
     name: str
     port: int
     log_path: str
+    role: str = "both"
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -98,13 +99,14 @@ class LocalLauncher:
         # and its gateway, so that the router's block hashes are the replicas' own.
         if not gw.kv_salt:
             gw.kv_salt = os.environ.get(KV_SALT_ENV) or secrets.token_hex(16)
+        if not gw.kv_transfer_key:  # likewise the key of K/V handoffs between its workers
+            gw.kv_transfer_key = secrets.token_hex(16)
         self.log_dir = tempfile.mkdtemp(prefix="shoal-fleet-")
         self.replicas: list[LocalReplica] = []
-        for i in range(config.replicas):
+        for i, role in enumerate(config.roles()):
             port = config.base_port + i if config.base_port else free_port()
-            self.replicas.append(
-                LocalReplica(f"replica-{i}", port, os.path.join(self.log_dir, f"replica-{i}.log"))
-            )
+            name = f"{role}-{i}" if role != "both" else f"replica-{i}"
+            self.replicas.append(LocalReplica(name, port, os.path.join(self.log_dir, f"{name}.log"), role))
         self._task: asyncio.Task | None = None
         self.registry: Registry | None = None
 
@@ -118,6 +120,8 @@ class LocalLauncher:
             cmd.insert(4, cfg.model)
         if cfg.gateway.replica_key:
             cmd += ["--api-key", cfg.gateway.replica_key]
+        if r.role != "both":
+            cmd += ["--role", r.role]
         return cmd
 
     def _start(self, r: LocalReplica) -> bool:
@@ -134,6 +138,7 @@ class LocalLauncher:
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             KV_SALT_ENV: self.config.gateway.kv_salt,
+            KV_TRANSFER_KEY_ENV: self.config.gateway.kv_transfer_key,
             PARENT_PID_ENV: str(os.getpid()),
         }
         with open(r.log_path, "a") as out:
@@ -147,14 +152,14 @@ class LocalLauncher:
             )
         r.started_at = time.monotonic()
         rep = self.registry.add(r.name, r.url, r.proc.pid, r.proc.poll)
-        rep.restarts = r.restarts
+        rep.restarts, rep.role = r.restarts, r.role
         return True
 
     async def start(self, registry: Registry) -> None:
         """Called on the event loop's thread, which spawns every replica (see _die_with_parent)."""
         self.registry = registry
         for r in self.replicas:
-            registry.add(r.name, r.url)
+            registry.add(r.name, r.url).role = r.role
             self._start(r)
         self._task = asyncio.create_task(self._supervise())
 

@@ -47,6 +47,12 @@ class GatewayMetrics:
         self.replica_up = Gauge(
             "shoal:gateway_replica_ready", "1 when the replica takes traffic.", ["replica"], registry=r
         )
+        self.role_waiting = Gauge(
+            "shoal:gateway_role_queue_depth",
+            "Requests waiting in the engines of the ready replicas of each role (prefill, decode, both).",
+            ["role"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "shoal:gateway_time_to_first_token_seconds",
             "Gateway-side time to the first streamed byte.",

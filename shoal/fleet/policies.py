@@ -14,6 +14,7 @@ from shoal.fleet.replica import Replica
 class RouteRequest:
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, if known
     session: str | None = None
+    cached_blocks: int = 0  # set by the registry: leading blocks the chosen replica already held
 
 
 class Policy:

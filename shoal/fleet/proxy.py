@@ -20,6 +20,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response
 
 from shoal.fleet.config import GatewayConfig
+from shoal.fleet.disagg import Disaggregator
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.poison import PoisonGuard, fingerprint, poison_error
 from shoal.fleet.policies import RouteRequest
@@ -52,6 +53,7 @@ class Forward:
     started: float
     size: int = 0  # bytes of the client's body
     fp: str | None = field(default=None, repr=False)  # fingerprint, computed when needed
+    kv: dict | None = None  # kv_transfer_params from a remote prefill ({}: prefilled on decode)
 
 
 def unavailable(message: str) -> JSONResponse:
@@ -86,6 +88,7 @@ class Proxy:
         )
         self.guard = PoisonGuard(config.poison_ttl_s)
         self._retry_tokens = 3.0
+        self.disagg = Disaggregator(self)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -113,6 +116,21 @@ class Proxy:
         if size > ENCODE_INLINE_BYTES:
             return await asyncio.to_thread(lambda: json.dumps(body, ensure_ascii=False).encode())
         return json.dumps(body, ensure_ascii=False).encode()
+
+    async def with_prefill(
+        self, fwd: Forward, replica: Replica, body: dict, headers: dict, seen: dict
+    ) -> tuple[dict, dict]:
+        """The body and headers of the request to `replica`, after a remote prefill where one pays
+        (decided once per request; a retry pulls the same K/V, or prefills itself if it is gone)."""
+        if fwd.kv is None:
+            try:
+                fwd.kv = await self.disagg.prefill(fwd, replica, seen) or {}
+            except BaseException:
+                await self.registry.release(replica, None)
+                raise
+        if not fwd.kv:
+            return body, headers
+        return {**body, "kv_transfer_params": fwd.kv}, self.disagg.headers(headers)
 
     async def send(self, replica: Replica, path: str, content: bytes, headers: dict) -> httpx.Response:
         req = self.client.build_request(
@@ -189,9 +207,11 @@ class Proxy:
                     last = unavailable(str(exc))
                 break
             tried.add(replica.name)
+            body, headers = await self.with_prefill(fwd, replica, fwd.body, fwd.headers, seen)
+            content = content_out if body is fwd.body else await self.encode(body, fwd.size)
             attempt = Attempt(replica)
             try:
-                out = await self._try_unary(fwd, attempt, content_out, seen)
+                out = await self._try_unary(fwd, attempt, content, headers, seen)
             finally:
                 attempt.done()  # only now: a death judged above must count it among its suspects
             if isinstance(out, Response):
@@ -207,14 +227,14 @@ class Proxy:
         return last or unavailable("no replica could serve the request")
 
     async def _try_unary(
-        self, fwd: Forward, attempt: Attempt, content_out: bytes, seen: dict
+        self, fwd: Forward, attempt: Attempt, content_out: bytes, headers: dict, seen: dict
     ) -> Response | tuple[str | None, Response]:
         """One attempt: the client's response, or (why to retry or None, the response so far)."""
         cfg = self.config
         replica = attempt.replica
         try:
             async with attempt.deadline(cfg.request_timeout_s):
-                resp = await self.send(replica, fwd.path, content_out, fwd.headers)
+                resp = await self.send(replica, fwd.path, content_out, headers)
                 try:
                     content = await resp.aread()
                 finally:

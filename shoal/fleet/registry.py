@@ -22,6 +22,11 @@ class NoReplicaError(Exception):
     """No replica can take the request now (none ready, or all full past the queue bound)."""
 
 
+# Whole requests go to replicas with these roles; prefill workers take them only when none is left.
+SERVING_ROLES = frozenset({"both", "decode"})
+PREFILL_ROLES = frozenset({"prefill"})
+
+
 class Registry:
     def __init__(self, config: GatewayConfig, policy: Policy, index: PrefixIndex, metrics: GatewayMetrics):
         self.config = config
@@ -122,8 +127,13 @@ class Registry:
         while True:
             replicas = list(self.replicas.values())
             await asyncio.gather(*(fn(r) for r in replicas), return_exceptions=True)
+            waiting: dict[str, float] = {}
             for r in replicas:
-                self.metrics.replica_up.labels(r.name).set(1 if r.state == ReplicaState.READY else 0)
+                up = r.state == ReplicaState.READY
+                self.metrics.replica_up.labels(r.name).set(1 if up else 0)
+                waiting[r.role] = waiting.get(r.role, 0) + (r.load.get("waiting", 0) if up else 0)
+            for role, n in waiting.items():
+                self.metrics.role_waiting.labels(role).set(n)
             await asyncio.sleep(interval)
 
     async def _probe(self, r: Replica) -> None:
@@ -190,6 +200,9 @@ class Registry:
             r.load = {"unsupported": True}
         elif resp.status_code == 200:
             r.load = resp.json()
+            role = r.load.get("role")
+            if isinstance(role, str):
+                r.role = role
 
     async def _poll_kv(self, r: Replica) -> None:
         if r.state in (ReplicaState.DOWN, ReplicaState.PORT_IN_USE):
@@ -224,10 +237,21 @@ class Registry:
         sizes = {r.block_size for r in self.replicas.values() if r.block_size}
         return sizes.pop() if len(sizes) == 1 else self.config.block_size
 
-    async def acquire(self, req: RouteRequest, exclude: set[str]) -> Replica:
-        """A replica for the request, waiting in the bounded queue while all are at their cap."""
+    def has_role(self, roles: frozenset) -> bool:
+        return any(r.role in roles for r in self.replicas.values())
+
+    async def acquire(
+        self,
+        req: RouteRequest,
+        exclude: set[str],
+        roles: frozenset = SERVING_ROLES,
+        timeout: float | None = None,
+        only_roles: bool = False,
+    ) -> Replica:
+        """A replica for the request, waiting in the bounded queue while all are at their cap.
+        Replicas of `roles` first; others only when none of those is routable (unless `only_roles`)."""
         cfg = self.config
-        deadline = time.monotonic() + cfg.queue_timeout_s
+        deadline = time.monotonic() + (cfg.queue_timeout_s if timeout is None else timeout)
         queued = False
         try:
             async with self._changed:
@@ -236,6 +260,9 @@ class Registry:
                     routable = [
                         r for r in self.replicas.values() if r.name not in exclude and r.routable(now)
                     ]
+                    preferred = [r for r in routable if r.role in roles]
+                    if preferred or only_roles:
+                        routable = preferred
                     if not routable:
                         raise NoReplicaError("no replica is ready")
                     free = [r for r in routable if r.inflight < cfg.max_inflight_per_replica]
@@ -246,6 +273,8 @@ class Registry:
                         self.metrics.requests.labels(replica.name).inc()
                         self.metrics.inflight.labels(replica.name).set(replica.inflight)
                         if req.hashes:
+                            held = self.index.matched_blocks(req.hashes, [replica.name])
+                            req.cached_blocks = held[replica.name]
                             self.index.routed(replica.name, req.hashes)
                         return replica
                     if not queued:

@@ -107,11 +107,14 @@ class Relay:
                 break
             with_ids = bool(body.get("return_token_ids")) or proxy.wants_token_ids(replica)
             out = {**body, "return_token_ids": True} if with_ids else body
+            headers = self.fwd.headers
+            if tag is ORIGINAL:
+                out, headers = await proxy.with_prefill(self.fwd, replica, out, headers, self.seen)
             content = await proxy.encode(out, self.fwd.size)
             attempt = Attempt(replica)
             try:
                 async with attempt.deadline(cfg.first_byte_timeout_s):
-                    resp = await proxy.send(replica, self.fwd.path, content, self.fwd.headers)
+                    resp = await proxy.send(replica, self.fwd.path, content, headers)
                     if resp.status_code != 200:
                         try:
                             data = await resp.aread()

@@ -55,6 +55,7 @@ class Replica:
     probe_misses: int = 0
     attempts: set = field(default_factory=set)  # requests in flight, interrupted when it goes down
     death: Death | None = None
+    role: str = "both"  # prefill, decode or both (see shoal serve --role), from /load or the launcher
 
     @property
     def process_alive(self) -> bool:
@@ -112,4 +113,5 @@ class Replica:
             "kv_events": self.kv_events,
             "restarts": self.restarts,
             "note": self.note,
+            "role": self.role,
         }

@@ -1,4 +1,5 @@
-"""Deployment secrets derived for the wire: the KV-hash salt."""
+"""Deployment secrets for the wire: the KV-hash salt, and the key of K/V handoffs between a
+fleet's gateway and workers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import hmac
 import os
 
 KV_SALT_ENV = "SHOAL_KV_SALT"
+KV_TRANSFER_KEY_ENV = "SHOAL_KV_TRANSFER_KEY"
+KV_TRANSFER_KEY_HEADER = "x-shoal-kv-key"
 
 
 def kv_salt(explicit: str | None = None, api_key: str | None = None) -> bytes:

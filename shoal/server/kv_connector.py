@@ -36,13 +36,12 @@ from shoal.engine.kv_transport import (
     shm_write,
 )
 from shoal.protocol.errors import APIError
+from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 from shoal.server.protocol import KVTransferParams
 
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
-KV_KEY_ENV = "SHOAL_KV_TRANSFER_KEY"
-KV_KEY_HEADER = "x-shoal-kv-key"
 SWEEP_INTERVAL_S = 5.0
 BYTES_BUCKETS = tuple(2.0**i for i in range(12, 34, 2))  # 4 KiB .. 8 GiB
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -51,7 +50,7 @@ TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 @dataclass
 class KVConnectorConfig:
     role: str = "both"  # what the gateway uses this worker for; every role can serve whole requests
-    transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_KEY_ENV) or None)
+    transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_TRANSFER_KEY_ENV) or None)
     transport: str = "auto"  # shm on one host, tcp between hosts (see engine.kv_transport)
     transfer_timeout_s: float = 10.0  # a pull past this is given up and the prompt computed here
     hold_timeout_s: float = 30.0  # held K/V nobody pulls is freed after this (the engine's own bound)
@@ -109,7 +108,7 @@ class KVConnector:
 
     def authorize(self, raw: Request) -> None:
         key = self.config.transfer_key
-        given = raw.headers.get(KV_KEY_HEADER, "")
+        given = raw.headers.get(KV_TRANSFER_KEY_HEADER, "")
         if not key or not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(
                 403,
@@ -150,7 +149,7 @@ class KVConnector:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            headers = {KV_KEY_HEADER: self.config.transfer_key or ""}
+            headers = {KV_TRANSFER_KEY_HEADER: self.config.transfer_key or ""}
             if self.api_key:
                 headers["authorization"] = f"Bearer {self.api_key}"
             self._client = httpx.AsyncClient(headers=headers, timeout=self.config.transfer_timeout_s)

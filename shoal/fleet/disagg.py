@@ -1,0 +1,169 @@
+"""Prefill/decode disaggregation in the gateway. Once the decode worker for a request is chosen
+(by load and KV usage, like any replica), the prompt is either prefilled there (short, mostly
+cached there, or a request the split does not carry) or sent first to a prefill worker (chosen by
+KV locality and load), whose answer names the K/V it holds; the decode worker then pulls that K/V
+and generates. The client sees the decode worker's one stream, id and usage.
+
+A prefill that fails, stalls past `prefill_timeout_s` or is refused leaves the prompt to the
+decode worker: slower, never a failed request. A prefill worker that died under the request is
+judged like any replica death (see Proxy.judge_death), so a poison prompt does not go on to kill
+the decode worker too."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import httpx
+from prometheus_client import Counter, Histogram
+
+from shoal.fleet.registry import PREFILL_ROLES, NoReplicaError
+from shoal.fleet.replica import Replica
+from shoal.fleet.upstream import Attempt
+from shoal.protocol.errors import APIError
+from shoal.protocol.metric_names import LATENCY_BUCKETS
+from shoal.protocol.secrets import KV_TRANSFER_KEY_HEADER
+
+log = logging.getLogger(__name__)
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+# Fields that shape the output, not the prompt: a prefill computes the prompt and one token.
+OUTPUT_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "allowed_token_ids",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "return_token_ids",
+)
+
+
+def prefill_body(body: dict) -> dict:
+    out = {k: v for k, v in body.items() if k not in OUTPUT_FIELDS}
+    out.update(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True})
+    return out
+
+
+class Disaggregator:
+    def __init__(self, proxy):
+        self.proxy = proxy
+        self.config = proxy.config
+        self.registry = proxy.registry
+        r = proxy.metrics.registry
+        self.decisions = Counter(
+            "shoal:gateway_disagg_decisions",
+            "Where each request's prompt was computed: remote (a prefill worker), or local on the "
+            "decode worker and why (short, cached, unsupported, no_prefill_worker, prefill_failed).",
+            ["decision"],
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "shoal:gateway_prefill_seconds",
+            "Time of the remote prefill step (queue, prompt and first token on the prefill worker).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.registry.has_role(PREFILL_ROLES)
+
+    def headers(self, headers: dict) -> dict:
+        return {**headers, KV_TRANSFER_KEY_HEADER: self.config.kv_transfer_key or ""}
+
+    def _local_reason(self, fwd, decode: Replica) -> str | None:
+        body, route = fwd.body, fwd.route
+        prompt = body.get("prompt")
+        several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+        if (
+            fwd.path not in PATHS
+            or body.get("resume") is not None
+            or body.get("echo")  # the prompt's logprobs are computed where the prompt is
+            or body.get("max_tokens") == 0
+            or several
+            or not self.config.kv_transfer_key
+        ):
+            return "unsupported"
+        if decode.role not in ("decode", "both"):
+            return "no_decode_worker"  # a prefill worker standing in for a missing decode worker
+        block, threshold = self.registry.block_size, self.config.disagg_min_prompt_tokens
+        total = len(route.hashes) * block  # full blocks only: a bound from below
+        if total - route.cached_blocks * block < max(threshold, 1):
+            return "cached" if total >= threshold and route.cached_blocks else "short"
+        return None
+
+    async def prefill(self, fwd, decode: Replica, seen: dict) -> dict | None:
+        """kv_transfer_params for the decode worker's request, or None: it prefills itself."""
+        if not self.active:
+            return None
+        reason = self._local_reason(fwd, decode)
+        if reason is not None:
+            return self._local(reason)
+        try:
+            replica = await self.registry.acquire(
+                fwd.route, set(), PREFILL_ROLES, timeout=self.config.prefill_timeout_s, only_roles=True
+            )
+        except NoReplicaError:
+            return self._local("no_prefill_worker")
+        t0 = time.monotonic()
+        attempt = Attempt(replica)
+        try:
+            params = await self._run(fwd, attempt, seen)
+        finally:
+            attempt.done()
+        if params is None:
+            return self._local("prefill_failed")
+        self.prefill_seconds.observe(time.monotonic() - t0)
+        self.decisions.labels("remote").inc()
+        return {"source": replica.url, "handle": params["handle"], "host": params.get("host")}
+
+    def _local(self, reason: str) -> None:
+        self.decisions.labels(f"local_{reason}").inc()
+        return None
+
+    async def _run(self, fwd, attempt: Attempt, seen: dict) -> dict | None:
+        proxy, replica = self.proxy, attempt.replica
+        content = json.dumps(prefill_body(fwd.body), ensure_ascii=False).encode()
+        try:
+            async with attempt.deadline(self.config.prefill_timeout_s):
+                resp = await proxy.send(replica, fwd.path, content, self.headers(fwd.headers))
+                try:
+                    data = await resp.aread()
+                finally:
+                    await resp.aclose()
+        except (httpx.HTTPError, TimeoutError) as exc:
+            outcome = attempt.outcome(exc)
+            timeout = outcome.kind == "timeout"
+            await self.registry.release(replica, None if timeout else False, f"prefill: {outcome.message}")
+            log.warning("prefill on %s failed (%s); prefilling on decode", replica.name, outcome.message)
+            if outcome.is_death and await proxy.judge_death(fwd, attempt, outcome, seen) == "poison":
+                message = f"this request took replica {replica.name} down"
+                raise APIError(500, message, code="poison_request") from None
+            return None
+        await self.registry.release(replica, resp.status_code < 500, f"prefill: HTTP {resp.status_code}")
+        if resp.status_code != 200:
+            log.warning("prefill on %s answered %d; prefilling on decode", replica.name, resp.status_code)
+            return None
+        try:
+            params = json.loads(data)["kv_transfer_params"]
+            if isinstance(params.get("handle"), str):
+                return params
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+        log.warning("prefill on %s named no K/V; prefilling on decode", replica.name)
+        return None
