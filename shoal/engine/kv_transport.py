@@ -7,12 +7,9 @@ it, asking for it is an error that says so rather than a silent fallback."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import re
-import secrets
 import socket
 import struct
 from pathlib import Path
@@ -21,13 +18,9 @@ import numpy as np
 import torch
 
 from shoal.engine.kv_transfer import PackedKV
+from shoal.protocol.kv_files import SHM_DIR, SHM_NAME, new_name, shm_available, shm_unlink
 
 TRANSPORTS = ("auto", "shm", "tcp", "nixl")
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "shoal-kv-"
-# Names a peer may ask this worker to read: only our own prefix and 128 random bits, so that a
-# name from the wire can never point at another file.
-SHM_NAME = re.compile(r"shoal-kv-[0-9a-f]{32}")
 _HEADER = struct.Struct("<I")
 MAX_HEADER_BYTES = 16 << 20
 DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
@@ -44,10 +37,6 @@ def host_id() -> str:
     except OSError:
         boot = "?"
     return f"{socket.gethostname()}/{boot}"
-
-
-def shm_available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
 def nixl_available() -> bool:
@@ -128,7 +117,7 @@ def decode(buf: bytearray) -> PackedKV:
 
 def shm_write(packed: PackedKV) -> str:
     """Writes the frame to a new shared-memory file only this user can read; returns its name."""
-    name = SHM_PREFIX + secrets.token_hex(16)
+    name = new_name()
     fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -151,9 +140,3 @@ def shm_read(name: str) -> PackedKV:
     except OSError as exc:
         raise TransferError(f"the shared-memory K/V could not be read: {exc}") from None
     return decode(buf)
-
-
-def shm_unlink(name: str) -> None:
-    if SHM_NAME.fullmatch(name):
-        with contextlib.suppress(FileNotFoundError):
-            (SHM_DIR / name).unlink()

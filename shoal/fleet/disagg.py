@@ -103,8 +103,10 @@ class Disaggregator:
             return "no_decode_worker"  # a prefill worker standing in for a missing decode worker
         block, threshold = self.registry.block_size, self.config.disagg_min_prompt_tokens
         total = len(route.hashes) * block  # full blocks only: a bound from below
-        if total - route.cached_blocks * block < max(threshold, 1):
-            return "cached" if total >= threshold and route.cached_blocks else "short"
+        if route.hashes and route.cached_blocks == len(route.hashes):
+            return "cached"
+        if total - route.cached_blocks * block < threshold:
+            return "cached" if total >= threshold else "short"
         return None
 
     async def prefill(self, fwd, decode: Replica, seen: dict) -> dict | None:

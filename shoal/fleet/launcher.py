@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from shoal.fleet.config import FleetConfig
 from shoal.fleet.registry import Registry
+from shoal.protocol.kv_files import shm_sweep
 from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class LocalLauncher:
             if code is None:
                 return
             self.registry.mark_down(r.name, f"process exited with {code}", code)
+            shm_sweep(r.proc.pid)  # K/V it was handing over when it died
             r.proc = None
             r.restarts += 1
             delay = self._backoff(r, now)

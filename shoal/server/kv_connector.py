@@ -32,10 +32,10 @@ from shoal.engine.kv_transport import (
     encode,
     host_id,
     shm_read,
-    shm_unlink,
     shm_write,
 )
 from shoal.protocol.errors import APIError
+from shoal.protocol.kv_files import shm_sweep, shm_unlink
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 from shoal.server.protocol import KVTransferParams
 
@@ -77,6 +77,7 @@ class KVConnector:
         self._client: httpx.AsyncClient | None = None
         self._sweeper: asyncio.Task | None = None
         self._acks: set[asyncio.Task] = set()
+        shm_sweep()  # what workers killed on this host left behind
         self.bytes = Histogram(
             "shoal:kv_transfer_request_bytes",
             "K/V bytes moved per request, by direction and transport.",
@@ -177,7 +178,11 @@ class KVConnector:
         if transport == "shm":
             resp = await self.client.post(url, json=body)
             resp.raise_for_status()
-            return await asyncio.to_thread(shm_read, resp.json()["name"])
+            name = resp.json()["name"]
+            try:
+                return await asyncio.to_thread(shm_read, name)
+            finally:
+                shm_unlink(name)  # ours now: gone even if its writer dies before our acknowledgement
         async with self.client.stream("POST", url, json=body) as resp:
             resp.raise_for_status()
             size = int(resp.headers.get("content-length", "-1"))
