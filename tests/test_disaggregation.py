@@ -305,10 +305,10 @@ async def _load(url: str, n: int, tag: str, repeat: int, max_tokens: int = 48) -
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def _kill_when(pid: int, ready) -> None:
+def _kill_when(pid: int, ready, sig: int = signal.SIGKILL) -> None:
     while not ready():
         time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
 
 
 def test_killing_the_prefill_then_the_decode_worker_under_load_fails_nothing(fleet):
@@ -348,3 +348,33 @@ def test_killing_the_prefill_then_the_decode_worker_under_load_fails_nothing(fle
     for w in workers(fleet):
         wait_idle(w["url"])
     assert not shm_left(prefill["pid"], decode["pid"], *(w["pid"] for w in workers(fleet)))
+
+
+def test_a_stalled_prefill_worker_delays_requests_by_a_bounded_time(fleet):
+    """SIGSTOP of the prefill worker mid-way through its prompts: the gateway's probes mark it down,
+    which interrupts its prefills, and the decode worker computes those prompts itself."""
+    prefill, _ = workers(fleet)
+    failed0 = decisions(fleet, "local_prefill_failed") + decisions(fleet, "local_no_prefill_worker")
+
+    def busy() -> bool:
+        load = httpx.get(prefill["url"] + "/load", timeout=5).json()
+        return load["running"] + load["waiting"] > 0
+
+    async def go():
+        load = asyncio.create_task(_load(fleet.url, 4, "stall", 12))
+        t0 = time.monotonic()
+        await asyncio.to_thread(_kill_when, prefill["pid"], busy, signal.SIGSTOP)
+        try:
+            return await load, time.monotonic() - t0
+        finally:
+            os.kill(prefill["pid"], signal.SIGCONT)
+
+    results, took = asyncio.run(go())
+    for res in results:
+        (c,) = res["choices"].values()
+        assert len(c["tokens"]) == 48 and c["finish"] == ["length"], c
+    assert decisions(fleet, "local_prefill_failed") + decisions(fleet, "local_no_prefill_worker") > failed0
+    assert took < 60, took  # probes (about 2 s) and the local prefills, not the 30 s prefill timeout
+    wait_replicas_ready(fleet, 2, timeout=60)
+    for w in workers(fleet):
+        wait_idle(w["url"])

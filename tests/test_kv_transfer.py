@@ -122,6 +122,7 @@ def test_async_engines_hand_kv_over_and_kv_nobody_takes_is_freed(bundled):
         assert await prefill.release_kv("p")
         await tokens(await prefill.add_request("q", ids, one, hold_kv=True))
         await asyncio.sleep(1.8)  # nobody takes q's K/V
+        assert prefill.load()["kv_held"] == 0 and prefill.load()["kv_usage"] == 0  # and the load shows it
         with pytest.raises(KeyError):
             await prefill.export_kv("q")
         return first, rest

@@ -300,7 +300,8 @@ class AsyncEngine:
                 self._drain(block=idle)
                 if idle:
                     self.engine.check_health()  # a rank of a parallel engine may die between steps
-                self.engine.scheduler.expire_held(self.config.kv_hold_timeout_s)
+                if self.engine.scheduler.expire_held(self.config.kv_hold_timeout_s):
+                    self._publish_stats()  # the freed blocks show in /load and /metrics now
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 self._step_started = time.monotonic()

@@ -2,8 +2,9 @@
 its token count, block hashes, shape and dtype, then the raw tensor bytes), carried either in a
 shared-memory file on the same host or in the body of a TCP (HTTP) response between hosts.
 
-NIXL (RDMA between GPUs) is the third transport where the `nixl` package is installed; without
-it, asking for it is an error that says so rather than a silent fallback."""
+NIXL (RDMA between GPUs' memory) is named but not built: it needs GPU K/V pools registered with
+its agent, which this CPU build has no way to exercise. Asking for it is an error that says so
+(and whether the package is there), never a silent fallback to another transport."""
 
 from __future__ import annotations
 
@@ -50,8 +51,11 @@ def nixl_available() -> bool:
 def check_transport(name: str) -> None:
     if name not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {name!r}; choose from {', '.join(TRANSPORTS)}")
-    if name == "nixl" and not nixl_available():
-        raise ValueError("the nixl KV transport needs the `nixl` package, which is not installed")
+    if name == "nixl":
+        have = "installed" if nixl_available() else "not installed"
+        raise ValueError(
+            f"the nixl KV transport is not built yet (the nixl package is {have}); use shm or tcp"
+        )
     if name == "shm" and not shm_available():
         raise ValueError(f"the shm KV transport needs a writable {SHM_DIR}")
 

@@ -1,0 +1,363 @@
+"""Prefill/decode disaggregation on this machine, in one run (issue 16):
+
+1. A mixed workload (closed-loop streams decoding while long prompts arrive) against (a) two
+   colocated replicas and (b) one prefill and one decode worker, each a real `shoal fleet up` on
+   the same cores (one thread per worker): ITL p50/p99 of the decoding streams, TTFT p50/p99 of
+   the long prompts and of the streams, output throughput.
+2. K/V transfer time against prefill time by prompt length, for each transport (shared memory
+   and TCP), measured against a prefill worker: what the handoff costs next to what it saves.
+3. Decode step time by batch size and prefill throughput on one worker, and from them seed 003
+   exercise 2: the prefill and decode workers a chat product with 10K concurrent users, 500-token
+   prompts, 200-token answers and a P99 TTFT under 2 s needs, with the arithmetic shown.
+
+    python benchmarks/disaggregation.py [--duration 40] [--streams 6] [--long-len 1024]
+        [--long-every 3] [--lengths 64,256,1024,2048] [--skip-mixed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from shoal.engine import kv_transport
+from shoal.fleet.launcher import free_port
+from shoal.kernels.build import cpu_model_name
+from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "benchmark-transfer-key"
+REPLICA_ARGS = "--threads 1 --kv-cache-memory 1GiB"
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+def prompt_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+# --- fleets --------------------------------------------------------------------------------
+
+
+class Fleet:
+    def __init__(self, args: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, self.log_path = tempfile.mkstemp(prefix="shoal-disagg-", suffix=".log")
+        cmd = [sys.executable, "-m", "shoal.cli", "fleet", "up", "--port", str(self.port), "--base-port", "0"]
+        env = {**os.environ, KV_TRANSFER_KEY_ENV: KEY}
+        with os.fdopen(fd, "w") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, *args, "--replica-args", REPLICA_ARGS], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+
+    def wait(self, count: int) -> list[dict]:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fleet exited; see {self.log_path}")
+            try:
+                reps = httpx.get(self.url + "/replicas", timeout=2).json()["replicas"]
+                if sum(r["state"] == "ready" for r in reps) >= count:
+                    return reps
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"fleet not ready; see {self.log_path}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# --- one streamed request ------------------------------------------------------------------
+
+
+async def stream(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int) -> dict:
+    body = {
+        "model": MODEL,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    times: list[float] = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": (await r.aread())[:200]}
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    return {"ok": False, "error": obj["error"]}
+                if obj["choices"] and obj["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    if not times:
+        return {"ok": False, "error": "no tokens"}
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return {"ok": True, "ttft": times[0] - t0, "gaps": gaps, "tokens": len(times), "end": times[-1]}
+
+
+async def mixed(url: str, a: argparse.Namespace) -> dict:
+    """Closed-loop decoding streams, and long prompts arriving every `long_every` seconds."""
+    rng = random.Random(0)
+    stop_at = time.perf_counter() + a.duration
+    streams: list[dict] = []
+    longs: list[dict] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        await stream(client, url, prompt_ids(rng, a.long_len), 4)  # warm both paths
+        t_start = time.perf_counter()
+
+        async def decoder(i: int):
+            r = random.Random(i)
+            while time.perf_counter() < stop_at:
+                streams.append(await stream(client, url, prompt_ids(r, a.stream_len), a.stream_output))
+
+        async def long_prompts():
+            tasks = []
+            r = random.Random(99)
+            while time.perf_counter() < stop_at - a.long_every:
+                tasks.append(
+                    asyncio.create_task(stream(client, url, prompt_ids(r, a.long_len), a.long_output))
+                )
+                await asyncio.sleep(a.long_every)
+            longs.extend(await asyncio.gather(*tasks))
+
+        await asyncio.gather(*(decoder(i) for i in range(a.streams)), long_prompts())
+        elapsed = time.perf_counter() - t_start
+    ok_s = [s for s in streams if s["ok"]]
+    ok_l = [s for s in longs if s["ok"]]
+    gaps = [g for s in ok_s for g in s["gaps"]]
+    tokens = sum(s["tokens"] for s in ok_s + ok_l)
+    return {
+        "requests": len(streams) + len(longs),
+        "failed": len(streams) + len(longs) - len(ok_s) - len(ok_l),
+        "itl_p50_ms": 1000 * pct(gaps, 50),
+        "itl_p99_ms": 1000 * pct(gaps, 99),
+        "ttft_long_p50_ms": 1000 * pct([s["ttft"] for s in ok_l], 50),
+        "ttft_long_p99_ms": 1000 * pct([s["ttft"] for s in ok_l], 99),
+        "ttft_stream_p50_ms": 1000 * pct([s["ttft"] for s in ok_s], 50),
+        "ttft_stream_p99_ms": 1000 * pct([s["ttft"] for s in ok_s], 99),
+        "tok_s": tokens / elapsed,
+        "longs": len(longs),
+    }
+
+
+# --- transfer against prefill ----------------------------------------------------------------
+
+
+def transfer_table(prefill_url: str, lengths: list[int], reps: int = 3) -> list[dict]:
+    headers = {KV_TRANSFER_KEY_HEADER: KEY}
+    rng = random.Random(5)
+    rows = []
+    with httpx.Client(timeout=300, headers=headers) as c:
+        for n in lengths:
+            row = {"tokens": n, "prefill_ms": [], "shm_ms": [], "tcp_ms": [], "mib": 0.0}
+            for _ in range(reps):
+                body = {
+                    "model": MODEL,
+                    "prompt": prompt_ids(rng, n),
+                    "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                }
+                t0 = time.perf_counter()
+                r = c.post(prefill_url + "/v1/completions", json=body)
+                row["prefill_ms"].append(1000 * (time.perf_counter() - t0))
+                handle = r.json()["kv_transfer_params"]["handle"]
+                for transport in ("shm", "tcp"):
+                    t0 = time.perf_counter()
+                    resp = c.post(prefill_url + "/kv/pull", json={"handle": handle, "transport": transport})
+                    if transport == "shm":
+                        name = resp.json()["name"]
+                        packed = kv_transport.shm_read(name)
+                        kv_transport.shm_unlink(name)
+                    else:
+                        packed = kv_transport.decode(bytearray(resp.content))
+                    row[f"{transport}_ms"].append(1000 * (time.perf_counter() - t0))
+                    row["mib"] = packed.nbytes / 2**20
+                c.post(prefill_url + "/kv/release", json={"handle": handle})
+            rows.append({k: (min(v) if isinstance(v, list) else v) for k, v in row.items()})
+    return rows
+
+
+def decode_steps(url: str, batches: list[int], output: int = 48) -> dict[int, float]:
+    """ITL p50 on one worker with B streams decoding at once (short prompts, all started together)."""
+    out = {}
+
+    async def run(b: int):
+        rng = random.Random(b)
+        async with httpx.AsyncClient(timeout=600) as client:
+            res = await asyncio.gather(*(stream(client, url, prompt_ids(rng, 32), output) for _ in range(b)))
+        gaps = [g for s in res if s["ok"] for g in s["gaps"][4:]]  # past the staggered starts
+        return pct(gaps, 50)
+
+    for b in batches:
+        out[b] = asyncio.run(run(b))
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def sizing(table: list[dict], steps: dict[int, float], itl_target: float) -> list[str]:
+    """Seed 003 exercise 2, from this machine's figures: one worker is one core here."""
+    users, prompt, answer, slo = 10_000, 500, 200, 2.0
+    near = min(table, key=lambda r: abs(r["tokens"] - prompt))
+    t_p = near["prefill_ms"] / 1000 * prompt / near["tokens"]  # one 500-token prefill
+    transfer = near["shm_ms"] / 1000 * prompt / near["tokens"]
+    fits = [b for b, itl in sorted(steps.items()) if itl <= itl_target]
+    b_star = fits[-1] if fits else min(steps)
+    itl = steps[b_star]
+    lines = [
+        f"inputs (measured above): prefill of {prompt} tokens t_p = {t_p * 1000:.0f} ms on one worker; "
+        f"K/V transfer {transfer * 1000:.1f} ms (shm); largest measured batch with ITL <= "
+        f"{itl_target * 1000:.0f} ms: B* = {b_star} streams at ITL {itl * 1000:.0f} ms",
+        f"decode: {users} concurrent streams / B* = {users} / {b_star} -> "
+        f"{math.ceil(users / b_star)} decode workers",
+    ]
+    duration = answer * itl
+    rate = users / duration
+    lines.append(
+        f"each answer lasts {answer} x {itl * 1000:.0f} ms = {duration:.1f} s, so requests arrive at "
+        f"{users} / {duration:.1f} s = {rate:.0f}/s, i.e. {rate * prompt:,.0f} prompt tokens/s"
+    )
+    budget = slo - transfer - itl  # TTFT = queue + prefill + transfer + first decode step
+    # Each prefill worker as M/M/1: response time ~ Exp(mean t_p / (1 - rho)); P99 = ln(100) x mean.
+    rho = 1 - t_p * math.log(100) / budget
+    if rho <= 0:
+        lines.append(
+            f"a single {prompt}-token prefill ({t_p:.2f} s) cannot meet P99 {slo} s at any load here"
+        )
+        return lines
+    prefill = math.ceil(rate * t_p / rho)
+    lines += [
+        f"prefill: P99 TTFT budget {slo} s - transfer - one decode step = {budget:.2f} s; per worker "
+        f"(M/M/1) P99 = ln(100) x t_p / (1 - rho) <= budget gives rho <= {rho:.2f}",
+        f"  workers = rate x t_p / rho = {rate:.0f} x {t_p:.3f} / {rho:.2f} -> {prefill} prefill workers",
+        f"total: {prefill} prefill + {math.ceil(users / b_star)} decode one-core workers "
+        f"(ratio {prefill / math.ceil(users / b_star):.2f} : 1), "
+        f"{math.ceil((prefill + math.ceil(users / b_star)) / (os.cpu_count() or 1))} machines like this one",
+    ]
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--streams", type=int, default=6)
+    p.add_argument("--stream-len", type=int, default=48)
+    p.add_argument("--stream-output", type=int, default=64)
+    p.add_argument("--long-len", type=int, default=1024)
+    p.add_argument("--long-output", type=int, default=16)
+    p.add_argument("--long-every", type=float, default=3.0)
+    p.add_argument("--lengths", default="32,64,128,256,512,1024,2048")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--itl-target-ms", type=float, default=100.0)
+    p.add_argument("--skip-mixed", action="store_true")
+    a = p.parse_args()
+    print(f"CPU: {cpu_model_name()}, {os.cpu_count()} cores; each worker: {REPLICA_ARGS}")
+    results = {}
+    if not a.skip_mixed:
+        for label, args, count in (
+            ("(a) 2 colocated", ["--replicas", "2"], 2),
+            ("(b) 1 prefill + 1 decode", ["--prefill", "1", "--decode", "1"], 2),
+        ):
+            fleet = Fleet(args)
+            try:
+                fleet.wait(count)
+                results[label] = asyncio.run(mixed(fleet.url, a))
+                decisions = {
+                    d: metric(fleet.url, f'shoal:gateway_disagg_decisions_total{{decision="{d}"}}')
+                    for d in ("remote", "local_short", "local_cached")
+                }
+                results[label]["decisions"] = decisions
+            finally:
+                fleet.stop()
+        print(
+            f"\nmixed workload, {a.duration:.0f} s: {a.streams} streams ({a.stream_len}-token prompts, "
+            f"{a.stream_output} tokens each, back to back) + a {a.long_len}-token prompt "
+            f"every {a.long_every} s"
+        )
+        head = (
+            "setup",
+            "ITL p50",
+            "ITL p99",
+            "TTFT long p50",
+            "p99",
+            "TTFT stream p50",
+            "p99",
+            "tok/s",
+            "failed",
+        )
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for label, r in results.items():
+            ms = [f"{r[k]:.0f} ms" for k in ("itl_p50_ms", "itl_p99_ms", "ttft_long_p50_ms")]
+            ms += [f"{r[k]:.0f} ms" for k in ("ttft_long_p99_ms", "ttft_stream_p50_ms", "ttft_stream_p99_ms")]
+            print(
+                "| " + " | ".join([label, *ms, f"{r['tok_s']:.0f}", f"{r['failed']}/{r['requests']}"]) + " |"
+            )
+        a_, b_ = results.values()
+        print(
+            f"ITL p99 (a)/(b) = {a_['itl_p99_ms'] / b_['itl_p99_ms']:.2f}x (goal >= 2); "
+            f"TTFT p99 of long prompts (b)/(a) = "
+            f"{b_['ttft_long_p99_ms'] / a_['ttft_long_p99_ms']:.2f}x (goal <= 1.3); "
+            f"gateway decisions in (b): {b_['decisions']}"
+        )
+    fleet = Fleet(["--prefill", "1", "--decode", "1"])
+    try:
+        reps = {r["role"]: r for r in fleet.wait(2)}
+        table = transfer_table(reps["prefill"]["url"], [int(x) for x in a.lengths.split(",")])
+        steps = decode_steps(reps["decode"]["url"], [int(x) for x in a.batches.split(",")])
+    finally:
+        fleet.stop()
+    print(
+        "\nK/V transfer against prefill, by prompt length (best of 3; the pull includes packing and parsing)"
+    )
+    print("| tokens | K/V MiB | prefill | shm pull | tcp pull | shm / prefill | tcp / prefill |")
+    print("|---|---|---|---|---|---|---|")
+    for r in table:
+        cells = [str(r["tokens"]), f"{r['mib']:.1f}", f"{r['prefill_ms']:.0f} ms"]
+        cells += [f"{r['shm_ms']:.1f} ms", f"{r['tcp_ms']:.1f} ms"]
+        cells += [f"{r['shm_ms'] / r['prefill_ms']:.3f}", f"{r['tcp_ms'] / r['prefill_ms']:.3f}"]
+        print("| " + " | ".join(cells) + " |")
+    print(
+        "\ndecode ITL p50 on one worker by batch: "
+        + ", ".join(f"B={b}: {v * 1000:.0f} ms" for b, v in steps.items())
+    )
+    print(
+        "\nseed 003 exercise 2 (10K concurrent users, 500-token prompts, 200-token answers, P99 TTFT < 2 s):"
+    )
+    for line in sizing(table, steps, a.itl_target_ms / 1000):
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()
