@@ -10,8 +10,8 @@
    exercise 2: the prefill and decode workers a chat product with 10K concurrent users, 500-token
    prompts, 200-token answers and a P99 TTFT under 2 s needs, with the arithmetic shown.
 
-    python benchmarks/disaggregation.py [--duration 40] [--streams 6] [--long-len 1024]
-        [--long-every 3] [--lengths 64,256,1024,2048] [--skip-mixed]
+    python benchmarks/disaggregation.py [--duration 60] [--streams 6] [--long-len 512]
+        [--long-every 2.5] [--thresholds 256,32] [--lengths 32,...,2048] [--skip-mixed]
 """
 
 from __future__ import annotations
@@ -162,6 +162,8 @@ async def mixed(url: str, a: argparse.Namespace) -> dict:
         "failed": len(streams) + len(longs) - len(ok_s) - len(ok_l),
         "itl_p50_ms": 1000 * pct(gaps, 50),
         "itl_p99_ms": 1000 * pct(gaps, 99),
+        "itl_p999_ms": 1000 * pct(gaps, 99.9),
+        "itl_max_ms": 1000 * max(gaps, default=float("nan")),
         "ttft_long_p50_ms": 1000 * pct([s["ttft"] for s in ok_l], 50),
         "ttft_long_p99_ms": 1000 * pct([s["ttft"] for s in ok_l], 99),
         "ttft_stream_p50_ms": 1000 * pct([s["ttft"] for s in ok_s], 50),
@@ -227,110 +229,125 @@ def decode_steps(url: str, batches: list[int], output: int = 48) -> dict[int, fl
 # --- report ----------------------------------------------------------------------------------
 
 
+def erlang_c(c: int, a: float) -> float:
+    """P(an arrival waits) in M/M/c with offered load a = lambda x service time (Erlang B recursion)."""
+    b = 1.0
+    for k in range(1, c + 1):
+        b = a * b / (k + a * b)
+    return c * b / (c - a * (1 - b))
+
+
 def sizing(table: list[dict], steps: dict[int, float], itl_target: float) -> list[str]:
     """Seed 003 exercise 2, from this machine's figures: one worker is one core here."""
     users, prompt, answer, slo = 10_000, 500, 200, 2.0
     near = min(table, key=lambda r: abs(r["tokens"] - prompt))
     t_p = near["prefill_ms"] / 1000 * prompt / near["tokens"]  # one 500-token prefill
     transfer = near["shm_ms"] / 1000 * prompt / near["tokens"]
+    kv_mib = near["mib"] / near["tokens"] * (prompt + answer)  # one conversation's K/V at its end
     fits = [b for b, itl in sorted(steps.items()) if itl <= itl_target]
     b_star = fits[-1] if fits else min(steps)
     itl = steps[b_star]
+    decode = math.ceil(users / b_star)
     lines = [
-        f"inputs (measured above): prefill of {prompt} tokens t_p = {t_p * 1000:.0f} ms on one worker; "
-        f"K/V transfer {transfer * 1000:.1f} ms (shm); largest measured batch with ITL <= "
-        f"{itl_target * 1000:.0f} ms: B* = {b_star} streams at ITL {itl * 1000:.0f} ms",
-        f"decode: {users} concurrent streams / B* = {users} / {b_star} -> "
-        f"{math.ceil(users / b_star)} decode workers",
+        f"inputs (measured above): a {prompt}-token prefill takes t_p = {t_p * 1000:.0f} ms on one worker, "
+        f"its K/V ({near['mib'] / near['tokens'] * prompt:.1f} MiB) moves in {transfer * 1000:.0f} ms (shm); "
+        f"the largest batch measured with ITL <= {itl_target * 1000:.0f} ms is B* = {b_star} "
+        f"(ITL {itl * 1000:.0f} ms)",
+        "assumption: every user always has a request in flight (no think time): the worst case",
+        f"decode: {users} streams / B* {b_star} = {decode} decode workers; K/V per worker "
+        f"B* x {prompt + answer} tokens = {b_star * kv_mib:.0f} MiB (fits the 1 GiB pool)",
     ]
-    duration = answer * itl
+    duration = answer * itl + t_p
     rate = users / duration
     lines.append(
-        f"each answer lasts {answer} x {itl * 1000:.0f} ms = {duration:.1f} s, so requests arrive at "
-        f"{users} / {duration:.1f} s = {rate:.0f}/s, i.e. {rate * prompt:,.0f} prompt tokens/s"
+        f"a request lasts about t_p + {answer} x ITL = {duration:.1f} s, so {users} users send "
+        f"lambda = {rate:.0f} requests/s = {rate * prompt:,.0f} prompt tokens/s"
     )
-    budget = slo - transfer - itl  # TTFT = queue + prefill + transfer + first decode step
-    # Each prefill worker as M/M/1: response time ~ Exp(mean t_p / (1 - rho)); P99 = ln(100) x mean.
-    rho = 1 - t_p * math.log(100) / budget
-    if rho <= 0:
+    slack = slo - t_p - transfer - itl  # TTFT = queue wait + prefill + transfer + first decode step
+    if slack <= 0:
         lines.append(
-            f"a single {prompt}-token prefill ({t_p:.2f} s) cannot meet P99 {slo} s at any load here"
+            f"one {prompt}-token prefill alone ({t_p:.2f} s) misses P99 {slo} s: split it (TP) first"
         )
         return lines
-    prefill = math.ceil(rate * t_p / rho)
+    a = rate * t_p  # prefill workers busy on average
+    c = math.ceil(a) + 1
+    # The gateway sends each prompt to the least-loaded prefill worker, so the pool queues as one
+    # M/M/c (conservative: prefill time is nearly constant): P(wait > w) = C(c, a) e^-(c - a) w / t_p.
+    while erlang_c(c, a) * math.exp(-(c - a) * slack / t_p) > 0.01:
+        c += 1
     lines += [
-        f"prefill: P99 TTFT budget {slo} s - transfer - one decode step = {budget:.2f} s; per worker "
-        f"(M/M/1) P99 = ln(100) x t_p / (1 - rho) <= budget gives rho <= {rho:.2f}",
-        f"  workers = rate x t_p / rho = {rate:.0f} x {t_p:.3f} / {rho:.2f} -> {prefill} prefill workers",
-        f"total: {prefill} prefill + {math.ceil(users / b_star)} decode one-core workers "
-        f"(ratio {prefill / math.ceil(users / b_star):.2f} : 1), "
-        f"{math.ceil((prefill + math.ceil(users / b_star)) / (os.cpu_count() or 1))} machines like this one",
+        f"prefill: offered load a = lambda x t_p = {a:.0f} busy workers; the queue may add at most "
+        f"{slo} - t_p - transfer - ITL = {slack:.2f} s at P99",
+        f"  the pool as M/M/c: the smallest c with C(c, a) x exp(-(c - a) x {slack:.2f} / t_p) <= 1 % "
+        f"is c = {c} (utilisation {a / c:.2f})",
+        f"answer: {c} prefill + {decode} decode one-core workers (P:D = {c / decode:.2f}), i.e. "
+        f"{math.ceil((c + decode) / (os.cpu_count() or 1))} machines like this one",
     ]
     return lines
 
 
+def print_mixed(results: dict, a: argparse.Namespace) -> None:
+    print(
+        f"\nmixed workload, {a.duration:.0f} s: {a.streams} streams ({a.stream_len}-token prompts, "
+        f"{a.stream_output} tokens each, back to back) + a {a.long_len}-token prompt every {a.long_every} s"
+    )
+    head = ["setup", "ITL p50", "p99", "p99.9", "max", "TTFT long p50", "p99", "TTFT stream p50", "p99"]
+    print("| " + " | ".join([*head, "tok/s", "failed", "prompts remote / local"]) + " |")
+    print("|" + "---|" * (len(head) + 3))
+    keys = ("itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "itl_max_ms", "ttft_long_p50_ms", "ttft_long_p99_ms")
+    for label, r in results.items():
+        cells = [f"{r[k]:.0f} ms" for k in (*keys, "ttft_stream_p50_ms", "ttft_stream_p99_ms")]
+        d = r["decisions"]
+        split = f"{d['remote']:.0f} / {d['local_short'] + d['local_cached']:.0f}" if d["remote"] else "-"
+        print(
+            "| "
+            + " | ".join([label, *cells, f"{r['tok_s']:.0f}", f"{r['failed']}/{r['requests']}", split])
+            + " |"
+        )
+    base = results["(a) 2 colocated"]
+    for label, r in results.items():
+        if r is not base:
+            print(
+                f"{label}: ITL p99 (a)/(b) = {base['itl_p99_ms'] / r['itl_p99_ms']:.2f}x (goal >= 2), "
+                f"TTFT p99 of long prompts (b)/(a) = {r['ttft_long_p99_ms'] / base['ttft_long_p99_ms']:.2f}x "
+                f"(goal <= 1.3)"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--streams", type=int, default=6)
     p.add_argument("--stream-len", type=int, default=48)
     p.add_argument("--stream-output", type=int, default=64)
-    p.add_argument("--long-len", type=int, default=1024)
+    p.add_argument("--long-len", type=int, default=512)
     p.add_argument("--long-output", type=int, default=16)
-    p.add_argument("--long-every", type=float, default=3.0)
+    p.add_argument("--long-every", type=float, default=2.5)
+    p.add_argument("--thresholds", default="256,32", help="disagg_min_prompt_tokens of each (b) run")
     p.add_argument("--lengths", default="32,64,128,256,512,1024,2048")
-    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--batches", default="1,8,16,32,64")
     p.add_argument("--itl-target-ms", type=float, default=100.0)
     p.add_argument("--skip-mixed", action="store_true")
     a = p.parse_args()
     print(f"CPU: {cpu_model_name()}, {os.cpu_count()} cores; each worker: {REPLICA_ARGS}")
-    results = {}
     if not a.skip_mixed:
-        for label, args, count in (
-            ("(a) 2 colocated", ["--replicas", "2"], 2),
-            ("(b) 1 prefill + 1 decode", ["--prefill", "1", "--decode", "1"], 2),
-        ):
+        setups = [("(a) 2 colocated", ["--replicas", "2"])]
+        for t in a.thresholds.split(","):
+            args = ["--prefill", "1", "--decode", "1", "--disagg-min-prompt-tokens", t]
+            setups.append((f"(b) 1 prefill + 1 decode, threshold {t}", args))
+        results = {}
+        for label, args in setups:
             fleet = Fleet(args)
             try:
-                fleet.wait(count)
+                fleet.wait(2)
                 results[label] = asyncio.run(mixed(fleet.url, a))
-                decisions = {
+                results[label]["decisions"] = {
                     d: metric(fleet.url, f'shoal:gateway_disagg_decisions_total{{decision="{d}"}}')
                     for d in ("remote", "local_short", "local_cached")
                 }
-                results[label]["decisions"] = decisions
             finally:
                 fleet.stop()
-        print(
-            f"\nmixed workload, {a.duration:.0f} s: {a.streams} streams ({a.stream_len}-token prompts, "
-            f"{a.stream_output} tokens each, back to back) + a {a.long_len}-token prompt "
-            f"every {a.long_every} s"
-        )
-        head = (
-            "setup",
-            "ITL p50",
-            "ITL p99",
-            "TTFT long p50",
-            "p99",
-            "TTFT stream p50",
-            "p99",
-            "tok/s",
-            "failed",
-        )
-        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-        for label, r in results.items():
-            ms = [f"{r[k]:.0f} ms" for k in ("itl_p50_ms", "itl_p99_ms", "ttft_long_p50_ms")]
-            ms += [f"{r[k]:.0f} ms" for k in ("ttft_long_p99_ms", "ttft_stream_p50_ms", "ttft_stream_p99_ms")]
-            print(
-                "| " + " | ".join([label, *ms, f"{r['tok_s']:.0f}", f"{r['failed']}/{r['requests']}"]) + " |"
-            )
-        a_, b_ = results.values()
-        print(
-            f"ITL p99 (a)/(b) = {a_['itl_p99_ms'] / b_['itl_p99_ms']:.2f}x (goal >= 2); "
-            f"TTFT p99 of long prompts (b)/(a) = "
-            f"{b_['ttft_long_p99_ms'] / a_['ttft_long_p99_ms']:.2f}x (goal <= 1.3); "
-            f"gateway decisions in (b): {b_['decisions']}"
-        )
+        print_mixed(results, a)
     fleet = Fleet(["--prefill", "1", "--decode", "1"])
     try:
         reps = {r["role"]: r for r in fleet.wait(2)}
@@ -338,9 +355,7 @@ def main() -> None:
         steps = decode_steps(reps["decode"]["url"], [int(x) for x in a.batches.split(",")])
     finally:
         fleet.stop()
-    print(
-        "\nK/V transfer against prefill, by prompt length (best of 3; the pull includes packing and parsing)"
-    )
+    print("\nK/V transfer against prefill, by prompt length (best of 3; a pull includes packing and parsing)")
     print("| tokens | K/V MiB | prefill | shm pull | tcp pull | shm / prefill | tcp / prefill |")
     print("|---|---|---|---|---|---|---|")
     for r in table:
@@ -351,6 +366,16 @@ def main() -> None:
     print(
         "\ndecode ITL p50 on one worker by batch: "
         + ", ".join(f"B={b}: {v * 1000:.0f} ms" for b, v in steps.items())
+    )
+    # A prompt prefilled on the decode worker stalls its streams for about its prefill time; sent
+    # away, it costs the request a transfer and a hop instead. Keep it local while that stall stays
+    # within two decode steps of a typical batch.
+    step = steps.get(8, next(iter(steps.values())))
+    local = [r["tokens"] for r in table if r["prefill_ms"] / 1000 <= 2 * step]
+    print(
+        f"a prompt prefilled on the decode worker stalls its streams by no more than two decode steps "
+        f"(2 x {step * 1000:.0f} ms at B=8) up to {max(local) if local else 0} tokens of those measured: "
+        f"the disagg_min_prompt_tokens this machine suggests"
     )
     print(
         "\nseed 003 exercise 2 (10K concurrent users, 500-token prompts, 200-token answers, P99 TTFT < 2 s):"
