@@ -21,6 +21,7 @@ from prometheus_client import Counter, Histogram
 from shoal.fleet.registry import PREFILL_ROLES, NoReplicaError
 from shoal.fleet.replica import Replica
 from shoal.fleet.upstream import Attempt
+from shoal.protocol.bodies import STRUCTURED_FIELDS
 from shoal.protocol.errors import APIError
 from shoal.protocol.metric_names import LATENCY_BUCKETS
 from shoal.protocol.secrets import KV_TRANSFER_KEY_HEADER
@@ -43,13 +44,8 @@ OUTPUT_FIELDS = (
     "stop_token_ids",
     "logit_bias",
     "allowed_token_ids",
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
     "return_token_ids",
+    *STRUCTURED_FIELDS,
 )
 
 
@@ -91,8 +87,7 @@ class Disaggregator:
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
         if (
-            fwd.path not in PATHS
-            or body.get("resume") is not None
+            body.get("resume") is not None
             or body.get("echo")  # the prompt's logprobs are computed where the prompt is
             or body.get("max_tokens") == 0
             or several
@@ -111,7 +106,7 @@ class Disaggregator:
 
     async def prefill(self, fwd, decode: Replica, seen: dict) -> dict | None:
         """kv_transfer_params for the decode worker's request, or None: it prefills itself."""
-        if not self.active:
+        if not self.active or fwd.path not in PATHS:
             return None
         reason = self._local_reason(fwd, decode)
         if reason is not None:
@@ -141,13 +136,9 @@ class Disaggregator:
     async def _run(self, fwd, attempt: Attempt, seen: dict) -> dict | None:
         proxy, replica = self.proxy, attempt.replica
         content = json.dumps(prefill_body(fwd.body), ensure_ascii=False).encode()
+        headers, timeout = self.headers(fwd.headers), self.config.prefill_timeout_s
         try:
-            async with attempt.deadline(self.config.prefill_timeout_s):
-                resp = await proxy.send(replica, fwd.path, content, self.headers(fwd.headers))
-                try:
-                    data = await resp.aread()
-                finally:
-                    await resp.aclose()
+            resp, data = await proxy.exchange(attempt, fwd.path, content, headers, timeout)
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             timeout = outcome.kind == "timeout"

@@ -132,6 +132,17 @@ class Proxy:
             return body, headers
         return {**body, "kv_transfer_params": fwd.kv}, self.disagg.headers(headers)
 
+    async def exchange(
+        self, attempt: Attempt, path: str, content: bytes, headers: dict, timeout: float
+    ) -> tuple[httpx.Response, bytes]:
+        """One unstreamed request on the attempt's replica, within `timeout`: response and body."""
+        async with attempt.deadline(timeout):
+            resp = await self.send(attempt.replica, path, content, headers)
+            try:
+                return resp, await resp.aread()
+            finally:
+                await resp.aclose()
+
     async def send(self, replica: Replica, path: str, content: bytes, headers: dict) -> httpx.Response:
         req = self.client.build_request(
             "POST",
@@ -233,12 +244,9 @@ class Proxy:
         cfg = self.config
         replica = attempt.replica
         try:
-            async with attempt.deadline(cfg.request_timeout_s):
-                resp = await self.send(replica, fwd.path, content_out, headers)
-                try:
-                    content = await resp.aread()
-                finally:
-                    await resp.aclose()
+            resp, content = await self.exchange(
+                attempt, fwd.path, content_out, headers, cfg.request_timeout_s
+            )
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             if outcome.kind == "timeout":

@@ -15,6 +15,15 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 # connection is cut at once.
 DRAIN_LIMIT_BYTES = 64 << 20
 MAX_JSON_DEPTH = 64
+# The request fields that ask for structured output (OpenAI's, and vLLM's guided_* extensions).
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 
 
 def _reject_constant(name: str):

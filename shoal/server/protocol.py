@@ -17,6 +17,7 @@ from shoal.engine.sampling_params import (
 from shoal.engine.structured import StructuredOutput, parse_request_structure
 from shoal.models.chat_template import template_message
 from shoal.models.tool_formats import function_spec
+from shoal.protocol.bodies import STRUCTURED_FIELDS
 from shoal.protocol.seeds import SEED_MAX, SEED_MIN
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31)]
@@ -36,16 +37,6 @@ UNSUPPORTED = {
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
 }
-
-
-STRUCTURED_FIELDS = (
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
 
 
 class _Request(BaseModel):
