@@ -137,27 +137,35 @@ def _run_gateway(gateway, what: str) -> int:
 def cmd_fleet_up(args) -> int:
     import shlex
 
+    from shoal.fleet.controller import FleetController
     from shoal.fleet.gateway import Gateway
-    from shoal.fleet.launcher import LocalLauncher, port_in_use
+    from shoal.fleet.launcher import port_in_use
 
     fleet = _gateway_config(args)
-    if args.replicas is not None:
-        fleet.replicas = args.replicas
+    for flag in ("replicas", "min_replicas", "max_replicas", "warm_standby", "scale_to_zero_after_s"):
+        if getattr(args, flag) is not None:
+            setattr(fleet, flag, getattr(args, flag))
+    for flag in ("target_inflight", "target_waiting", "target_kv_usage", "target_ttft_s"):
+        if getattr(args, flag) is not None:
+            setattr(fleet.autoscale, flag, getattr(args, flag))
+    for flag in ("scale_up_delay_s", "scale_down_delay_s"):
+        if getattr(args, flag) is not None:
+            setattr(fleet.autoscale, flag, getattr(args, flag))
     if args.prefill is not None or args.decode is not None:
         fleet.prefill, fleet.decode = args.prefill or 0, args.decode or 0
-    try:
-        fleet.check()
-    except ValueError as exc:
-        print(f"shoal: {exc}", file=sys.stderr)
-        return 2
     fleet.model = args.model_pos or args.model or fleet.model
     if args.base_port is not None:
         fleet.base_port = args.base_port
     if args.replica_args:
         fleet.replica_args = shlex.split(args.replica_args)
-    fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model
-    launcher = LocalLauncher(fleet)
-    busy = launcher.busy_ports()
+    try:
+        fleet.check()
+    except ValueError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
+    fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model_configs()[0].model
+    controller = FleetController(fleet)
+    busy = controller.busy_ports()
     if port_in_use(fleet.gateway.port, fleet.gateway.host):
         busy.insert(0, fleet.gateway.port)
     if busy:
@@ -167,11 +175,12 @@ def cmd_fleet_up(args) -> int:
             file=sys.stderr,
         )
         return 1
-    names = ", ".join(f"{r.name} :{r.port}" for r in launcher.replicas)
+    names = ", ".join(f"{r.name} :{r.port}" for r in controller.slots)
     print(
-        f"shoal: starting {len(launcher.replicas)} replicas ({names}); logs in {launcher.log_dir}", flush=True
+        f"shoal: starting {len(controller.slots)} replicas ({names}); logs in {controller.log_dir}",
+        flush=True,
     )
-    return _run_gateway(Gateway(fleet.gateway, launcher), "fleet gateway up")
+    return _run_gateway(Gateway(fleet.gateway, controller), "fleet gateway up")
 
 
 def cmd_worker(args) -> int:
@@ -344,6 +353,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_pos", nargs="?", metavar="MODEL")
     p.add_argument("--model", "-m", default=None)
     p.add_argument("--replicas", type=int, default=None)
+    g = p.add_argument_group("autoscaling (without --min/--max-replicas, --replicas is a fixed fleet)")
+    g.add_argument(
+        "--min-replicas", type=int, default=None, help="active replicas at least (0: may scale to zero)"
+    )
+    g.add_argument("--max-replicas", type=int, default=None)
+    g.add_argument(
+        "--warm-standby", type=int, default=None, help="loaded replicas out of traffic, promoted at once"
+    )
+    g.add_argument(
+        "--scale-to-zero-after", dest="scale_to_zero_after_s", type=float, default=None, metavar="S"
+    )
+    g.add_argument("--target-inflight", type=float, default=None, help="requests in flight per replica")
+    g.add_argument(
+        "--target-waiting", type=float, default=None, help="requests queued in the engine per replica"
+    )
+    g.add_argument("--target-kv-usage", type=float, default=None, help="mean KV-cache usage (0-1)")
+    g.add_argument("--target-ttft", dest="target_ttft_s", type=float, default=None, help="TTFT p90, seconds")
+    g.add_argument("--scale-up-delay", dest="scale_up_delay_s", type=float, default=None, metavar="S")
+    g.add_argument("--scale-down-delay", dest="scale_down_delay_s", type=float, default=None, metavar="S")
     p.add_argument(
         "--prefill", type=int, default=None, help="prefill workers (with --decode: a disaggregated fleet)"
     )

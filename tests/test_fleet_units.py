@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import pytest
 
 from shoal.fleet.config import FleetConfig, load_fleet_config
-from shoal.fleet.launcher import LocalLauncher, LocalReplica, port_in_use
+from shoal.fleet.controller import FleetController
+from shoal.fleet.launcher import port_in_use
 from shoal.fleet.poison import PoisonGuard, crashed, fingerprint
 from shoal.fleet.policies import KVAware, RouteRequest, Session
 from shoal.fleet.prefix_index import PrefixIndex
 from shoal.fleet.replica import Death, Replica, ReplicaState
+from shoal.fleet.replica_set import Slot
 from shoal.fleet.stream_state import ORIGINAL, StreamState
 from shoal.protocol.block_hash import hash_blocks
 
@@ -152,14 +154,14 @@ def test_fingerprints_ignore_how_the_answer_streams():
 
 
 def test_restarts_back_off_exponentially_and_reset_after_a_good_run():
-    launcher = SimpleNamespace(
+    controller = SimpleNamespace(
         config=FleetConfig(restart_backoff_s=1.0, restart_backoff_max_s=8.0, restart_reset_after_s=60.0)
     )
-    r = LocalReplica("replica-0", 1, "/dev/null", started_at=100.0)
-    delays = [LocalLauncher._backoff(launcher, r, 101.0) for _ in range(5)]
+    r = Slot("replica-0", None, 1, "/dev/null", started_at=100.0)
+    delays = [FleetController._backoff(controller, r, 101.0) for _ in range(5)]
     assert delays == [1.0, 2.0, 4.0, 8.0, 8.0]
     r.started_at = 100.0
-    assert LocalLauncher._backoff(launcher, r, 200.0) == 1.0  # it had stayed up 100 s
+    assert FleetController._backoff(controller, r, 200.0) == 1.0  # it had stayed up 100 s
 
 
 def test_a_listening_port_is_in_use():

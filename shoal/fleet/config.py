@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shoal.fleet.autoscaler import AutoscaleConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 
@@ -35,6 +36,8 @@ class GatewayConfig:
     max_inflight_per_replica: int = 64
     max_queue: int = 256
     queue_timeout_s: float = 30.0
+    # A request for a model with no active replica waits this long for one to start or be promoted.
+    cold_start_timeout_s: float = 180.0
     # Failover.
     max_retries: int = 2  # further replicas tried for one request
     retry_budget: float = 0.2  # retries may add at most this fraction of recent requests
@@ -77,28 +80,95 @@ class GatewayConfig:
 
 
 @dataclass
+class ModelConfig:
+    """One model the fleet serves and how its replicas scale. Active replicas take traffic and stay
+    within [min_replicas, max_replicas]; `warm_standby` more are loaded but take none until promoted;
+    with min_replicas 0, a model idle for `scale_to_zero_after_s` has no active replica."""
+
+    name: str | None = None  # the model id clients send; None: a one-model fleet answers any id
+    model: str | None = None  # checkpoint (default: the bundled model)
+    replica_args: list[str] = field(default_factory=list)  # extra `shoal serve` flags
+    min_replicas: int = 1
+    max_replicas: int = 1
+    warm_standby: int = 0
+    scale_to_zero_after_s: float | None = None
+    # Disaggregated: this many prefill and decode workers (a fixed pool of each) instead.
+    prefill: int = 0
+    decode: int = 0
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+
+    @property
+    def key(self) -> str:
+        return self.name or "default"
+
+    def check(self) -> None:
+        if self.prefill < 0 or self.decode < 0 or (self.prefill > 0) != (self.decode > 0):
+            raise ValueError("a disaggregated fleet needs at least one prefill and one decode worker")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.warm_standby < 0:
+            raise ValueError(
+                f"model {self.key}: need 0 <= min_replicas ({self.min_replicas}) <= max_replicas "
+                f"({self.max_replicas}) and warm_standby >= 0"
+            )
+        if self.max_replicas == 0 and not self.prefill:
+            raise ValueError(f"model {self.key}: max_replicas must be at least 1")
+
+    def pools(self) -> list[tuple[str, int, int]]:
+        """(role, min, max) of each pool of replicas this model runs."""
+        if self.prefill:
+            return [("prefill", self.prefill, self.prefill), ("decode", self.decode, self.decode)]
+        return [("both", self.min_replicas, self.max_replicas)]
+
+
+@dataclass
 class FleetConfig:
+    # One model: `replicas` of it, fixed (or autoscaled within min/max_replicas when they are set).
     replicas: int = 2
     # A disaggregated fleet: this many prefill and decode workers instead of `replicas` of both roles.
     prefill: int = 0
     decode: int = 0
     model: str | None = None
-    base_port: int = 8100  # replicas listen on base_port, base_port + 1, ...
     replica_args: list[str] = field(default_factory=list)  # extra `shoal serve` flags
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    warm_standby: int = 0
+    scale_to_zero_after_s: float | None = None
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    # Several models ([[models]] tables): each with its own replicas and scaling; the keys above
+    # then do not apply.
+    models: list[ModelConfig] = field(default_factory=list)
+    base_port: int = 8100  # replicas listen on base_port, base_port + 1, ...
     restart_backoff_s: float = 1.0  # doubles with each quick death, up to the cap
     restart_backoff_max_s: float = 30.0
     restart_reset_after_s: float = 60.0  # a replica up this long starts from the first backoff again
+    drain_timeout_s: float = 300.0  # a draining replica still busy after this is stopped anyway
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
-    def check(self) -> None:
-        if self.prefill < 0 or self.decode < 0 or (self.prefill > 0) != (self.decode > 0):
-            raise ValueError("a disaggregated fleet needs at least one prefill and one decode worker")
+    def model_configs(self) -> list[ModelConfig]:
+        if self.models:
+            return self.models
+        fixed = self.min_replicas is None and self.max_replicas is None
+        lo = self.replicas if fixed else (self.min_replicas or 0)
+        hi = self.replicas if fixed else (self.max_replicas if self.max_replicas is not None else max(lo, 1))
+        one = ModelConfig(
+            None,
+            self.model,
+            self.replica_args,
+            lo,
+            hi,
+            self.warm_standby,
+            self.scale_to_zero_after_s,
+            self.prefill,
+            self.decode,
+            self.autoscale,
+        )
+        return [one]
 
-    def roles(self) -> list[str]:
-        """Each replica's role, in order."""
-        if self.prefill:
-            return ["prefill"] * self.prefill + ["decode"] * self.decode
-        return ["both"] * self.replicas
+    def check(self) -> None:
+        names = [m.name for m in self.models]
+        if self.models and (None in names or len(set(names)) != len(names)):
+            raise ValueError("each [[models]] table needs its own name (the model id clients send)")
+        for m in self.model_configs():
+            m.check()
 
 
 def _fill(cls, data: dict[str, Any]):
@@ -109,12 +179,21 @@ def _fill(cls, data: dict[str, Any]):
     return cls(**data)
 
 
+def _model(data: dict[str, Any]) -> ModelConfig:
+    m = _fill(ModelConfig, {k: v for k, v in data.items() if k != "autoscale"})
+    m.autoscale = _fill(AutoscaleConfig, data.get("autoscale", {}))
+    return m
+
+
 def load_fleet_config(path: str | Path) -> FleetConfig:
-    """A TOML file: top-level fleet keys (replicas, model, base_port, replica_args) and a [gateway] table."""
+    """A TOML file: top-level fleet keys (replicas, model, base_port, replica_args, min_replicas, ...),
+    an [autoscale] table, [[models]] tables (each with its own [models.autoscale]) and [gateway]."""
     data = tomllib.loads(Path(path).read_text())
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
+    models = [_model(m) for m in data.pop("models", [])]
+    autoscale = _fill(AutoscaleConfig, data.pop("autoscale", {}))
     cfg = _fill(FleetConfig, data)
-    cfg.gateway = gateway
+    cfg.gateway, cfg.models, cfg.autoscale = gateway, models, autoscale
     cfg.check()
     if gateway.policy not in POLICIES:
         raise ValueError(f"unknown policy {gateway.policy!r}; choose from {', '.join(POLICIES)}")

@@ -56,13 +56,13 @@ def _prompt_chars(path: str, body: dict) -> int:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, launcher=None):
+    def __init__(self, config: GatewayConfig, controller=None):
         self.config = config
         self.metrics = GatewayMetrics()
         self.index = PrefixIndex()
         self.policy = make_policy(config.policy, self.index, config.load_weight, config.imbalance_limit)
         self.registry = Registry(config, self.policy, self.index, self.metrics)
-        self.launcher = launcher  # starts and supervises local replicas, when the fleet owns them
+        self.controller = controller  # runs the replicas (FleetController), when the fleet owns them
         self.tokenizer: Tokenizer | None = None
         self.proxy: Proxy | None = None
         self.kv_root = NONE_HASH
@@ -124,8 +124,19 @@ class Gateway:
 
     async def route_request(self, path: str, body: dict, headers) -> RouteRequest:
         session = headers.get(self.config.session_header) or body.get("user")
+        model = None
+        if self.controller is not None and self.controller.multi_model:
+            model = body.get("model")
+            if not self.controller.serves(model):
+                names = ", ".join(m.name for m in self.controller.models)
+                raise APIError(
+                    404,
+                    f"the model {str(model)[:100]!r} does not exist; this fleet serves {names}",
+                    "model",
+                    "model_not_found",
+                )
         hashes = await asyncio.to_thread(self._route_hashes, path, body)
-        return RouteRequest(hashes, session if isinstance(session, str) else None)
+        return RouteRequest(hashes, session if isinstance(session, str) else None, model=model)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -181,6 +192,9 @@ class Gateway:
             return_exceptions=True,
         )
         cards: dict[str, Any] = {}
+        if self.controller is not None and self.controller.multi_model:  # also those scaled to zero
+            for m in self.controller.models:
+                cards[m.name] = {"id": m.name, "object": "model", "created": 0, "owned_by": "shoal"}
         for a in answers:
             if not isinstance(a, BaseException) and a.status_code == 200:
                 with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
@@ -231,7 +245,10 @@ class Gateway:
         @app.get("/ready")
         async def ready():
             n = sum(r.state == ReplicaState.READY for r in self.registry.replicas.values())
-            return JSONResponse({"ready": n > 0, "replicas_ready": n}, status_code=200 if n else 503)
+            # A model scaled to zero still takes requests: they wait for a replica to start.
+            scalable = self.controller is not None and any(p.autoscaler for p in self.controller.pools)
+            ok = n > 0 or scalable
+            return JSONResponse({"ready": ok, "replicas_ready": n}, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
@@ -240,13 +257,16 @@ class Gateway:
         @app.get("/replicas")
         async def replicas(raw: Request):
             self.check_key(raw)  # it shows replica URLs and process ids
-            return {
+            out = {
                 "policy": self.policy.name,
                 "replicas": [
                     {**r.snapshot(), "cached_blocks": self.index.size(r.name)}
                     for r in self.registry.replicas.values()
                 ],
             }
+            if self.controller is not None:
+                out["pools"] = self.controller.snapshot()
+            return out
 
         return app
 
@@ -254,8 +274,8 @@ class Gateway:
         self.kv_root = root_hash(kv_salt(self.config.kv_salt, self.config.replica_key))
         self.registry.kv_root = self.kv_root
         self.proxy = Proxy(self.config, self.registry, self.metrics)
-        if self.launcher is not None:
-            await self.launcher.start(self.registry)
+        if self.controller is not None:
+            await self.controller.start(self.registry)
         await self.registry.start()
         try:
             from shoal.models.checkpoint import load_tokenizer
@@ -265,8 +285,8 @@ class Gateway:
             log.warning("no tokenizer for prefix routing (%s); hashing prompt text instead", exc)
 
     async def stop(self) -> None:
-        if self.launcher is not None:
-            await self.launcher.stop()
+        if self.controller is not None:
+            await self.controller.stop()
         await self.registry.stop()
         if self.proxy is not None:
             await self.proxy.aclose()

@@ -53,6 +53,39 @@ class GatewayMetrics:
             ["role"],
             registry=r,
         )
+        self.desired = Gauge(
+            "shoal:gateway_desired_replicas",
+            "Active replicas each pool's autoscaler wants.",
+            ["pool"],
+            registry=r,
+        )
+        self.lifecycle = Gauge(
+            "shoal:gateway_pool_replicas",
+            "Replicas of each pool by lifecycle state (starting, standby, ready, draining, stopped).",
+            ["pool", "state"],
+            registry=r,
+        )
+        self.autoscaler_decisions = Counter(
+            "shoal:gateway_autoscaler_decisions",
+            "Scaling decisions by pool, direction and the signal that decided.",
+            ["pool", "direction", "signal"],
+            registry=r,
+        )
+        self.replica_start = Histogram(
+            "shoal:gateway_replica_start_seconds",
+            "Until a replica takes traffic: cold, from starting its process; warm, a standby promoted, "
+            "from the autoscaler asking for it.",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cold_start_wait = Histogram(
+            "shoal:gateway_cold_start_wait_seconds",
+            "Time a request waited at the gateway for a model with no active replica.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
             "shoal:gateway_time_to_first_token_seconds",
             "Gateway-side time to the first streamed byte.",

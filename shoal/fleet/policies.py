@@ -15,6 +15,7 @@ class RouteRequest:
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, if known
     session: str | None = None
     cached_blocks: int = 0  # set by the registry: leading blocks the chosen replica already held
+    model: str | None = None  # the model asked for, in a fleet of several (None: the only one)
 
 
 class Policy:

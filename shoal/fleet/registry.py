@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 
 import httpx
 
@@ -40,6 +41,12 @@ class Registry:
         self._background: set[asyncio.Task] = set()
         self.client: httpx.AsyncClient | None = None
         self.kv_root = 0  # root of the prompt block hashes (the deployment's salt), set by the gateway
+        self.controller = None  # the fleet's controller, when it runs the replicas (see controller.py)
+        # Per model (None: a one-model fleet), for the autoscaler: requests waiting here for a
+        # replica, when the last request came, recent TTFTs.
+        self.queued: dict[str | None, int] = {}
+        self.last_request: dict[str | None, float] = {}
+        self._ttfts: dict[str | None, deque] = {}
 
     def add(self, name: str, url: str, pid: int | None = None, proc_exit=None) -> Replica:
         """A replica, or a new life of one (its process restarted): probes decide when it is ready."""
@@ -51,6 +58,23 @@ class Registry:
             r.proc_exit = proc_exit
             r.state, r.death, r.note, r.probe_misses = ReplicaState.LOADING, None, None, 0
         return r
+
+    def remove(self, name: str) -> None:
+        """A replica the controller stopped: gone from routing, its cache from the index."""
+        r = self.replicas.pop(name, None)
+        if r is not None:
+            self.index.reset(name)
+            for labels in ((name,),):
+                with contextlib.suppress(KeyError):
+                    self.metrics.replica_up.remove(*labels)
+                    self.metrics.inflight.remove(*labels)
+
+    def observe_ttft(self, model: str | None, seconds: float) -> None:
+        self._ttfts.setdefault(model, deque(maxlen=512)).append((time.monotonic(), seconds))
+
+    def ttft_p90(self, model: str | None, since: float) -> float | None:
+        recent = sorted(t for at, t in self._ttfts.get(model, ()) if at >= since)
+        return recent[int(0.9 * (len(recent) - 1))] if recent else None
 
     def witness(self, r: Replica, reason: str, exit_code: int | None = None) -> Death:
         """Records (once per life) that `r` died, with the requests in flight on it then."""
@@ -248,35 +272,38 @@ class Registry:
         timeout: float | None = None,
         only_roles: bool = False,
     ) -> Replica:
-        """A replica for the request, waiting in the bounded queue while all are at their cap.
+        """A replica of the request's model, waiting in the bounded queue while all are at their cap,
+        and up to cold_start_timeout_s while the controller brings one to a model that has none.
         Replicas of `roles` first; others only when none of those is routable (unless `only_roles`)."""
         cfg = self.config
-        deadline = time.monotonic() + (cfg.queue_timeout_s if timeout is None else timeout)
-        queued = False
+        start = time.monotonic()
+        deadline = start + (cfg.queue_timeout_s if timeout is None else timeout)
+        model = req.model
+        if not only_roles:
+            self.last_request[model] = start
+        queued = cold = False
         try:
             async with self._changed:
                 while True:
                     now = time.monotonic()
                     routable = [
-                        r for r in self.replicas.values() if r.name not in exclude and r.routable(now)
+                        r
+                        for r in self.replicas.values()
+                        if r.name not in exclude and r.model == model and r.routable(now)
                     ]
                     preferred = [r for r in routable if r.role in roles]
                     if preferred or only_roles:
                         routable = preferred
-                    if not routable:
-                        raise NoReplicaError("no replica is ready")
+                    if not routable and not cold:
+                        if only_roles or self.controller is None or not self.controller.wake(model):
+                            raise NoReplicaError("no replica is ready")
+                        cold = True  # one is starting or standing by: wait for it, not 503
+                        deadline = start + cfg.cold_start_timeout_s
                     free = [r for r in routable if r.inflight < cfg.max_inflight_per_replica]
                     if free:
-                        replica, reason = self.policy.choose(free, req)
-                        replica.on_dispatch()
-                        self.metrics.decisions.labels(self.policy.name, reason).inc()
-                        self.metrics.requests.labels(replica.name).inc()
-                        self.metrics.inflight.labels(replica.name).set(replica.inflight)
-                        if req.hashes:
-                            held = self.index.matched_blocks(req.hashes, [replica.name])
-                            req.cached_blocks = held[replica.name]
-                            self.index.routed(replica.name, req.hashes)
-                        return replica
+                        if cold:
+                            self.metrics.cold_start_wait.labels(model or "default").observe(now - start)
+                        return self._dispatch(self.policy.choose(free, req), req)
                     if not queued:
                         if self._waiters >= cfg.max_queue:
                             raise NoReplicaError(
@@ -284,14 +311,29 @@ class Registry:
                             )
                         queued = True
                         self._waiters += 1
+                        self.queued[model] = self.queued.get(model, 0) + 1
                     remaining = deadline - now
                     if remaining <= 0:
-                        raise NoReplicaError("timed out waiting for a free replica")
+                        what = "a replica to start" if cold else "a free replica"
+                        raise NoReplicaError(f"timed out waiting for {what}")
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
         finally:
             if queued:
                 self._waiters -= 1
+                self.queued[model] -= 1
+
+    def _dispatch(self, choice: tuple[Replica, str], req: RouteRequest) -> Replica:
+        replica, reason = choice
+        replica.on_dispatch()
+        self.metrics.decisions.labels(self.policy.name, reason).inc()
+        self.metrics.requests.labels(replica.name).inc()
+        self.metrics.inflight.labels(replica.name).set(replica.inflight)
+        if req.hashes:
+            held = self.index.matched_blocks(req.hashes, [replica.name])
+            req.cached_blocks = held[replica.name]
+            self.index.routed(replica.name, req.hashes)
+        return replica
 
     async def release(self, r: Replica, ok: bool | None, reason: str = "") -> None:
         """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
@@ -304,13 +346,17 @@ class Registry:
         """`release` for cleanup that must not await (a cancelled stream's, which anyio would
         cancel again at each await)."""
         self._account(r, ok, reason)
-        task = asyncio.get_running_loop().create_task(self._notify())
-        self._background.add(task)  # the loop holds tasks weakly
-        task.add_done_callback(self._background.discard)
+        self.notify_nowait()
 
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    def notify_nowait(self) -> None:
+        """Wakes requests waiting for a replica (one was promoted, or became free)."""
+        task = asyncio.get_running_loop().create_task(self._notify())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _account(self, r: Replica, ok: bool | None, reason: str) -> None:
         r.inflight -= 1

@@ -199,7 +199,9 @@ class Relay:
                     if out is not None:
                         if self.first_event:
                             self.first_event = False
-                            self.metrics.ttft.observe(time.monotonic() - self.fwd.started)
+                            ttft = time.monotonic() - self.fwd.started
+                            self.metrics.ttft.observe(ttft)
+                            self.registry.observe_ttft(self.fwd.route.model, ttft)
                         yield sse(out)
                     continue
                 self.pumps.pop(up, None)

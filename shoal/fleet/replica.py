@@ -56,6 +56,9 @@ class Replica:
     attempts: set = field(default_factory=set)  # requests in flight, interrupted when it goes down
     death: Death | None = None
     role: str = "both"  # prefill, decode or both (see shoal serve --role), from /load or the launcher
+    model: str | None = None  # the model id it serves, in a fleet of several models
+    # The controller's say (starting, standby, ready, draining, stopped): only "ready" takes traffic.
+    lifecycle: str = "ready"
 
     @property
     def process_alive(self) -> bool:
@@ -68,6 +71,8 @@ class Replica:
         return max(self.inflight, self.load.get("running", 0) + waiting) + 0.5 * waiting
 
     def routable(self, now: float) -> bool:
+        if self.lifecycle != "ready":
+            return False
         if self.state == ReplicaState.READY:
             return True
         if self.state == ReplicaState.EJECTED and now >= self.open_until:
@@ -114,4 +119,6 @@ class Replica:
             "restarts": self.restarts,
             "note": self.note,
             "role": self.role,
+            "model": self.model,
+            "lifecycle": self.lifecycle,
         }
