@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shoal.cli_fleet import add_fleet_parsers
 from shoal.cli_options import add_engine_args, add_sampling_args, engine_options, parse_size, sampling_params
 
 
@@ -101,104 +102,10 @@ def cmd_serve(args) -> int:
     return serve(build_engine_config(model, **options), server)
 
 
-def _gateway_config(args):
-    from shoal.fleet.config import FleetConfig, load_fleet_config
-
-    fleet = load_fleet_config(args.config) if args.config else FleetConfig()
-    gw = fleet.gateway
-    for flag, attr in (
-        ("host", "host"),
-        ("port", "port"),
-        ("policy", "policy"),
-        ("api_key", "api_key"),
-        ("replica_api_key", "replica_api_key"),
-        ("kv_salt", "kv_salt"),
-        ("max_request_bytes", "max_body_bytes"),
-        ("tokenizer", "tokenizer"),
-        ("disagg_min_prompt_tokens", "disagg_min_prompt_tokens"),
-    ):
-        value = getattr(args, flag, None)
-        if value is not None:
-            setattr(gw, attr, value)
-    if getattr(args, "trust_client_priority", False):
-        gw.trust_client_priority = True
-    return fleet
-
-
-def _run_gateway(gateway, what: str) -> int:
-    import uvicorn
-
-    cfg = gateway.config
-    print(f"shoal: {what}; the API is at http://{cfg.host}:{cfg.port}/v1 (policy {cfg.policy})", flush=True)
-    uvicorn.run(gateway.build_app(), host=cfg.host, port=cfg.port, log_level="warning")
-    return 0
-
-
-def cmd_fleet_up(args) -> int:
-    import shlex
-
-    from shoal.fleet.controller import FleetController
-    from shoal.fleet.gateway import Gateway
-    from shoal.fleet.launcher import port_in_use
-
-    fleet = _gateway_config(args)
-    for flag in ("replicas", "min_replicas", "max_replicas", "warm_standby", "scale_to_zero_after_s"):
-        if getattr(args, flag) is not None:
-            setattr(fleet, flag, getattr(args, flag))
-    for flag in ("target_inflight", "target_waiting", "target_kv_usage", "target_ttft_s"):
-        if getattr(args, flag) is not None:
-            setattr(fleet.autoscale, flag, getattr(args, flag))
-    for flag in ("scale_up_delay_s", "scale_down_delay_s"):
-        if getattr(args, flag) is not None:
-            setattr(fleet.autoscale, flag, getattr(args, flag))
-    if args.prefill is not None or args.decode is not None:
-        fleet.prefill, fleet.decode = args.prefill or 0, args.decode or 0
-    fleet.model = args.model_pos or args.model or fleet.model
-    if args.base_port is not None:
-        fleet.base_port = args.base_port
-    if args.replica_args:
-        fleet.replica_args = shlex.split(args.replica_args)
-    try:
-        fleet.check()
-    except ValueError as exc:
-        print(f"shoal: {exc}", file=sys.stderr)
-        return 2
-    fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model_configs()[0].model
-    controller = FleetController(fleet)
-    busy = controller.busy_ports()
-    if port_in_use(fleet.gateway.port, fleet.gateway.host):
-        busy.insert(0, fleet.gateway.port)
-    if busy:
-        print(
-            f"shoal: port {', '.join(map(str, busy))} already in use (another fleet, or replicas left "
-            "over from one?); free it or choose other --port / --base-port",
-            file=sys.stderr,
-        )
-        return 1
-    names = ", ".join(f"{r.name} :{r.port}" for r in controller.slots)
-    print(
-        f"shoal: starting {len(controller.slots)} replicas ({names}); logs in {controller.log_dir}",
-        flush=True,
-    )
-    return _run_gateway(Gateway(fleet.gateway, controller), "fleet gateway up")
-
-
 def cmd_worker(args) -> int:
     from shoal.engine.parallel.worker import main
 
     return main(["--driver", args.driver, "--rank", str(args.rank)])
-
-
-def cmd_gateway(args) -> int:
-    from shoal.fleet.gateway import Gateway
-
-    fleet = _gateway_config(args)
-    if args.backend:
-        fleet.gateway.backends = args.backend
-    if not fleet.gateway.backends:
-        print("shoal: give at least one --backend URL (or backends in --config)", file=sys.stderr)
-        return 2
-    return _run_gateway(Gateway(fleet.gateway), f"gateway over {len(fleet.gateway.backends)} backends")
 
 
 def cmd_bench_offline(args) -> int:
@@ -318,86 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
-    def gateway_args(p):
-        p.add_argument(
-            "--config", default=None, help="TOML file: replicas, model, [gateway] policy and limits"
-        )
-        p.add_argument("--host", default=None)
-        p.add_argument("--port", type=int, default=None)
-        p.add_argument(
-            "--policy",
-            default=None,
-            choices=["kv_aware", "round_robin", "least_load", "power_of_two", "session"],
-        )
-        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on probes)")
-        p.add_argument(
-            "--replica-api-key",
-            default=None,
-            help="the key the gateway sends to replicas (default: --api-key)",
-        )
-        p.add_argument(
-            "--kv-salt",
-            default=None,
-            help="salt of KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
-        )
-        p.add_argument("--max-request-bytes", type=parse_size, default=None, help="larger bodies get 413")
-        p.add_argument(
-            "--trust-client-priority", action="store_true", help="pass a client's priority on as given"
-        )
-        p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer hashes prompts")
-
-    fleet = sub.add_parser("fleet", help="a gateway and local replicas").add_subparsers(
-        dest="fleet", required=True
-    )
-    p = fleet.add_parser("up", help="start N local replicas behind one gateway, restarting any that die")
-    p.add_argument("model_pos", nargs="?", metavar="MODEL")
-    p.add_argument("--model", "-m", default=None)
-    p.add_argument("--replicas", type=int, default=None)
-    g = p.add_argument_group("autoscaling (without --min/--max-replicas, --replicas is a fixed fleet)")
-    g.add_argument(
-        "--min-replicas", type=int, default=None, help="active replicas at least (0: may scale to zero)"
-    )
-    g.add_argument("--max-replicas", type=int, default=None)
-    g.add_argument(
-        "--warm-standby", type=int, default=None, help="loaded replicas out of traffic, promoted at once"
-    )
-    g.add_argument(
-        "--scale-to-zero-after", dest="scale_to_zero_after_s", type=float, default=None, metavar="S"
-    )
-    g.add_argument("--target-inflight", type=float, default=None, help="requests in flight per replica")
-    g.add_argument(
-        "--target-waiting", type=float, default=None, help="requests queued in the engine per replica"
-    )
-    g.add_argument("--target-kv-usage", type=float, default=None, help="mean KV-cache usage (0-1)")
-    g.add_argument("--target-ttft", dest="target_ttft_s", type=float, default=None, help="TTFT p90, seconds")
-    g.add_argument("--scale-up-delay", dest="scale_up_delay_s", type=float, default=None, metavar="S")
-    g.add_argument("--scale-down-delay", dest="scale_down_delay_s", type=float, default=None, metavar="S")
-    p.add_argument(
-        "--prefill", type=int, default=None, help="prefill workers (with --decode: a disaggregated fleet)"
-    )
-    p.add_argument("--decode", type=int, default=None, help="decode workers (with --prefill)")
-    p.add_argument(
-        "--disagg-min-prompt-tokens",
-        type=int,
-        default=None,
-        help="prompts with fewer uncached tokens are prefilled on their decode worker",
-    )
-    p.add_argument("--base-port", type=int, default=None, help="replica ports from here (0: any free ports)")
-    p.add_argument(
-        "--replica-args", default=None, help="extra `shoal serve` flags, e.g. '--kv-cache-memory 1GiB'"
-    )
-    gateway_args(p)
-    p.set_defaults(func=cmd_fleet_up)
+    add_fleet_parsers(sub)
 
     p = sub.add_parser("worker", help="one rank of a tensor/pipeline-parallel engine, on another host")
     p.add_argument("--driver", required=True, help="HOST:PORT of the engine (its --distributed-port)")
     p.add_argument("--rank", type=int, required=True)
     p.set_defaults(func=cmd_worker)
-
-    p = sub.add_parser("gateway", help="front replicas that already run (shoal, vLLM, SGLang, llama.cpp)")
-    p.add_argument("--backend", action="append", default=[], help="a replica's base URL (repeat)")
-    gateway_args(p)
-    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
     p.add_argument("prompt", nargs="+")

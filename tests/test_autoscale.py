@@ -197,3 +197,24 @@ def test_a_burst_scales_up_and_idleness_back_to_zero_without_a_failure(fleet):
     assert any('direction="up"' in d for d in decisions), decisions  # from zero, straight to 2
     assert any('direction="down"' in d and 'signal="idle"' in d for d in decisions), decisions
     assert metric(fleet.url, 'shoal:gateway_responses_total{status="503"}') == 0
+
+
+def test_a_canary_takes_its_share_of_requests():
+    from shoal.fleet.config import GatewayConfig
+    from shoal.fleet.metrics import GatewayMetrics
+    from shoal.fleet.policies import make_policy
+    from shoal.fleet.prefix_index import PrefixIndex
+    from shoal.fleet.registry import Registry
+    from shoal.fleet.replica import Replica
+
+    index = PrefixIndex()
+    reg = Registry(GatewayConfig(), make_policy("round_robin", index), index, GatewayMetrics())
+    old = [Replica(f"r{i}", f"http://r{i}", version=0) for i in range(3)]
+    new = Replica("r3", "http://r3", version=1)
+    free = [*old, new]
+    assert reg._canary_split(None, free) == free  # no canary: every replica
+    reg.canary[None] = (1, 0.2)
+    picks = [reg._canary_split(None, free) for _ in range(2000)]
+    share = sum(p == [new] for p in picks) / len(picks)
+    assert 0.15 < share < 0.25 and all(p in ([new], old) for p in picks)
+    assert reg._canary_split(None, old) == old  # the canary busy or gone: the rest serve

@@ -141,6 +141,7 @@ class FleetConfig:
     restart_backoff_max_s: float = 30.0
     restart_reset_after_s: float = 60.0  # a replica up this long starts from the first backoff again
     drain_timeout_s: float = 300.0  # a draining replica still busy after this is stopped anyway
+    update_ready_timeout_s: float = 300.0  # a rolling update's new replica not ready by then: rolled back
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def model_configs(self) -> list[ModelConfig]:

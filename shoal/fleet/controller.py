@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -20,6 +21,7 @@ from shoal.fleet.config import FleetConfig
 from shoal.fleet.launcher import LocalLauncher, ReplicaSpec
 from shoal.fleet.replica import ReplicaState
 from shoal.fleet.replica_set import Lifecycle, Pool, Slot
+from shoal.fleet.rollout import RolloutDriver
 from shoal.protocol.kv_files import shm_sweep
 from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
 
@@ -48,6 +50,7 @@ class FleetController:
         self.pools: list[Pool] = []
         self._index = 0
         self.registry = None
+        self.rollouts = RolloutDriver(self)
         self._task: asyncio.Task | None = None
         self.started = time.monotonic()
         for m in self.models:
@@ -60,7 +63,7 @@ class FleetController:
                 pool = Pool(m, role, lo, hi, scaler, desired=lo)
                 self.pools.append(pool)
                 for _ in range(lo + pool.warm):
-                    self._new_slot(pool)
+                    self.new_slot(pool)
 
     # --- the replica set -----------------------------------------------------------------
 
@@ -68,7 +71,7 @@ class FleetController:
     def slots(self) -> list[Slot]:
         return [s for p in self.pools for s in p.slots]
 
-    def _new_slot(self, pool: Pool) -> Slot:
+    def new_slot(self, pool: Pool) -> Slot:
         i = self._index
         self._index += 1
         base = self.config.base_port
@@ -78,6 +81,7 @@ class FleetController:
         else:
             name = f"replica-{i}" if pool.role == "both" else f"{pool.role}-{i}"
         slot = Slot(name, pool, port, os.path.join(self.log_dir, f"{name}.log"), self.launcher.host)
+        slot.model, slot.version = pool.model, pool.version
         pool.slots.append(slot)
         return slot
 
@@ -103,7 +107,7 @@ class FleetController:
     # --- lifecycle -----------------------------------------------------------------------
 
     def _spec(self, slot: Slot) -> ReplicaSpec:
-        m, gw = slot.pool.model, self.config.gateway
+        m, gw = slot.model, self.config.gateway
         args = list(m.replica_args)
         if m.name:
             args += ["--served-model-name", m.name]
@@ -135,8 +139,13 @@ class FleetController:
         slot.state = Lifecycle.STARTING
         rep = self.registry.add(slot.name, slot.url, slot.proc.pid, slot.proc.poll)
         rep.restarts, rep.role, rep.model = slot.restarts, slot.pool.role, slot.pool.model.name
+        rep.version = slot.version
         self._publish(slot)
         return True
+
+    def start_slot(self, slot: Slot, now: float) -> None:
+        if not self._start(slot):
+            slot.next_start = now + PORT_RECHECK_S
 
     def _backoff(self, slot: Slot, now: float) -> float:
         cfg = self.config
@@ -166,7 +175,7 @@ class FleetController:
         elif slot.state != Lifecycle.STOPPED and now >= slot.next_start and not self._start(slot):
             slot.next_start = now + PORT_RECHECK_S
 
-    def _set(self, slot: Slot, state: Lifecycle, why: str) -> None:
+    def set_state(self, slot: Slot, state: Lifecycle, why: str) -> None:
         if slot.state != state:
             log.info("%s: %s -> %s (%s)", slot.name, slot.state.value, state.value, why)
             if state == Lifecycle.READY:  # cold: its process's start; warm: the need for it
@@ -180,8 +189,8 @@ class FleetController:
             self._publish(slot)
             self.registry.notify_nowait()
 
-    def _stop(self, slot: Slot, why: str) -> None:
-        self._set(slot, Lifecycle.STOPPED, why)
+    def stop_slot(self, slot: Slot, why: str) -> None:
+        self.set_state(slot, Lifecycle.STOPPED, why)
         if slot.proc is not None:
             slot.proc.terminate()
         else:
@@ -212,6 +221,8 @@ class FleetController:
 
     def reconcile(self, pool: Pool, now: float) -> None:
         reg = self.registry
+        if pool.rollout is not None:
+            self.rollouts.step(pool, now)
         if pool.autoscaler is not None:
             d = pool.autoscaler.decide(self.signals(pool, now), now)
             if d.changed and d.desired != pool.desired:
@@ -235,32 +246,32 @@ class FleetController:
         active = pool.in_state(Lifecycle.READY)
         for s in loaded:
             if len(active) < pool.desired:
-                self._set(s, Lifecycle.READY, "loaded, needed")
+                self.set_state(s, Lifecycle.READY, "loaded, needed")
                 active.append(s)
             else:
-                self._set(s, Lifecycle.STANDBY, "loaded, kept warm")
+                self.set_state(s, Lifecycle.STANDBY, "loaded, kept warm")
         standby = pool.in_state(Lifecycle.STANDBY)
         while len(active) < pool.desired and standby:
             s = standby.pop()
-            self._set(s, Lifecycle.READY, "promoted")
+            self.set_state(s, Lifecycle.READY, "promoted")
             active.append(s)
         for s in pool.in_state(Lifecycle.DRAINING):
-            self._drain_step(s, now, len(standby) < pool.warm)
-        # Spares: what is starting or standing by, beyond the active replicas still missing.
-        spares = pool.in_state(Lifecycle.STARTING) + pool.in_state(Lifecycle.STANDBY)
+            self._drain_step(s, now, len(standby) < pool.warm and s.version == pool.version)
+        # Spares: what is starting or standing by, beyond the active replicas still missing (a
+        # rolling update's surge replica is the update's own).
+        spares = [s for s in pool.in_state(Lifecycle.STARTING, Lifecycle.STANDBY) if not s.surge]
         want = max(0, pool.desired - len(active)) + pool.warm
         for _ in range(want - len(spares)):
-            slot = self._new_slot(pool)
-            if not self._start(slot):
-                slot.next_start = now + PORT_RECHECK_S
-        for s in sorted(spares, key=lambda s: s.state == Lifecycle.STANDBY)[: max(0, len(spares) - want)]:
-            self._stop(s, "not needed")
+            self.start_slot(self.new_slot(pool), now)
+        old_first = sorted(spares, key=lambda s: (s.version == pool.version, s.state == Lifecycle.STANDBY))
+        for s in old_first[: max(0, len(spares) - want)]:
+            self.stop_slot(s, "not needed")
         if len(active) > pool.desired:
             by_load = sorted(
                 active, key=lambda s: reg.replicas[s.name].inflight if s.name in reg.replicas else 0
             )
             for s in by_load[: len(active) - pool.desired]:
-                self._set(s, Lifecycle.DRAINING, pool.decision or "scale-down")
+                self.set_state(s, Lifecycle.DRAINING, pool.decision or "scale-down")
         reg.metrics.desired.labels(pool.key).set(pool.desired)
         for state in Lifecycle:
             reg.metrics.lifecycle.labels(pool.key, state.value).set(len(pool.in_state(state)))
@@ -271,9 +282,30 @@ class FleetController:
         if busy and now - slot.drain_since < self.config.drain_timeout_s:
             return
         if keep_warm and rep is not None and rep.state == ReplicaState.READY:
-            self._set(slot, Lifecycle.STANDBY, "drained, kept warm")
+            self.set_state(slot, Lifecycle.STANDBY, "drained, kept warm")
         else:
-            self._stop(slot, "drained" if not busy else "drain timed out")
+            self.stop_slot(slot, "drained" if not busy else "drain timed out")
+
+    def update(
+        self, model: str | None, changes: dict, canary: float = 0.0, canary_s: float = 30.0
+    ) -> list[str]:
+        """Starts a rolling update of `model`'s pools to its config with `changes` (model,
+        replica_args); returns the pools it updates. ValueError: nothing to update, or one is on."""
+        pools = [p for p in self.pools if not self.multi_model or p.model.name == model]
+        if not pools:
+            raise ValueError(f"this fleet has no model {model!r}")
+        busy = [p.key for p in pools if p.rollout is not None]
+        if busy:
+            raise ValueError(f"a rolling update of {', '.join(busy)} is still in progress")
+        unknown = set(changes) - {"model", "replica_args"}
+        if unknown:
+            raise ValueError(
+                f"a rolling update changes model and replica_args, not {', '.join(sorted(unknown))}"
+            )
+        now = time.monotonic()
+        for p in pools:
+            self.rollouts.begin(p, dataclasses.replace(p.model, **changes), canary, canary_s, now)
+        return [p.key for p in pools]
 
     def snapshot(self) -> list[dict]:
         """Each pool's bounds, desired count, last decision and replicas by state."""
@@ -287,7 +319,11 @@ class FleetController:
                 "warm_standby": p.warm,
                 "desired": p.desired,
                 "decision": p.decision,
+                "version": p.version,
+                "updating": p.rollout is not None,
+                "last_update": p.last_rollout,
                 "replicas": {s.name: s.state.value for s in p.slots},
+                "versions": {s.name: s.version for s in p.slots},
             }
             for p in self.pools
         ]

@@ -145,6 +145,17 @@ class Gateway:
         if key and not bearer_matches(raw.headers.get("authorization", ""), key):
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
+    def check_admin(self, raw: Request) -> None:
+        """Fleet changes: with an API key, whoever holds it; without one, only this host."""
+        if self.controller is None:
+            raise APIError(400, "this gateway runs no fleet of its own (it fronts --backend replicas)")
+        if self.config.api_key:
+            return self.check_key(raw)
+        client = raw.client.host if raw.client else ""
+        if client not in ("127.0.0.1", "::1", "localhost"):
+            raise APIError(403, "fleet changes come from this host, or with the gateway's API key")
+        return None
+
     def upstream_headers(self, raw: Request | None = None) -> dict[str, str]:
         """The replica's key when the gateway has one; else the client's own passes through."""
         headers = {}
@@ -253,6 +264,32 @@ class Gateway:
         @app.get("/metrics")
         async def metrics():
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.post("/fleet/update")
+        async def fleet_update(raw: Request):
+            """Starts a rolling update (`shoal fleet update`)."""
+            self.check_admin(raw)
+            body = parse_json_object(await raw.body())
+            changes = {k: body[k] for k in ("model", "replica_args") if body.get(k) is not None}
+            args = changes.get("replica_args", [])
+            canary, canary_s = body.get("canary", 0.0), body.get("canary_s", 30.0)
+            if (
+                not isinstance(changes.get("model", ""), str)
+                or not isinstance(args, list)
+                or not all(isinstance(a, str) for a in args)
+                or not isinstance(canary, int | float)
+                or not 0 <= canary <= 1
+                or not isinstance(canary_s, int | float)
+                or canary_s < 0
+            ):
+                raise APIError(400, "give model (a path), replica_args (strings), canary (0-1), canary_s")
+            try:
+                pools = self.controller.update(
+                    body.get("model_name"), changes, float(canary), float(canary_s)
+                )
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from None
+            return JSONResponse({"updating": pools}, status_code=202)
 
         @app.get("/replicas")
         async def replicas(raw: Request):

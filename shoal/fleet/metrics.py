@@ -79,6 +79,12 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.rollouts = Counter(
+            "shoal:gateway_rolling_updates",
+            "Rolling updates by pool and outcome (done, rolled_back).",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self.cold_start_wait = Histogram(
             "shoal:gateway_cold_start_wait_seconds",
             "Time a request waited at the gateway for a model with no active replica.",

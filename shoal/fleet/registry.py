@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import deque
 
@@ -47,6 +48,8 @@ class Registry:
         self.queued: dict[str | None, int] = {}
         self.last_request: dict[str | None, float] = {}
         self._ttfts: dict[str | None, deque] = {}
+        # A rolling update's canary: model -> (its version, the share of requests it takes).
+        self.canary: dict[str | None, tuple[int, float]] = {}
 
     def add(self, name: str, url: str, pid: int | None = None, proc_exit=None) -> Replica:
         """A replica, or a new life of one (its process restarted): probes decide when it is ready."""
@@ -299,7 +302,9 @@ class Registry:
                             raise NoReplicaError("no replica is ready")
                         cold = True  # one is starting or standing by: wait for it, not 503
                         deadline = start + cfg.cold_start_timeout_s
-                    free = [r for r in routable if r.inflight < cfg.max_inflight_per_replica]
+                    free = self._canary_split(
+                        model, [r for r in routable if r.inflight < cfg.max_inflight_per_replica]
+                    )
                     if free:
                         if cold:
                             self.metrics.cold_start_wait.labels(model or "default").observe(now - start)
@@ -322,6 +327,17 @@ class Registry:
             if queued:
                 self._waiters -= 1
                 self.queued[model] -= 1
+
+    def _canary_split(self, model: str | None, free: list[Replica]) -> list[Replica]:
+        """Under a canary, the canary's share of requests goes to the new version, the rest to the old."""
+        if model not in self.canary:
+            return free
+        version, share = self.canary[model]
+        new = [r for r in free if r.version == version]
+        old = [r for r in free if r.version != version]
+        if not new or not old:
+            return free
+        return new if random.random() < share else old
 
     def _dispatch(self, choice: tuple[Replica, str], req: RouteRequest) -> Replica:
         replica, reason = choice

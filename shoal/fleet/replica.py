@@ -59,6 +59,7 @@ class Replica:
     model: str | None = None  # the model id it serves, in a fleet of several models
     # The controller's say (starting, standby, ready, draining, stopped): only "ready" takes traffic.
     lifecycle: str = "ready"
+    version: int = 0  # of its pool's model config (rolling updates)
 
     @property
     def process_alive(self) -> bool:
@@ -121,4 +122,5 @@ class Replica:
             "role": self.role,
             "model": self.model,
             "lifecycle": self.lifecycle,
+            "version": self.version,
         }

@@ -35,6 +35,9 @@ class Slot:
     quick_deaths: int = 0  # deaths in a row, each before it had stayed up restart_reset_after_s
     next_start: float = 0.0
     drain_since: float | None = None
+    model: ModelConfig | None = None  # the version of the model config it runs
+    version: int = 0
+    surge: bool = False  # started beside the others by a rolling update
 
     @property
     def url(self) -> str:
@@ -54,6 +57,9 @@ class Pool:
     desired: int = 0  # active replicas wanted now
     decision: str = ""  # why, as the autoscaler last said
     raised_at: float = 0.0  # when the autoscaler last asked for more
+    version: int = 0  # of `model`, the target; replicas of other versions are rolled over to it
+    rollout: object | None = None  # a rolling update in progress (see rollout.py)
+    last_rollout: str = ""
 
     @property
     def key(self) -> str:

@@ -1,0 +1,260 @@
+"""`shoal fleet up|update|status` and `shoal gateway`: the fleet's commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from shoal.cli_options import parse_size
+
+
+def _gateway_config(args):
+    from shoal.fleet.config import FleetConfig, load_fleet_config
+
+    fleet = load_fleet_config(args.config) if args.config else FleetConfig()
+    gw = fleet.gateway
+    for flag, attr in (
+        ("host", "host"),
+        ("port", "port"),
+        ("policy", "policy"),
+        ("api_key", "api_key"),
+        ("replica_api_key", "replica_api_key"),
+        ("kv_salt", "kv_salt"),
+        ("max_request_bytes", "max_body_bytes"),
+        ("tokenizer", "tokenizer"),
+        ("disagg_min_prompt_tokens", "disagg_min_prompt_tokens"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(gw, attr, value)
+    if getattr(args, "trust_client_priority", False):
+        gw.trust_client_priority = True
+    return fleet
+
+
+def _run_gateway(gateway, what: str) -> int:
+    import uvicorn
+
+    cfg = gateway.config
+    print(f"shoal: {what}; the API is at http://{cfg.host}:{cfg.port}/v1 (policy {cfg.policy})", flush=True)
+    uvicorn.run(gateway.build_app(), host=cfg.host, port=cfg.port, log_level="warning")
+    return 0
+
+
+def cmd_fleet_up(args) -> int:
+    import shlex
+
+    from shoal.fleet.controller import FleetController
+    from shoal.fleet.gateway import Gateway
+    from shoal.fleet.launcher import port_in_use
+
+    fleet = _gateway_config(args)
+    for flag in ("replicas", "min_replicas", "max_replicas", "warm_standby", "scale_to_zero_after_s"):
+        if getattr(args, flag) is not None:
+            setattr(fleet, flag, getattr(args, flag))
+    for flag in ("target_inflight", "target_waiting", "target_kv_usage", "target_ttft_s"):
+        if getattr(args, flag) is not None:
+            setattr(fleet.autoscale, flag, getattr(args, flag))
+    for flag in ("scale_up_delay_s", "scale_down_delay_s"):
+        if getattr(args, flag) is not None:
+            setattr(fleet.autoscale, flag, getattr(args, flag))
+    if args.prefill is not None or args.decode is not None:
+        fleet.prefill, fleet.decode = args.prefill or 0, args.decode or 0
+    fleet.model = args.model_pos or args.model or fleet.model
+    if args.base_port is not None:
+        fleet.base_port = args.base_port
+    if args.replica_args:
+        fleet.replica_args = shlex.split(args.replica_args)
+    try:
+        fleet.check()
+    except ValueError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
+    fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model_configs()[0].model
+    controller = FleetController(fleet)
+    busy = controller.busy_ports()
+    if port_in_use(fleet.gateway.port, fleet.gateway.host):
+        busy.insert(0, fleet.gateway.port)
+    if busy:
+        print(
+            f"shoal: port {', '.join(map(str, busy))} already in use (another fleet, or replicas left "
+            "over from one?); free it or choose other --port / --base-port",
+            file=sys.stderr,
+        )
+        return 1
+    names = ", ".join(f"{r.name} :{r.port}" for r in controller.slots)
+    print(
+        f"shoal: starting {len(controller.slots)} replicas ({names}); logs in {controller.log_dir}",
+        flush=True,
+    )
+    return _run_gateway(Gateway(fleet.gateway, controller), "fleet gateway up")
+
+
+def cmd_gateway(args) -> int:
+    from shoal.fleet.gateway import Gateway
+
+    fleet = _gateway_config(args)
+    if args.backend:
+        fleet.gateway.backends = args.backend
+    if not fleet.gateway.backends:
+        print("shoal: give at least one --backend URL (or backends in --config)", file=sys.stderr)
+        return 2
+    return _run_gateway(Gateway(fleet.gateway), f"gateway over {len(fleet.gateway.backends)} backends")
+
+
+def _admin(args, method: str, path: str, body: dict | None = None):
+    import httpx
+
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.request(method, args.gateway.rstrip("/") + path, json=body, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        print(f"shoal: cannot reach the gateway at {args.gateway}: {exc}", file=sys.stderr)
+        return None
+    if resp.status_code >= 400:
+        print(f"shoal: {resp.status_code}: {resp.text[:500]}", file=sys.stderr)
+        return None
+    return resp.json()
+
+
+def cmd_fleet_update(args) -> int:
+    import shlex
+
+    body = {"model_name": args.model_name, "canary": args.canary, "canary_s": args.canary_seconds}
+    if args.model:
+        body["model"] = args.model
+    if args.replica_args is not None:
+        body["replica_args"] = shlex.split(args.replica_args)
+    out = _admin(args, "POST", "/fleet/update", body)
+    if out is None:
+        return 1
+    print(f"shoal: rolling update started for {', '.join(out['updating'])}; `shoal fleet status` follows it")
+    return 0
+
+
+def cmd_fleet_status(args) -> int:
+    out = _admin(args, "GET", "/replicas")
+    if out is None:
+        return 1
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for p in out.get("pools", []):
+        update = " (updating)" if p["updating"] else ""
+        print(
+            f"{p['pool']}: {p['desired']} desired in [{p['min']}, {p['max']}], {p['warm_standby']} warm, "
+            f"version {p['version']}{update}; {p['decision'] or '-'}"
+        )
+    head = ("replica", "lifecycle", "health", "model", "inflight", "waiting", "kv")
+    print("{:<16} {:<10} {:<10} {:<12} {:>8} {:>8} {:>6}".format(*head))
+    for r in out["replicas"]:
+        load = r.get("load") or {}
+        kv = load.get("kv_usage")
+        print(
+            f"{r['name']:<16} {r.get('lifecycle', '-'):<10} {r['state']:<10} {r.get('model') or '-'!s:<12} "
+            f"{r['inflight']:>8} {load.get('waiting', '-'):>8} {'-' if kv is None else f'{kv:.0%}':>6}"
+        )
+    return 0
+
+
+def add_fleet_parsers(sub) -> None:
+    def gateway_args(p):
+        p.add_argument(
+            "--config", default=None, help="TOML file: replicas, model, [gateway] policy and limits"
+        )
+        p.add_argument("--host", default=None)
+        p.add_argument("--port", type=int, default=None)
+        p.add_argument(
+            "--policy",
+            default=None,
+            choices=["kv_aware", "round_robin", "least_load", "power_of_two", "session"],
+        )
+        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on probes)")
+        p.add_argument(
+            "--replica-api-key",
+            default=None,
+            help="the key the gateway sends to replicas (default: --api-key)",
+        )
+        p.add_argument(
+            "--kv-salt",
+            default=None,
+            help="salt of KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
+        )
+        p.add_argument("--max-request-bytes", type=parse_size, default=None, help="larger bodies get 413")
+        p.add_argument(
+            "--trust-client-priority", action="store_true", help="pass a client's priority on as given"
+        )
+        p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer hashes prompts")
+
+    fleet = sub.add_parser("fleet", help="a gateway and local replicas").add_subparsers(
+        dest="fleet", required=True
+    )
+    p = fleet.add_parser("up", help="start N local replicas behind one gateway, restarting any that die")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL")
+    p.add_argument("--model", "-m", default=None)
+    p.add_argument("--replicas", type=int, default=None)
+    g = p.add_argument_group("autoscaling (without --min/--max-replicas, --replicas is a fixed fleet)")
+    g.add_argument(
+        "--min-replicas", type=int, default=None, help="active replicas at least (0: may scale to zero)"
+    )
+    g.add_argument("--max-replicas", type=int, default=None)
+    g.add_argument(
+        "--warm-standby", type=int, default=None, help="loaded replicas out of traffic, promoted at once"
+    )
+    g.add_argument(
+        "--scale-to-zero-after", dest="scale_to_zero_after_s", type=float, default=None, metavar="S"
+    )
+    g.add_argument("--target-inflight", type=float, default=None, help="requests in flight per replica")
+    g.add_argument(
+        "--target-waiting", type=float, default=None, help="requests queued in the engine per replica"
+    )
+    g.add_argument("--target-kv-usage", type=float, default=None, help="mean KV-cache usage (0-1)")
+    g.add_argument("--target-ttft", dest="target_ttft_s", type=float, default=None, help="TTFT p90, seconds")
+    g.add_argument("--scale-up-delay", dest="scale_up_delay_s", type=float, default=None, metavar="S")
+    g.add_argument("--scale-down-delay", dest="scale_down_delay_s", type=float, default=None, metavar="S")
+    p.add_argument(
+        "--prefill", type=int, default=None, help="prefill workers (with --decode: a disaggregated fleet)"
+    )
+    p.add_argument("--decode", type=int, default=None, help="decode workers (with --prefill)")
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompts with fewer uncached tokens are prefilled on their decode worker",
+    )
+    p.add_argument("--base-port", type=int, default=None, help="replica ports from here (0: any free ports)")
+    p.add_argument(
+        "--replica-args", default=None, help="extra `shoal serve` flags, e.g. '--kv-cache-memory 1GiB'"
+    )
+    gateway_args(p)
+    p.set_defaults(func=cmd_fleet_up)
+
+    p = sub.add_parser("gateway", help="front replicas that already run (shoal, vLLM, SGLang, llama.cpp)")
+    p.add_argument("--backend", action="append", default=[], help="a replica's base URL (repeat)")
+    gateway_args(p)
+    p.set_defaults(func=cmd_gateway)
+
+    for name, fn, what in (
+        (
+            "update",
+            cmd_fleet_update,
+            "roll a running fleet's replicas to a new model or flags, one at a time",
+        ),
+        ("status", cmd_fleet_status, "the fleet's pools and replicas"),
+    ):
+        p = fleet.add_parser(name, help=what)
+        p.add_argument("--gateway", default="http://127.0.0.1:8080", help="the fleet's gateway")
+        p.add_argument("--api-key", default=None, help="the gateway's API key, if it has one")
+        if name == "update":
+            p.add_argument("--model-name", default=None, help="which model, in a fleet of several")
+            p.add_argument("--model", default=None, help="the new checkpoint")
+            p.add_argument("--replica-args", default=None, help="the new `shoal serve` flags")
+            p.add_argument(
+                "--canary", type=float, default=0.0, help="share of requests to the first new replica"
+            )
+            p.add_argument(
+                "--canary-seconds", type=float, default=30.0, help="how long the canary is watched"
+            )
+        else:
+            p.add_argument("--json", action="store_true")
+        p.set_defaults(func=fn)

@@ -1,0 +1,117 @@
+"""A rolling update of one pool: its replicas move to a new version (model or replica flags) one at a
+time, without going dark. Each step starts one replica of the new version beside the old ones (a
+surge of one); when it has loaded it takes traffic and one old replica drains. With a canary
+share, the first new replica gets that share of the pool's requests for `canary_s` before the
+rest follow. A new replica that dies, fails to load, or is not ready within `ready_timeout_s`
+rolls the pool back: the previous version becomes the target again and whatever runs the failed
+one is replaced the same way."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shoal.fleet.config import ModelConfig
+from shoal.fleet.replica_set import Lifecycle, Pool, Slot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollout:
+    previous: ModelConfig  # what the pool ran before, for a rollback
+    previous_version: int
+    canary: float = 0.0  # share of requests the first new replica takes while it is watched
+    canary_s: float = 30.0
+    ready_timeout_s: float = 300.0
+    started: float = 0.0
+    canary_since: float | None = None
+    rolling_back: bool = False
+
+
+def failed(slot: Slot, rep, now: float, timeout: float) -> str | None:
+    """Why a replica of the new version counts as failed, if it does."""
+    if slot.restarts:
+        return f"{slot.name} died"
+    if rep is not None and rep.note and '"failed"' in rep.note:
+        return f"{slot.name} failed to load: {rep.note[:200]}"
+    if slot.state == Lifecycle.STARTING and now - slot.started_at > timeout:
+        return f"{slot.name} not ready after {timeout:.0f} s"
+    return None
+
+
+class RolloutDriver:
+    """Moves a pool's slots to its target version; the controller calls `step` each tick."""
+
+    def __init__(self, controller):
+        self.c = controller
+
+    def begin(self, pool: Pool, model: ModelConfig, canary: float, canary_s: float, now: float) -> None:
+        r = Rollout(pool.model, pool.version, canary, canary_s, self.c.config.update_ready_timeout_s, now)
+        pool.rollout, pool.model = r, model
+        pool.version += 1
+        log.warning(
+            "rolling update of %s to version %d (canary %.0f %%)", pool.key, pool.version, 100 * canary
+        )
+
+    def step(self, pool: Pool, now: float) -> None:
+        r = pool.rollout
+        reg = self.c.registry
+        current = [s for s in pool.slots if s.version == pool.version and s.state != Lifecycle.STOPPED]
+        old = [s for s in pool.slots if s.version != pool.version and s.state != Lifecycle.STOPPED]
+        if not r.rolling_back:
+            for s in current:
+                why = failed(s, reg.replicas.get(s.name), now, r.ready_timeout_s)
+                if why:
+                    return self._roll_back(pool, why)
+        if r.canary_since is not None and now - r.canary_since < r.canary_s:
+            return  # the canary is being watched
+        reg.canary.pop(pool.model.name, None)
+        if not [s for s in old if s.state != Lifecycle.DRAINING]:
+            if not old:
+                self._finish(pool)
+            return
+        loaded = [s for s in current if s.state == Lifecycle.STANDBY]
+        old_ready = [s for s in old if s.state == Lifecycle.READY]
+        old_spare = [s for s in old if s.state in (Lifecycle.STANDBY, Lifecycle.STARTING)]
+        if old_spare:  # spares of the old version are simply replaced (the pool refills them)
+            for s in old_spare:
+                self.c.stop_slot(s, "replaced by the new version")
+            return
+        if loaded and old_ready:
+            new, gone = loaded[0], old_ready[0]
+            self.c.set_state(new, Lifecycle.READY, f"version {pool.version}")
+            self.c.set_state(gone, Lifecycle.DRAINING, f"replaced by version {pool.version}")
+            if r.canary and r.canary_since is None and not r.rolling_back and len(old_ready) > 1:
+                r.canary_since = now
+                reg.canary[pool.model.name] = (pool.version, r.canary)
+            return
+        starting = [s for s in current if s.state == Lifecycle.STARTING and s.surge]
+        if not starting and not loaded:
+            slot = self.c.new_slot(pool)
+            slot.surge = True
+            self.c.start_slot(slot, now)
+
+    def _roll_back(self, pool: Pool, why: str) -> None:
+        r = pool.rollout
+        log.warning(
+            "rolling update of %s failed (%s); rolling back to version %d", pool.key, why, r.previous_version
+        )
+        self.c.registry.metrics.rollouts.labels(pool.key, "rolled_back").inc()
+        self.c.registry.canary.pop(pool.model.name, None)
+        pool.model, pool.version = r.previous, r.previous_version
+        r.rolling_back, r.canary_since = True, None
+        for s in pool.slots:
+            if s.version != pool.version and s.state in (Lifecycle.STARTING, Lifecycle.STANDBY):
+                self.c.stop_slot(s, "its version was rolled back")
+
+    def _finish(self, pool: Pool) -> None:
+        r = pool.rollout
+        outcome = "rolled_back" if r.rolling_back else "done"
+        if not r.rolling_back:
+            self.c.registry.metrics.rollouts.labels(pool.key, outcome).inc()
+        log.warning("rolling update of %s: %s at version %d", pool.key, outcome, pool.version)
+        pool.rollout = None
+        pool.last_rollout = outcome
+        for s in pool.slots:
+            s.surge = False

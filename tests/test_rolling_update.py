@@ -1,0 +1,132 @@
+"""`shoal fleet update` on a real fleet: a rolling update under continuous streaming load replaces
+every replica one at a time with no failed request and every stream whole; a version that fails
+to load is rolled back while the old replicas go on serving; `shoal fleet status` shows it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.fleet_helpers import metric, replicas, start_fleet
+
+REPLICA_ARGS = "--threads 1 --kv-cache-memory 256MiB"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    gw = start_fleet(2, "--replica-args", REPLICA_ARGS)
+    yield gw
+    gw.stop()
+
+
+def shoal(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def pool(gw) -> dict:
+    (p,) = gw.get("/replicas").json()["pools"]
+    return p
+
+
+def wait_for(gw, cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert gw.proc.poll() is None, gw.log()
+        assert time.monotonic() < deadline, f"timed out: {pool(gw)}"
+        time.sleep(0.2)
+
+
+async def stream_once(c: httpx.AsyncClient, url: str, i: int) -> dict:
+    body = {
+        "model": MODEL,
+        "prompt": f"Story {i}: once upon a time",
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, finish, usage = "", [], None
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "why": f"HTTP {r.status_code}: {(await r.aread())[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                return {"ok": False, "why": obj["error"]}
+            usage = obj.get("usage") or usage
+            for ch in obj["choices"]:
+                text += ch.get("text") or ""
+                if ch.get("finish_reason"):
+                    finish.append(ch["finish_reason"])
+    whole = finish == ["length"] and usage is not None and usage["completion_tokens"] == 24
+    return {"ok": whole, "why": f"finish {finish}, usage {usage}"}
+
+
+async def load_until(url: str, done, clients: int = 3) -> list[dict]:
+    results: list[dict] = []
+
+    async def client(k: int):
+        async with httpx.AsyncClient(timeout=120) as c:
+            i = 0
+            while not done():
+                results.append(await stream_once(c, url, 1000 * k + i))
+                i += 1
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return results
+
+
+def test_a_rolling_update_under_streaming_load_fails_no_request(fleet):
+    before = {r["name"]: r["pid"] for r in replicas(fleet).values()}
+    out = shoal(
+        "fleet", "update", "--gateway", fleet.url, "--replica-args", "--threads 1 --kv-cache-memory 192MiB"
+    )
+    assert out.returncode == 0, out.stderr
+    assert pool(fleet)["updating"]
+
+    def finished() -> bool:
+        p = pool(fleet)
+        return not p["updating"] and set(p["versions"].values()) == {1}
+
+    results = asyncio.run(load_until(fleet.url, finished))
+    bad = [r for r in results if not r["ok"]]
+    assert len(results) >= 10 and not bad, bad[:3]
+    reps = replicas(fleet)
+    assert len(reps) == 2 and not set(before) & set(reps)  # every replica replaced, by new ones
+    for r in reps.values():
+        assert r["lifecycle"] == "ready" and r["version"] == 1
+        assert httpx.get(r["url"] + "/load").json()["num_blocks"] < 2000  # the new flags took effect
+    assert pool(fleet)["last_update"] == "done"
+    assert metric(fleet.url, 'shoal:gateway_rolling_updates_total{outcome="done",pool="default"}') == 1
+    status = shoal("fleet", "status", "--gateway", fleet.url)
+    assert status.returncode == 0 and "version 1" in status.stdout and "ready" in status.stdout
+
+
+def test_a_version_that_fails_to_load_is_rolled_back(fleet):
+    before = {r["name"]: r["pid"] for r in replicas(fleet).values()}
+    out = shoal("fleet", "update", "--gateway", fleet.url, "--model", "/nonexistent/model.gguf")
+    assert out.returncode == 0, out.stderr
+    again = shoal("fleet", "update", "--gateway", fleet.url, "--replica-args", "--threads 1")
+    assert again.returncode == 1 and "in progress" in again.stderr  # one update at a time
+
+    def back() -> bool:
+        p = pool(fleet)
+        return not p["updating"] and p["last_update"] == "rolled_back"
+
+    results = asyncio.run(load_until(fleet.url, back, clients=2))
+    assert results and all(r["ok"] for r in results)
+    after = {r["name"]: r["pid"] for r in replicas(fleet).values()}
+    assert after == before  # the old replicas never stopped
+    assert pool(fleet)["version"] == 1
+    assert metric(fleet.url, 'shoal:gateway_rolling_updates_total{outcome="rolled_back",pool="default"}') == 1
