@@ -218,3 +218,24 @@ def test_a_canary_takes_its_share_of_requests():
     share = sum(p == [new] for p in picks) / len(picks)
     assert 0.15 < share < 0.25 and all(p in ([new], old) for p in picks)
     assert reg._canary_split(None, old) == old  # the canary busy or gone: the rest serve
+
+
+def test_an_idle_model_is_unloaded_when_memory_is_short(tmp_path):
+    """A node budget that holds one replica: asking for the second model unloads the idle first."""
+    path = tmp_path / "fleet.toml"
+    one = f"replica_args = {REPLICA_ARGS}\nmin_replicas = 0\nmax_replicas = 1\nmemory_mb = 1000\n"
+    path.write_text(f'memory_budget_mb = 1500\n[[models]]\nname = "a"\n{one}[[models]]\nname = "b"\n{one}')
+    gw = spawn(["fleet", "up", "--config", str(path), "--base-port", "0"])
+    try:
+        wait_for(gw, lambda: gw.get("/ready").status_code == 200, 60)
+        assert ask(gw, "a").status_code == 200
+        assert states(gw, "a") == ["ready"]
+        r = ask(gw, "b")  # waits while a (idle now) is unloaded and b starts
+        assert r.status_code == 200, r.text
+        assert states(gw, "b") == ["ready"] and states(gw, "a") == []
+        assert pools(gw)["a"]["unloaded"]
+        assert metric(gw.url, 'shoal:gateway_model_unloads_total{pool="a"}') == 1
+        assert ask(gw, "a").status_code == 200  # and back: now b, idle, makes room
+        assert states(gw, "a") == ["ready"] and states(gw, "b") == []
+    finally:
+        gw.stop()

@@ -92,6 +92,7 @@ class ModelConfig:
     max_replicas: int = 1
     warm_standby: int = 0
     scale_to_zero_after_s: float | None = None
+    memory_mb: float = 0.0  # what one replica takes, for placement within memory_budget_mb
     # Disaggregated: this many prefill and decode workers (a fixed pool of each) instead.
     prefill: int = 0
     decode: int = 0
@@ -142,6 +143,9 @@ class FleetConfig:
     restart_reset_after_s: float = 60.0  # a replica up this long starts from the first backoff again
     drain_timeout_s: float = 300.0  # a draining replica still busy after this is stopped anyway
     update_ready_timeout_s: float = 300.0  # a rolling update's new replica not ready by then: rolled back
+    # Memory this node gives its replicas (each model's memory_mb each); None: no limit. When a
+    # replica does not fit, the least recently used idle model that may scale to zero is unloaded.
+    memory_budget_mb: float | None = None
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def model_configs(self) -> list[ModelConfig]:
@@ -151,16 +155,16 @@ class FleetConfig:
         lo = self.replicas if fixed else (self.min_replicas or 0)
         hi = self.replicas if fixed else (self.max_replicas if self.max_replicas is not None else max(lo, 1))
         one = ModelConfig(
-            None,
-            self.model,
-            self.replica_args,
-            lo,
-            hi,
-            self.warm_standby,
-            self.scale_to_zero_after_s,
-            self.prefill,
-            self.decode,
-            self.autoscale,
+            name=None,
+            model=self.model,
+            replica_args=self.replica_args,
+            min_replicas=lo,
+            max_replicas=hi,
+            warm_standby=self.warm_standby,
+            scale_to_zero_after_s=self.scale_to_zero_after_s,
+            prefill=self.prefill,
+            decode=self.decode,
+            autoscale=self.autoscale,
         )
         return [one]
 

@@ -19,6 +19,7 @@ import time
 from shoal.fleet.autoscaler import Autoscaler, Signals
 from shoal.fleet.config import FleetConfig
 from shoal.fleet.launcher import LocalLauncher, ReplicaSpec
+from shoal.fleet.placement import Placement
 from shoal.fleet.replica import ReplicaState
 from shoal.fleet.replica_set import Lifecycle, Pool, Slot
 from shoal.fleet.rollout import RolloutDriver
@@ -51,6 +52,7 @@ class FleetController:
         self._index = 0
         self.registry = None
         self.rollouts = RolloutDriver(self)
+        self.placement = Placement(self, config.memory_budget_mb)
         self._task: asyncio.Task | None = None
         self.started = time.monotonic()
         for m in self.models:
@@ -223,7 +225,14 @@ class FleetController:
         reg = self.registry
         if pool.rollout is not None:
             self.rollouts.step(pool, now)
-        if pool.autoscaler is not None:
+        key = pool.model.name
+        if pool.evicted_at is not None and (
+            reg.queued.get(key) or reg.last_request.get(key, 0) > pool.evicted_at
+        ):
+            pool.evicted_at = None  # asked for again
+        if pool.evicted_at is not None:
+            pool.desired, pool.decision = 0, "unloaded for memory"
+        elif pool.autoscaler is not None:
             d = pool.autoscaler.decide(self.signals(pool, now), now)
             if d.changed and d.desired != pool.desired:
                 direction = "up" if d.desired > pool.desired else "down"
@@ -262,6 +271,9 @@ class FleetController:
         spares = [s for s in pool.in_state(Lifecycle.STARTING, Lifecycle.STANDBY) if not s.surge]
         want = max(0, pool.desired - len(active)) + pool.warm
         for _ in range(want - len(spares)):
+            if not self.placement.fits(pool):
+                self.placement.make_room(pool, now)
+                break  # placed once the memory is free
             self.start_slot(self.new_slot(pool), now)
         old_first = sorted(spares, key=lambda s: (s.version == pool.version, s.state == Lifecycle.STANDBY))
         for s in old_first[: max(0, len(spares) - want)]:
@@ -322,6 +334,8 @@ class FleetController:
                 "version": p.version,
                 "updating": p.rollout is not None,
                 "last_update": p.last_rollout,
+                "memory_mb": p.model.memory_mb,
+                "unloaded": p.evicted_at is not None,
                 "replicas": {s.name: s.state.value for s in p.slots},
                 "versions": {s.name: s.version for s in p.slots},
             }

@@ -85,6 +85,12 @@ class GatewayMetrics:
             ["pool", "outcome"],
             registry=r,
         )
+        self.unloads = Counter(
+            "shoal:gateway_model_unloads",
+            "Idle models unloaded to make memory for another's replica.",
+            ["pool"],
+            registry=r,
+        )
         self.cold_start_wait = Histogram(
             "shoal:gateway_cold_start_wait_seconds",
             "Time a request waited at the gateway for a model with no active replica.",

@@ -60,6 +60,7 @@ class Pool:
     version: int = 0  # of `model`, the target; replicas of other versions are rolled over to it
     rollout: object | None = None  # a rolling update in progress (see rollout.py)
     last_rollout: str = ""
+    evicted_at: float | None = None  # unloaded for memory; back at its next request
 
     @property
     def key(self) -> str:
@@ -67,7 +68,7 @@ class Pool:
 
     @property
     def warm(self) -> int:
-        return self.model.warm_standby if self.autoscaler is not None else 0
+        return self.model.warm_standby if self.autoscaler is not None and self.evicted_at is None else 0
 
     def in_state(self, *states: Lifecycle) -> list[Slot]:
         return [s for s in self.slots if s.state in states]
