@@ -6,6 +6,7 @@ without failing a request."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 
 import httpx
@@ -239,3 +240,31 @@ def test_an_idle_model_is_unloaded_when_memory_is_short(tmp_path):
         assert states(gw, "a") == ["ready"] and states(gw, "b") == []
     finally:
         gw.stop()
+
+
+def test_the_status_page_shows_the_fleet_in_a_real_browser(fleet):
+    """Headless Chromium loads /status: the pools, every replica with its lifecycle, the chart and
+    the autoscaler's decisions, as /fleet/state says."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no Chromium here (Debian: apt-get install chromium)")
+    state = fleet.get("/fleet/state").json()
+    assert state["decisions"] and state["history"]
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(fleet.url + "/status")
+            page.wait_for_selector("#replicas tbody tr", timeout=15_000)
+            page.wait_for_selector("#chart path", timeout=15_000)
+            names = page.eval_on_selector_all(
+                "#replicas tbody tr", "rows => rows.map(r => r.dataset.replica)"
+            )
+            assert sorted(names) == sorted(r["name"] for r in fleet.get("/replicas").json()["replicas"])
+            assert set(page.eval_on_selector_all(".pool", "ps => ps.map(p => p.dataset.pool)")) == {"a", "b"}
+            assert "standby" in page.inner_text("#replicas")
+            assert "cold start" in page.inner_text("#decisions")
+            assert page.inner_text("#error") == ""
+        finally:
+            browser.close()

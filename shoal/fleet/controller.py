@@ -18,6 +18,7 @@ import time
 
 from shoal.fleet.autoscaler import Autoscaler, Signals
 from shoal.fleet.config import FleetConfig
+from shoal.fleet.history import FleetHistory
 from shoal.fleet.launcher import LocalLauncher, ReplicaSpec
 from shoal.fleet.placement import Placement
 from shoal.fleet.replica import ReplicaState
@@ -53,6 +54,7 @@ class FleetController:
         self.registry = None
         self.rollouts = RolloutDriver(self)
         self.placement = Placement(self, config.memory_budget_mb)
+        self.history = FleetHistory()
         self._task: asyncio.Task | None = None
         self.started = time.monotonic()
         for m in self.models:
@@ -246,6 +248,7 @@ class FleetController:
                     d.reason,
                 )
                 reg.metrics.autoscaler_decisions.labels(pool.key, direction, d.signal).inc()
+                self.history.decision(pool.key, pool.desired, d.desired, d.reason)
             pool.desired, pool.decision = d.desired, d.reason
         loaded = [
             s
@@ -369,6 +372,7 @@ class FleetController:
                     self.reconcile(pool, now)
                 except Exception:
                     log.exception("%s: reconcile failed; retrying", pool.key)
+            self.history.sample(self, now)
 
     async def stop(self) -> None:
         if self._task is not None:

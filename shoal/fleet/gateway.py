@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
@@ -19,6 +19,7 @@ from shoal.fleet.prefix_index import PrefixIndex
 from shoal.fleet.proxy import Forward, Proxy
 from shoal.fleet.registry import Registry
 from shoal.fleet.replica import ReplicaState
+from shoal.fleet.status_page import status_html
 from shoal.models.chat_template import template_message
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import conversation, offered_tools, tool_format
@@ -264,6 +265,22 @@ class Gateway:
         @app.get("/metrics")
         async def metrics():
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/status")
+        async def status_page():
+            return HTMLResponse(status_html())
+
+        @app.get("/fleet/state")
+        async def fleet_state(raw: Request):
+            """The status page's data: pools, replicas, decisions and the last minutes' samples."""
+            self.check_key(raw)
+            c = self.controller
+            return {
+                "pools": c.snapshot() if c is not None else [],
+                "replicas": [r.snapshot() for r in self.registry.replicas.values()],
+                "decisions": list(c.history.decisions) if c is not None else [],
+                "history": list(c.history.samples) if c is not None else [],
+            }
 
         @app.post("/fleet/update")
         async def fleet_update(raw: Request):
