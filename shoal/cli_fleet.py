@@ -71,7 +71,16 @@ def cmd_fleet_up(args) -> int:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
     fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model_configs()[0].model
-    controller = FleetController(fleet)
+    launcher = None
+    if args.launcher == "ray":
+        from shoal.fleet.ray_launcher import RayLauncher
+
+        try:
+            launcher = RayLauncher(args.address or "auto", args.ray_cpus_per_replica)
+        except (RuntimeError, ConnectionError, ValueError) as exc:
+            print(f"shoal: {exc}", file=sys.stderr)
+            return 2
+    controller = FleetController(fleet, launcher)
     busy = controller.busy_ports()
     if port_in_use(fleet.gateway.port, fleet.gateway.host):
         busy.insert(0, fleet.gateway.port)
@@ -223,6 +232,11 @@ def add_fleet_parsers(sub) -> None:
         help="prompts with fewer uncached tokens are prefilled on their decode worker",
     )
     p.add_argument("--base-port", type=int, default=None, help="replica ports from here (0: any free ports)")
+    p.add_argument("--launcher", choices=["local", "ray"], default="local", help="where replicas run")
+    p.add_argument("--address", default=None, help="the Ray cluster (--launcher ray): HOST:PORT, or auto")
+    p.add_argument(
+        "--ray-cpus-per-replica", type=float, default=1.0, help="CPUs a replica's placement reserves"
+    )
     p.add_argument(
         "--replica-args", default=None, help="extra `shoal serve` flags, e.g. '--kv-cache-memory 1GiB'"
     )

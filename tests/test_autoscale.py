@@ -19,8 +19,10 @@ from tests.fleet_helpers import metric, spawn
 CFG = AutoscaleConfig(target_inflight=4, target_waiting=4, target_kv_usage=0.8, scale_up_delay_s=1.0)
 
 
-def signals(active: int, inflight: float = 0, queued: int = 0, kv: float = 0.0, idle: float = 0.0) -> Signals:
-    return Signals(active, inflight, queued, 0, kv, None, idle)
+def signals(
+    active: int, inflight: float = 0, queued: int = 0, kv: float = 0.0, idle: float = 0.0, desired: int = -1
+) -> Signals:
+    return Signals(active, inflight, queued, 0, kv, None, idle, desired)
 
 
 def test_scale_up_waits_for_its_delay_and_moves_a_bounded_step():
@@ -29,6 +31,14 @@ def test_scale_up_waits_for_its_delay_and_moves_a_bounded_step():
     d = a.decide(signals(1, inflight=20), 1.0)
     assert d.changed and d.desired == 3 and d.signal == "inflight"  # 5 wanted, 2 at a time
     assert not a.decide(signals(3, inflight=13), 1.1).changed  # 13 / 3 within 10 % of 4: steady
+
+
+def test_a_replica_on_its_way_counts_and_is_not_asked_for_twice():
+    a = Autoscaler(CFG, 1, 8, None)
+    # 2 asked for, 1 still loading: 5 in flight is 1.25 replicas' worth, within what is coming.
+    for t in range(5):
+        d = a.decide(signals(1, inflight=5, desired=2), float(t))
+        assert d.desired == 2 and not d.changed
 
 
 def test_a_blip_does_not_scale_and_kv_usage_is_a_signal():

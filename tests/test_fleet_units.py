@@ -116,6 +116,8 @@ def test_a_kill_costs_one_strike_and_a_second_death_convicts():
     killed = Death(0.0, "kill -9", frozenset({a}), exit_code=-9)
     assert not crashed(killed, reported_engine_dead=False)
     assert not guard.judge("fp", killed, a, engine_dead=False)  # continued once
+    b = _Attempt(tokens=3)  # the same prompt sent twice, both on the replica that was killed
+    assert not guard.judge("fp", killed, b, engine_dead=False)  # one death, one strike
     assert not guard.refused("fp")
     assert guard.judge("fp", Death(1.0, "frozen", frozenset({a})), a, engine_dead=False)
     assert guard.refused("fp") > 0

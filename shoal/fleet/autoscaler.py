@@ -32,9 +32,14 @@ class Signals:
     inflight: float  # requests in flight on them, at the gateway
     queued: int  # requests waiting at the gateway for a replica of this pool
     waiting: float  # requests queued inside their engines
-    kv_usage: float  # mean KV-cache usage (0-1)
+    kv_usage: float  # mean KV-cache usage of the active replicas (0-1)
     ttft_p90: float | None  # recent TTFT p90, seconds
     idle_s: float  # since the pool last had a request
+    desired: int = -1  # active replicas asked for so far (-1: as many as are active)
+
+    def __post_init__(self):
+        if self.desired < 0:
+            self.desired = self.active
 
 
 @dataclass
@@ -70,36 +75,38 @@ class Autoscaler:
         return needs[signal], signal
 
     def decide(self, s: Signals, now: float) -> Decision:
+        """The active replicas wanted, from the signals and the count asked for before (which
+        counts replicas still starting as capacity on its way, so that it does not ask twice)."""
         c = self.config
         need, signal = self.need(s)
         busy = s.inflight + s.queued > 0
-        if s.active == 0:
+        current = max(self.min, min(self.max, s.desired))
+        if current == 0:
             # From zero there is nothing to average: a waiting request is reason enough, at once.
-            floor = 1 if busy else 0
-            target = max(self.min, floor, min(self.max, math.ceil(need)))
+            target = min(self.max, max(1, math.ceil(need))) if busy else 0
             self._want_since.clear()
             return Decision(
-                target, "cold start" if target else "idle", target > 0, "cold_start" if target else "idle"
+                target, "cold start" if target else "idle", target > 0, "cold_start" if target else ""
             )
         if self.min == 0 and not busy and self.idle_to_zero_s is not None and s.idle_s >= self.idle_to_zero_s:
             self._want_since.clear()
             return Decision(0, f"idle for {s.idle_s:.0f} s", True, "idle")
-        ratio = need / s.active
-        if ratio > 1 + c.tolerance and s.active < self.max:
+        ratio = need / current
+        if ratio > 1 + c.tolerance and current < self.max:
             if self._held("up", now, c.scale_up_delay_s):
-                target = min(self.max, s.active + c.max_step, max(s.active + 1, math.ceil(need)))
+                target = min(self.max, current + c.max_step, max(current + 1, math.ceil(need)))
                 return Decision(target, f"{signal} at {ratio:.2f}x target", True, signal)
-            return Decision(s.active, f"{signal} high, waiting {c.scale_up_delay_s:.0f} s", False)
+            return Decision(current, f"{signal} high, waiting {c.scale_up_delay_s:.0f} s", False)
         self._want_since.pop("up", None)
         # Down only if N - 1 replicas would carry this load under target less the tolerance.
         floor = max(self.min, 1)
-        if s.active > floor and need / (s.active - 1) < 1 - c.tolerance:
+        if current > floor and need / (current - 1) < 1 - c.tolerance:
             if self._held("down", now, c.scale_down_delay_s):
-                target = max(floor, s.active - c.max_step, math.ceil(need / (1 - c.tolerance)))
+                target = max(floor, current - c.max_step, math.ceil(need / (1 - c.tolerance)))
                 return Decision(target, f"{signal} at {ratio:.2f}x target", True, signal)
-            return Decision(s.active, f"{signal} low, waiting {c.scale_down_delay_s:.0f} s", False)
+            return Decision(current, f"{signal} low, waiting {c.scale_down_delay_s:.0f} s", False)
         self._want_since.pop("down", None)
-        return Decision(max(self.min, min(self.max, s.active)), "steady", False)
+        return Decision(current, "steady", current != s.desired)
 
     def _held(self, direction: str, now: float, delay: float) -> bool:
         """Whether a change in `direction` has been wanted for `delay` (and starts its clock)."""

@@ -78,8 +78,7 @@ class FleetController:
     def new_slot(self, pool: Pool) -> Slot:
         i = self._index
         self._index += 1
-        base = self.config.base_port
-        port = base + i if base else self.launcher.free_port()
+        port = self.launcher.port_for(self.config.base_port, i)
         if self.multi_model:
             name = f"{pool.model.name}-{i}" if pool.role == "both" else f"{pool.model.name}-{pool.role}-{i}"
         else:
@@ -90,7 +89,7 @@ class FleetController:
         return slot
 
     def busy_ports(self) -> list[int]:
-        return [s.port for s in self.slots if self.launcher.port_in_use(s.port)]
+        return [s.port for s in self.slots if s.port and self.launcher.port_in_use(s.port)]
 
     def serves(self, model: str | None) -> bool:
         return not self.multi_model or any(m.name == model for m in self.models)
@@ -129,7 +128,7 @@ class FleetController:
 
     def _start(self, slot: Slot) -> bool:
         """Starts `slot` unless its port is taken (then it shows as port_in_use until it is free)."""
-        if self.launcher.port_in_use(slot.port):
+        if slot.port and self.launcher.port_in_use(slot.port):
             rep = self.registry.replicas.get(slot.name)
             if rep is None or rep.state != ReplicaState.PORT_IN_USE:
                 log.warning("%s: port %d is in use by another process; not starting it", slot.name, slot.port)
@@ -141,11 +140,21 @@ class FleetController:
         slot.proc = self.launcher.spawn(self._spec(slot))
         slot.started_at = time.monotonic()
         slot.state = Lifecycle.STARTING
+        slot.attached = False
+        self._attach(slot)
+        return True
+
+    def _attach(self, slot: Slot) -> None:
+        """Routes to the slot's process once the launcher knows where it listens (a remote
+        launcher learns that only after placing it)."""
+        if slot.attached or slot.proc.address is None:
+            return
+        slot.host, slot.port = slot.proc.address
         rep = self.registry.add(slot.name, slot.url, slot.proc.pid, slot.proc.poll)
         rep.restarts, rep.role, rep.model = slot.restarts, slot.pool.role, slot.pool.model.name
-        rep.version = slot.version
+        rep.version, rep.node = slot.version, slot.proc.node
+        slot.attached = True
         self._publish(slot)
-        return True
 
     def start_slot(self, slot: Slot, now: float) -> None:
         if not self._start(slot):
@@ -162,11 +171,14 @@ class FleetController:
     def _tend(self, slot: Slot, now: float) -> None:
         """Restarts a slot whose process died (unless it was leaving anyway)."""
         if slot.proc is not None:
+            self._attach(slot)
             code = slot.proc.poll()
             if code is None:
                 return
-            self.registry.mark_down(slot.name, f"process exited with {code}", code)
-            shm_sweep(slot.proc.pid)  # K/V it was handing over when it died
+            if slot.name in self.registry.replicas:
+                self.registry.mark_down(slot.name, f"process exited with {code}", code)
+            if slot.proc.pid is not None and slot.proc.node is None:
+                shm_sweep(slot.proc.pid)  # K/V it was handing over when it died (on this host)
             slot.proc = None
             if slot.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
                 return self._remove(slot)
@@ -221,6 +233,7 @@ class FleetController:
             kv_usage=sum(r.load.get("kv_usage", 0.0) for r in active) / max(1, len(active)),
             ttft_p90=ttft,
             idle_s=now - reg.last_request.get(key, self.started),
+            desired=pool.desired,
         )
 
     def reconcile(self, pool: Pool, now: float) -> None:
@@ -352,8 +365,9 @@ class FleetController:
         self.registry = registry
         registry.controller = self
         for slot in self.slots:
-            rep = registry.add(slot.name, slot.url)
-            rep.role, rep.model = slot.pool.role, slot.pool.model.name
+            if slot.port:  # known before its start: shown (and port-checked) from now
+                rep = registry.add(slot.name, slot.url)
+                rep.role, rep.model = slot.pool.role, slot.pool.model.name
             self._start(slot)
         self._task = asyncio.create_task(self._loop())
 
@@ -387,3 +401,5 @@ class FleetController:
                 await asyncio.to_thread(p.wait, 15)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if hasattr(self.launcher, "shutdown"):
+            self.launcher.shutdown()

@@ -75,9 +75,12 @@ class ReplicaSpec:
 class LocalProcess:
     """A started replica: its pid, whether it has exited, and how to stop it."""
 
-    def __init__(self, popen: subprocess.Popen):
+    node = None  # this host
+
+    def __init__(self, popen: subprocess.Popen, address: tuple[str, int]):
         self.popen = popen
         self.pid = popen.pid
+        self.address = address  # (host, port) it listens on
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -103,8 +106,9 @@ class LocalLauncher:
     def port_in_use(self, port: int) -> bool:
         return port_in_use(port)
 
-    def free_port(self) -> int:
-        return free_port()
+    def port_for(self, base_port: int, index: int) -> int:
+        """The port of the index-th replica: base_port + index, or any free one (base_port 0)."""
+        return base_port + index if base_port else free_port()
 
     def spawn(self, spec: ReplicaSpec) -> LocalProcess:
         """Called on the event loop's thread, which lives as long as the fleet (see _die_with_parent)."""
@@ -120,4 +124,4 @@ class LocalLauncher:
                 start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops them
                 preexec_fn=_die_with_parent(),  # only prctl runs between fork and exec
             )
-        return LocalProcess(popen)
+        return LocalProcess(popen, (self.host, spec.port))

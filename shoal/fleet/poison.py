@@ -26,7 +26,7 @@ import json
 import signal
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.fleet.replica import Death
 from shoal.protocol.errors import EXIT_RANK_LOST, APIError
@@ -66,6 +66,7 @@ class _Entry:
     strikes: int
     expires: float
     convicted: bool = False
+    deaths: set = field(default_factory=set)  # the deaths that struck it: one strike each
 
 
 class PoisonGuard:
@@ -114,8 +115,14 @@ class PoisonGuard:
         e.expires = time.monotonic() + self.ttl_s
 
     def judge(self, fp: str, death: Death, attempt, engine_dead: bool) -> bool:
-        """Strikes the request for `death`; True when it is poison now (see the module doc)."""
+        """Strikes the request for `death`; True when it is poison now (see the module doc).
+        Identical requests in one death (a client's burst of the same prompt) share one strike."""
+        key = (id(death), death.at)
+        e = self._live(fp)
+        if e is not None and key in e.deaths:
+            return e.convicted
         strikes = self.strike(fp)
+        self._entries[fp].deaths.add(key)
         if strikes >= 2:
             self.convict(fp)
             return True

@@ -56,7 +56,7 @@ class Registry:
         r = self.replicas.get(name)
         if r is None:
             r = self.replicas[name] = Replica(name, url.rstrip("/"))
-        r.pid = pid
+        r.url, r.pid = url.rstrip("/"), pid
         if proc_exit is not None:
             r.proc_exit = proc_exit
             r.state, r.death, r.note, r.probe_misses = ReplicaState.LOADING, None, None, 0

@@ -60,6 +60,7 @@ class Replica:
     # The controller's say (starting, standby, ready, draining, stopped): only "ready" takes traffic.
     lifecycle: str = "ready"
     version: int = 0  # of its pool's model config (rolling updates)
+    node: str | None = None  # where a remote launcher placed it (a Ray node id)
 
     @property
     def process_alive(self) -> bool:
@@ -123,4 +124,5 @@ class Replica:
             "model": self.model,
             "lifecycle": self.lifecycle,
             "version": self.version,
+            "node": self.node,
         }

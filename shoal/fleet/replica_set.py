@@ -38,6 +38,7 @@ class Slot:
     model: ModelConfig | None = None  # the version of the model config it runs
     version: int = 0
     surge: bool = False  # started beside the others by a rolling update
+    attached: bool = False  # its process's address is known and in the registry
 
     @property
     def url(self) -> str:

@@ -58,7 +58,7 @@ class RolloutDriver:
         r = pool.rollout
         reg = self.c.registry
         current = [s for s in pool.slots if s.version == pool.version and s.state != Lifecycle.STOPPED]
-        old = [s for s in pool.slots if s.version != pool.version and s.state != Lifecycle.STOPPED]
+        old = [s for s in pool.slots if s.version != pool.version]  # stopped ones: until they exit
         if not r.rolling_back:
             for s in current:
                 why = failed(s, reg.replicas.get(s.name), now, r.ready_timeout_s)
@@ -67,7 +67,7 @@ class RolloutDriver:
         if r.canary_since is not None and now - r.canary_since < r.canary_s:
             return  # the canary is being watched
         reg.canary.pop(pool.model.name, None)
-        if not [s for s in old if s.state != Lifecycle.DRAINING]:
+        if not [s for s in old if s.state not in (Lifecycle.DRAINING, Lifecycle.STOPPED)]:
             if not old:
                 self._finish(pool)
             return

@@ -1,0 +1,173 @@
+"""The Ray launcher (`shoal fleet up --launcher ray --address HOST:PORT`): each replica is a
+`shoal serve` process owned by a Ray core actor, placed on the cluster's nodes through a placement
+group of the CPUs it runs on. Ray only places and keeps the processes; shoal's own gateway, router
+and autoscaler stay in charge (not Ray Serve, whose LLM layer runs other engines and adds
+milliseconds to every request). Ray is an optional extra: `pip install 'shoal[ray]'`.
+
+Every call from the controller returns at once (it runs on the gateway's event loop): a replica's
+address is known once its actor has started it, and its exit once a poll of the actor says so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from shoal.fleet.launcher import PARENT_PID_ENV, ReplicaSpec, _die_with_parent, free_port
+
+try:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError:  # the optional extra is not installed
+    ray = None
+
+ACTOR_DIED = -9  # what a replica whose actor (or node) died reports as its exit
+
+
+def _require_ray() -> None:
+    if ray is None:
+        raise RuntimeError("the Ray launcher needs Ray: pip install 'shoal[ray]'")
+
+
+class ReplicaActor:
+    """Runs on a Ray node: starts one replica process there and reports on it."""
+
+    def __init__(self):
+        self.popen: subprocess.Popen | None = None
+
+    def start(self, args: list[str], env: dict[str, str], log_path: str) -> tuple[str, int, int, str]:
+        host = ray.util.get_node_ip_address()
+        port = free_port() if host in ("127.0.0.1", "localhost") else _free_port_on(host)
+        cmd = [sys.executable, "-m", "shoal.cli", "serve", *args, "--host", host, "--port", str(port)]
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        with open(log_path, "a") as out:
+            self.popen = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),  # the replica goes with its actor
+            )
+        return host, port, self.popen.pid, ray.get_runtime_context().get_node_id()
+
+    def poll(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def terminate(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+
+
+def _free_port_on(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RayReplica:
+    """The controller's handle on one replica placed by Ray (see launcher.LocalProcess)."""
+
+    def __init__(self, launcher: RayLauncher, spec: ReplicaSpec):
+        self.address: tuple[str, int] | None = None
+        self.pid: int | None = None
+        self.node: str | None = None
+        self._exit: int | None = None
+        self._poll_ref = None
+        self.pg = placement_group([{"CPU": launcher.cpus}], strategy="STRICT_PACK")
+        actor_cls = ray.remote(num_cpus=launcher.cpus, max_restarts=0)(ReplicaActor)
+        self.actor = actor_cls.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg), name=None
+        ).remote()
+        args = [*([spec.model] if spec.model else []), *spec.args]
+        self._started = self.actor.start.remote(args, spec.env, spec.log_path)
+
+    def _check_started(self) -> None:
+        if self.address is not None or self._exit is not None:
+            return
+        ready, _ = ray.wait([self._started], timeout=0)
+        if ready:
+            try:
+                host, port, self.pid, self.node = ray.get(self._started)
+                self.address = (host, port)
+            except ray.exceptions.RayError:
+                self._finish(ACTOR_DIED)
+
+    def poll(self) -> int | None:
+        self._check_started()
+        if self._exit is not None or self.address is None:
+            return self._exit
+        if self._poll_ref is None:
+            self._poll_ref = self.actor.poll.remote()
+        ready, _ = ray.wait([self._poll_ref], timeout=0)
+        if ready:
+            try:
+                code = ray.get(self._poll_ref)
+            except ray.exceptions.RayError:  # the actor, or its node, is gone: so is the replica
+                code = ACTOR_DIED
+            self._poll_ref = None
+            if code is not None:
+                self._finish(code)
+        return self._exit
+
+    def _finish(self, code: int) -> None:
+        self._exit = code
+        ray.kill(self.actor, no_restart=True)
+        remove_placement_group(self.pg)
+
+    def terminate(self) -> None:
+        if self._exit is None:
+            if self.address is None:  # not started yet: nothing to stop gracefully
+                return self._finish(ACTOR_DIED)
+            self.actor.terminate.remote()
+        return None
+
+    def kill(self) -> None:
+        if self._exit is None:
+            self.actor.kill.remote()
+            self._finish(ACTOR_DIED)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("ray replica", timeout)
+            time.sleep(0.05)
+        return self._exit
+
+
+class RayLauncher:
+    """Replicas as processes of Ray actors on the nodes of the cluster at `address`."""
+
+    name = "ray"
+    host = "127.0.0.1"  # until a replica is placed (its node's address replaces it)
+
+    def __init__(self, address: str, cpus_per_replica: float = 1.0):
+        _require_ray()
+        self.cpus = cpus_per_replica
+        if address.split(":")[0] in ("127.0.0.1", "localhost"):
+            # Ray would advertise this machine's other interface for "127.0.0.1", where a
+            # loopback cluster does not listen; this keeps the driver on loopback.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        if not ray.is_initialized():
+            ray.init(address=address, namespace="shoal", log_to_driver=False, configure_logging=False)
+
+    def port_in_use(self, port: int) -> bool:
+        return False  # ports are chosen on the node, when the replica is placed
+
+    def port_for(self, base_port: int, index: int) -> int:
+        return 0
+
+    def spawn(self, spec: ReplicaSpec) -> RayReplica:
+        return RayReplica(self, spec)
+
+    def shutdown(self) -> None:
+        ray.shutdown()

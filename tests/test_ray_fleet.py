@@ -1,0 +1,112 @@
+"""The fleet on Ray: a local cluster of two nodes (a head and a node joined to it, on 127.0.0.1,
+started and stopped by handle here), `shoal fleet up --launcher ray`: a burst scales the model up
+to a replica on each node, a replica killed is replaced, idleness scales it back down, and no
+request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from tests.fleet_helpers import metric, replicas, spawn
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+# Ray takes 127.0.0.1 for "this machine" and advertises its other interface instead, where nothing
+# listens; with this it keeps to loopback (what the launcher sets too for a loopback address).
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+NODE = {
+    "num_cpus": 1,
+    "node_ip_address": "127.0.0.1",
+    "object_store_memory": 80 << 20,
+    "include_dashboard": False,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Its own temp dir (short: Ray's socket paths must stay short), so that nothing of another
+    # Ray on this machine is touched.
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    saved = {k: os.environ.get(k) for k in (*LOOPBACK, "RAY_TMPDIR")}
+    os.environ.update({**LOOPBACK, "RAY_TMPDIR": temp})
+    c = Cluster(initialize_head=True, head_node_args=NODE)
+    try:
+        c.add_node(**NODE)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()  # by handle: never `ray stop`, which would end every Ray process here
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster):
+    args = ["fleet", "up", "--launcher", "ray", "--address", cluster.address, "--min-replicas", "1"]
+    args += ["--max-replicas", "2", "--target-inflight", "2", "--scale-up-delay", "0.3"]
+    args += ["--scale-down-delay", "15", "--replica-args", "--threads 1 --kv-cache-memory 256MiB"]
+    gw = spawn(args)
+    try:
+        wait_for(gw, lambda: ready(gw) == 1, 240)
+        yield gw
+    finally:
+        gw.stop()
+
+
+def ready(gw) -> int:
+    return sum(r["lifecycle"] == "ready" and r["state"] == "ready" for r in replicas(gw).values())
+
+
+def wait_for(gw, cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert gw.proc.poll() is None, gw.log()
+        try:
+            if cond():
+                return
+        except (httpx.HTTPError, KeyError):
+            pass
+        assert time.monotonic() < deadline, f"timed out; {gw.log()[-3000:]}"
+        time.sleep(0.2)
+
+
+async def burst(url: str, n: int, max_tokens: int = 64) -> list[int]:
+    async with httpx.AsyncClient(timeout=240) as c:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
+        answers = await asyncio.gather(*(c.post(url + "/v1/completions", json=body) for _ in range(n)))
+    return [a.status_code if a.status_code == 200 else (a.status_code, a.text[:300]) for a in answers]
+
+
+def test_scale_up_onto_both_nodes_replace_a_killed_replica_and_scale_down(fleet, cluster):
+    assert asyncio.run(burst(fleet.url, 8, max_tokens=160)) == [200] * 8
+    wait_for(fleet, lambda: ready(fleet) == 2, 10)  # scaled up during the burst, not down yet
+    nodes = {r["node"] for r in replicas(fleet).values()}
+    assert len(nodes) == 2 and None not in nodes  # one replica on each node of the cluster
+
+    victim = next(iter(replicas(fleet).values()))
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    async def load_through_the_kill():
+        return await burst(fleet.url, 6, max_tokens=32)
+
+    assert asyncio.run(load_through_the_kill()) == [200] * 6
+    wait_for(fleet, lambda: replicas(fleet)[victim["name"]]["pid"] not in (None, victim["pid"]), 120)
+    assert replicas(fleet)[victim["name"]]["restarts"] >= 1
+
+    # Idle: back to the one replica min_replicas keeps, through draining.
+    wait_for(fleet, lambda: len(replicas(fleet)) == 1 and ready(fleet) == 1, 120)
+    assert metric(fleet.url, 'shoal:gateway_responses_total{status="503"}') == 0
