@@ -119,7 +119,7 @@ class FleetController:
         if slot.pool.role != "both":
             args += ["--role", slot.pool.role]
         env = {KV_SALT_ENV: gw.kv_salt, KV_TRANSFER_KEY_ENV: gw.kv_transfer_key}
-        return ReplicaSpec(slot.name, slot.port, slot.log_path, m.model, args, env)
+        return ReplicaSpec(slot.name, slot.port, slot.log_path, m.model, args, env, m.memory_mb)
 
     def _publish(self, slot: Slot) -> None:
         rep = self.registry.replicas.get(slot.name)

@@ -70,6 +70,7 @@ class ReplicaSpec:
     model: str | None = None  # checkpoint (None: the bundled model)
     args: list[str] = field(default_factory=list)  # `shoal serve` flags
     env: dict[str, str] = field(default_factory=dict)  # secrets go here, never in argv
+    memory_mb: float = 0.0  # what it takes (a remote launcher reserves it on the node it picks)
 
 
 class LocalProcess:

@@ -82,7 +82,10 @@ class RayReplica:
         self.node: str | None = None
         self._exit: int | None = None
         self._poll_ref = None
-        self.pg = placement_group([{"CPU": launcher.cpus}], strategy="STRICT_PACK")
+        bundle = {"CPU": launcher.cpus}
+        if spec.memory_mb:  # placed only on a node with that much memory to spare
+            bundle["memory"] = spec.memory_mb * 2**20
+        self.pg = placement_group([bundle], strategy="STRICT_PACK")
         actor_cls = ray.remote(num_cpus=launcher.cpus, max_restarts=0)(ReplicaActor)
         self.actor = actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg), name=None
