@@ -25,7 +25,7 @@ from tests.helpers import PROMPTS
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY, SALT = "test-transfer-key", "test-salt"
-REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1 --quantization none --kv-hold-timeout 20"
+REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1 --quantization none --kv-hold-timeout 8"
 LONG = (
     "Harbour log, day {n}. The tide came in at dawn and the boats went out past the breakwater, "
     "where the gulls followed them for a while before turning back to the rocks. "
