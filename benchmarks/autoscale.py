@@ -17,14 +17,11 @@ import itertools
 import json
 import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
+from fleet_process import FleetProcess  # this script's folder is on sys.path
 
-from shoal.fleet.launcher import free_port
 from shoal.kernels.build import cpu_model_name
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -51,37 +48,6 @@ def trace(a: argparse.Namespace) -> list[float]:
             times.append(t)
         start += length
     return times
-
-
-class Fleet:
-    def __init__(self, args: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        fd, self.log_path = tempfile.mkstemp(prefix="shoal-autoscale-", suffix=".log")
-        cmd = [sys.executable, "-m", "shoal.cli", "fleet", "up", "--port", str(self.port), "--base-port", "0"]
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, *args, "--replica-args", REPLICA_ARGS], stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def wait_ready(self, count: int) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                reps = httpx.get(self.url + "/replicas", timeout=2).json()["replicas"]
-                if sum(r["lifecycle"] == "ready" and r["state"] == "ready" for r in reps) >= count:
-                    return
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"fleet not ready; see {self.log_path}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 async def one(
@@ -112,7 +78,9 @@ async def one(
     return {"at": at, "ok": first is not None, "ttft": (first or sent) - sent}
 
 
-async def replay(fleet: Fleet, arrivals: list[float], a: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+async def replay(
+    fleet: FleetProcess, arrivals: list[float], a: argparse.Namespace
+) -> tuple[list[dict], list[dict]]:
     """Plays the trace; samples the fleet's processes every 0.5 s meanwhile."""
     samples: list[dict] = []
     rng = random.Random(a.seed + 1)
@@ -155,7 +123,7 @@ def gateway_histogram(url: str, name: str, label: str) -> tuple[float, float]:
 
 
 def run(label: str, args: list[str], ready: int, arrivals: list[float], a: argparse.Namespace) -> dict:
-    fleet = Fleet(args)
+    fleet = FleetProcess(args, REPLICA_ARGS)
     try:
         fleet.wait_ready(ready)
         results, samples = asyncio.run(replay(fleet, arrivals, a))

@@ -23,15 +23,12 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
+from fleet_process import FleetProcess, metric  # this script's folder is on sys.path
 
 from shoal.engine import kv_transport
-from shoal.fleet.launcher import free_port
 from shoal.kernels.build import cpu_model_name
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 
@@ -54,46 +51,8 @@ def prompt_ids(rng: random.Random, n: int) -> list[int]:
 # --- fleets --------------------------------------------------------------------------------
 
 
-class Fleet:
-    def __init__(self, args: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        fd, self.log_path = tempfile.mkstemp(prefix="shoal-disagg-", suffix=".log")
-        cmd = [sys.executable, "-m", "shoal.cli", "fleet", "up", "--port", str(self.port), "--base-port", "0"]
-        env = {**os.environ, KV_TRANSFER_KEY_ENV: KEY}
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, *args, "--replica-args", REPLICA_ARGS], stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-
-    def wait(self, count: int) -> list[dict]:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fleet exited; see {self.log_path}")
-            try:
-                reps = httpx.get(self.url + "/replicas", timeout=2).json()["replicas"]
-                if sum(r["state"] == "ready" for r in reps) >= count:
-                    return reps
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"fleet not ready; see {self.log_path}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def start_fleet(args: list[str]) -> FleetProcess:
+    return FleetProcess(args, REPLICA_ARGS, {KV_TRANSFER_KEY_ENV: KEY})
 
 
 # --- one streamed request ------------------------------------------------------------------
@@ -342,9 +301,9 @@ def main() -> None:
             setups.append((f"(b) 1 prefill + 1 decode, threshold {t}", args))
         results = {}
         for label, args in setups:
-            fleet = Fleet(args)
+            fleet = start_fleet(args)
             try:
-                fleet.wait(2)
+                fleet.wait_ready(2)
                 results[label] = asyncio.run(mixed(fleet.url, a))
                 results[label]["decisions"] = {
                     d: metric(fleet.url, f'shoal:gateway_disagg_decisions_total{{decision="{d}"}}')
@@ -353,9 +312,9 @@ def main() -> None:
             finally:
                 fleet.stop()
         print_mixed(results, a)
-    fleet = Fleet(["--prefill", "1", "--decode", "1"])
+    fleet = start_fleet(["--prefill", "1", "--decode", "1"])
     try:
-        reps = {r["role"]: r for r in fleet.wait(2)}
+        reps = {r["role"]: r for r in fleet.wait_ready(2)}
         table = transfer_table(reps["prefill"]["url"], [int(x) for x in a.lengths.split(",")])
         steps = decode_steps(reps["decode"]["url"], [int(x) for x in a.batches.split(",")])
     finally:

@@ -83,3 +83,17 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def wait_until(gw: ServerProcess, cond, timeout: float, every: float = 0.1) -> None:
+    """Until cond() holds (errors while the gateway comes up count as not yet), or fails with its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert gw.proc.poll() is None, gw.log()
+        try:
+            if cond():
+                return
+        except (httpx.HTTPError, KeyError):
+            pass
+        assert time.monotonic() < deadline, f"timed out; {gw.log()[-3000:]}"
+        time.sleep(every)

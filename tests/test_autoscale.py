@@ -14,7 +14,7 @@ import pytest
 
 from shoal.fleet.autoscaler import AutoscaleConfig, Autoscaler, Signals
 from shoal.fleet.config import load_fleet_config
-from tests.fleet_helpers import metric, spawn
+from tests.fleet_helpers import metric, spawn, wait_until
 
 CFG = AutoscaleConfig(target_inflight=4, target_waiting=4, target_kv_usage=0.8, scale_up_delay_s=1.0)
 
@@ -116,7 +116,7 @@ def fleet(tmp_path_factory):
     path.write_text(FLEET)
     gw = spawn(["fleet", "up", "--config", str(path), "--base-port", "0"])
     try:
-        wait_for(gw, lambda: states(gw, "a") == ["standby"], 240)
+        wait_until(gw, lambda: states(gw, "a") == ["standby"], 240)
         yield gw
     finally:
         gw.stop()
@@ -128,19 +128,6 @@ def pools(gw) -> dict[str, dict]:
 
 def states(gw, pool: str) -> list[str]:
     return sorted(pools(gw)[pool]["replicas"].values())
-
-
-def wait_for(gw, cond, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert gw.proc.poll() is None, gw.log()
-        try:
-            if cond():
-                return
-        except (httpx.HTTPError, KeyError):
-            pass  # the gateway is still coming up
-        assert time.monotonic() < deadline, f"timed out; {gw.log()[-3000:]}"
-        time.sleep(0.1)
 
 
 def ask(gw, model: str, max_tokens: int = 4) -> httpx.Response:
@@ -163,8 +150,8 @@ def test_a_warm_standby_takes_the_first_request_within_a_second(fleet):
     assert r.status_code == 200, r.text
     assert took < 1.0, took  # promoted, not started
     assert r.headers["x-replica"] in pools(fleet)["a"]["replicas"]
-    wait_for(fleet, lambda: "starting" in states(fleet, "a") or states(fleet, "a").count("standby"), 10)
-    wait_for(fleet, lambda: "standby" in states(fleet, "a"), 240)  # the pool refilled behind it
+    wait_until(fleet, lambda: "starting" in states(fleet, "a") or states(fleet, "a").count("standby"), 10)
+    wait_until(fleet, lambda: "standby" in states(fleet, "a"), 240)  # the pool refilled behind it
 
 
 def test_a_model_at_zero_starts_a_replica_for_its_next_request(fleet):
@@ -198,7 +185,7 @@ def test_a_burst_scales_up_and_idleness_back_to_zero_without_a_failure(fleet):
     assert [r.status_code for r in answers] == [200] * 8
     assert max(seen) == 2, seen
     # Idle: down to no active replica (the standby stays loaded), through draining, not kills.
-    wait_for(fleet, lambda: "ready" not in states(fleet, "a") and "draining" not in states(fleet, "a"), 60)
+    wait_until(fleet, lambda: "ready" not in states(fleet, "a") and "draining" not in states(fleet, "a"), 60)
     assert "standby" in states(fleet, "a")
     decisions = [
         line
@@ -238,7 +225,7 @@ def test_an_idle_model_is_unloaded_when_memory_is_short(tmp_path):
     path.write_text(f'memory_budget_mb = 1500\n[[models]]\nname = "a"\n{one}[[models]]\nname = "b"\n{one}')
     gw = spawn(["fleet", "up", "--config", str(path), "--base-port", "0"])
     try:
-        wait_for(gw, lambda: gw.get("/ready").status_code == 200, 60)
+        wait_until(gw, lambda: gw.get("/ready").status_code == 200, 60)
         assert ask(gw, "a").status_code == 200
         assert states(gw, "a") == ["ready"]
         r = ask(gw, "b")  # waits while a (idle now) is unloaded and b starts

@@ -10,12 +10,11 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 
 import httpx
 import pytest
 
-from tests.fleet_helpers import metric, replicas, spawn
+from tests.fleet_helpers import metric, replicas, spawn, wait_until
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -61,7 +60,7 @@ def fleet(cluster):
     args += ["--scale-down-delay", "15", "--replica-args", "--threads 1 --kv-cache-memory 256MiB"]
     gw = spawn(args)
     try:
-        wait_for(gw, lambda: ready(gw) == 1, 240)
+        wait_until(gw, lambda: ready(gw) == 1, 240)
         yield gw
     finally:
         gw.stop()
@@ -69,19 +68,6 @@ def fleet(cluster):
 
 def ready(gw) -> int:
     return sum(r["lifecycle"] == "ready" and r["state"] == "ready" for r in replicas(gw).values())
-
-
-def wait_for(gw, cond, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert gw.proc.poll() is None, gw.log()
-        try:
-            if cond():
-                return
-        except (httpx.HTTPError, KeyError):
-            pass
-        assert time.monotonic() < deadline, f"timed out; {gw.log()[-3000:]}"
-        time.sleep(0.2)
 
 
 async def burst(url: str, n: int, max_tokens: int = 64) -> list[int]:
@@ -93,7 +79,7 @@ async def burst(url: str, n: int, max_tokens: int = 64) -> list[int]:
 
 def test_scale_up_onto_both_nodes_replace_a_killed_replica_and_scale_down(fleet, cluster):
     assert asyncio.run(burst(fleet.url, 8, max_tokens=160)) == [200] * 8
-    wait_for(fleet, lambda: ready(fleet) == 2, 10)  # scaled up during the burst, not down yet
+    wait_until(fleet, lambda: ready(fleet) == 2, 10)  # scaled up during the burst, not down yet
     nodes = {r["node"] for r in replicas(fleet).values()}
     assert len(nodes) == 2 and None not in nodes  # one replica on each node of the cluster
 
@@ -104,9 +90,9 @@ def test_scale_up_onto_both_nodes_replace_a_killed_replica_and_scale_down(fleet,
         return await burst(fleet.url, 6, max_tokens=32)
 
     assert asyncio.run(load_through_the_kill()) == [200] * 6
-    wait_for(fleet, lambda: replicas(fleet)[victim["name"]]["pid"] not in (None, victim["pid"]), 120)
+    wait_until(fleet, lambda: replicas(fleet)[victim["name"]]["pid"] not in (None, victim["pid"]), 120)
     assert replicas(fleet)[victim["name"]]["restarts"] >= 1
 
     # Idle: back to the one replica min_replicas keeps, through draining.
-    wait_for(fleet, lambda: len(replicas(fleet)) == 1 and ready(fleet) == 1, 120)
+    wait_until(fleet, lambda: len(replicas(fleet)) == 1 and ready(fleet) == 1, 120)
     assert metric(fleet.url, 'shoal:gateway_responses_total{status="503"}') == 0
