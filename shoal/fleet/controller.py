@@ -129,8 +129,8 @@ class FleetController:
     def _start(self, slot: Slot) -> bool:
         """Starts `slot` unless its port is taken (then it shows as port_in_use until it is free)."""
         if slot.port and self.launcher.port_in_use(slot.port):
-            rep = self.registry.replicas.get(slot.name)
-            if rep is None or rep.state != ReplicaState.PORT_IN_USE:
+            rep = self._register(slot)  # a slot added by scaling up is not registered yet
+            if rep.state != ReplicaState.PORT_IN_USE:
                 log.warning("%s: port %d is in use by another process; not starting it", slot.name, slot.port)
             self.registry.port_in_use(
                 slot.name,
@@ -150,11 +150,21 @@ class FleetController:
         if slot.attached or slot.proc.address is None:
             return
         slot.host, slot.port = slot.proc.address
-        rep = self.registry.add(slot.name, slot.url, slot.proc.pid, slot.proc.poll)
-        rep.restarts, rep.role, rep.model = slot.restarts, slot.pool.role, slot.pool.model.name
-        rep.version, rep.node = slot.version, slot.proc.node
+        self._register(slot, slot.proc).node = slot.proc.node
         slot.attached = True
         self._publish(slot)
+
+    def _register(self, slot: Slot, proc=None):
+        """The slot's replica in the registry (a new life of it, given its process)."""
+        pid, poll = (proc.pid, proc.poll) if proc is not None else (None, None)
+        rep = self.registry.add(slot.name, slot.url, pid, poll)
+        rep.restarts, rep.role, rep.model, rep.version = (
+            slot.restarts,
+            slot.pool.role,
+            slot.pool.model.name,
+            slot.version,
+        )
+        return rep
 
     def start_slot(self, slot: Slot, now: float) -> None:
         if not self._start(slot):
@@ -366,8 +376,7 @@ class FleetController:
         registry.controller = self
         for slot in self.slots:
             if slot.port:  # known before its start: shown (and port-checked) from now
-                rep = registry.add(slot.name, slot.url)
-                rep.role, rep.model = slot.pool.role, slot.pool.model.name
+                self._register(slot)
             self._start(slot)
         self._task = asyncio.create_task(self._loop())
 
@@ -401,5 +410,4 @@ class FleetController:
                 await asyncio.to_thread(p.wait, 15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if hasattr(self.launcher, "shutdown"):
-            self.launcher.shutdown()
+        self.launcher.shutdown()

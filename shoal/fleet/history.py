@@ -27,7 +27,6 @@ class FleetHistory:
         if now - self._last < SAMPLE_EVERY_S:
             return
         self._last = now
-        reg = controller.registry
         pools = {}
         for p in controller.pools:
             s = controller.signals(p, now)
@@ -40,6 +39,6 @@ class FleetHistory:
                 "inflight": s.inflight,
                 "waiting": s.waiting,
                 "kv_usage": round(s.kv_usage, 4),
-                "ttft_p90": reg.ttft_p90(p.model.name, now - 30.0),
+                "ttft_p90": s.ttft_p90,
             }
         self.samples.append({"time": time.time(), "pools": pools})

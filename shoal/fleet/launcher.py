@@ -111,6 +111,9 @@ class LocalLauncher:
         """The port of the index-th replica: base_port + index, or any free one (base_port 0)."""
         return base_port + index if base_port else free_port()
 
+    def shutdown(self) -> None:
+        """Nothing to let go of: the processes are the controller's to stop."""
+
     def spawn(self, spec: ReplicaSpec) -> LocalProcess:
         """Called on the event loop's thread, which lives as long as the fleet (see _die_with_parent)."""
         cmd = [sys.executable, "-m", "shoal.cli", "serve", *([spec.model] if spec.model else [])]

@@ -67,10 +67,9 @@ class Registry:
         r = self.replicas.pop(name, None)
         if r is not None:
             self.index.reset(name)
-            for labels in ((name,),):
+            for gauge in (self.metrics.replica_up, self.metrics.inflight):
                 with contextlib.suppress(KeyError):
-                    self.metrics.replica_up.remove(*labels)
-                    self.metrics.inflight.remove(*labels)
+                    gauge.remove(name)
 
     def observe_ttft(self, model: str | None, seconds: float) -> None:
         self._ttfts.setdefault(model, deque(maxlen=512)).append((time.monotonic(), seconds))

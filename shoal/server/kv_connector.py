@@ -121,11 +121,9 @@ class KVConnector:
 
     # --- engine options for one request ------------------------------------------------------
 
-    async def request_options(self, kv: KVTransferParams | None, raw: Request, num_prompts: int) -> dict:
+    async def request_options(self, kv: KVTransferParams, raw: Request, num_prompts: int) -> dict:
         """add_request options for a request's kv_transfer_params: hold its K/V (prefill side), or
         load the K/V pulled from its prefill worker (decode side; none when the pull failed)."""
-        if kv is None:
-            return {}
         self.authorize(raw)
         if num_prompts != 1:
             raise APIError(400, "kv_transfer_params takes one prompt", "kv_transfer_params")
