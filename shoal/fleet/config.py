@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from shoal.fleet.autoscaler import AutoscaleConfig
+from shoal.fleet.tenants import TenantConfig
+from shoal.fleet.tiers import TierConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 
@@ -73,6 +75,23 @@ class GatewayConfig:
     # Authenticates the gateway's kv_transfer_params and the workers' K/V pulls to each other;
     # default $SHOAL_KV_TRANSFER_KEY, and a local fleet makes one for itself.
     kv_transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_TRANSFER_KEY_ENV) or None)
+    # Tenants ([[tenants]] tables): keys, limits, priority classes and fair-share weights. Without
+    # any, `api_key` (if set) is the only key and every request is one anonymous tenant's.
+    tenants: list[TenantConfig] = field(default_factory=list)
+    # Requests waiting for a replica go by priority, then by each tenant's weighted share of tokens
+    # served (fair_queue.py); false: by priority, then first come first served.
+    fair_queuing: bool = True
+    # Tiers routes ([[tiers]] tables): a model id that answers from a cheap model or a strong one.
+    tiers: list[TierConfig] = field(default_factory=list)
+    # Where the gateway keeps what must survive it (batch jobs, usage totals); default: the
+    # shoal cache directory, per port.
+    state_dir: str | None = None
+    # The batch lane: its requests run at this priority (after every interactive class) and at
+    # most this many at once, only on spare capacity (see batch_runner.py).
+    batch_priority: int = 100
+    batch_max_inflight: int = 4
+    batch_poll_interval_s: float = 0.2
+    batch_max_file_bytes: int = 200 << 20  # an uploaded batch input file (OpenAI's limit)
 
     @property
     def replica_key(self) -> str | None:
@@ -192,14 +211,22 @@ def _model(data: dict[str, Any]) -> ModelConfig:
 
 def load_fleet_config(path: str | Path) -> FleetConfig:
     """A TOML file: top-level fleet keys (replicas, model, base_port, replica_args, min_replicas, ...),
-    an [autoscale] table, [[models]] tables (each with its own [models.autoscale]) and [gateway]."""
+    an [autoscale] table, [[models]] tables (each with its own [models.autoscale]), [gateway],
+    [[tenants]] and [[tiers]]."""
     data = tomllib.loads(Path(path).read_text())
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
+    gateway.tenants = [_fill(TenantConfig, t) for t in data.pop("tenants", [])]
+    gateway.tiers = [_fill(TierConfig, t) for t in data.pop("tiers", [])]
     models = [_model(m) for m in data.pop("models", [])]
     autoscale = _fill(AutoscaleConfig, data.pop("autoscale", {}))
     cfg = _fill(FleetConfig, data)
     cfg.gateway, cfg.models, cfg.autoscale = gateway, models, autoscale
     cfg.check()
+    for t in gateway.tenants:
+        t.check()
+        t.key_hash()  # a key that cannot be read fails now, not at the first request
+        if t.priority >= gateway.batch_priority:
+            raise ValueError(f"tenant {t.name}: priority {t.priority} must be below batch_priority")
     if gateway.policy not in POLICIES:
         raise ValueError(f"unknown policy {gateway.policy!r}; choose from {', '.join(POLICIES)}")
     return cfg

@@ -6,12 +6,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import Response, StreamingResponse
 
+from shoal.fleet.batch_runner import BatchService
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.policies import RouteRequest, make_policy
@@ -19,21 +22,33 @@ from shoal.fleet.prefix_index import PrefixIndex
 from shoal.fleet.proxy import Forward, Proxy
 from shoal.fleet.registry import Registry
 from shoal.fleet.replica import ReplicaState
-from shoal.fleet.status_page import status_html
+from shoal.fleet.tenants import DEFAULT_COMPLETION_ESTIMATE, Tenant, Tenants, Ticket
+from shoal.fleet.tiers import TierRouter
+from shoal.fleet.usage_store import UsageStore, state_dir
 from shoal.models.chat_template import template_message
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import conversation, offered_tools, tool_format
 from shoal.protocol.auth import bearer_matches
 from shoal.protocol.block_hash import NONE_HASH, hash_blocks, root_hash
-from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
-from shoal.protocol.errors import APIError, install_error_handlers
+from shoal.protocol.bodies import parse_json_object
+from shoal.protocol.errors import APIError
 from shoal.protocol.secrets import kv_salt
 
 log = logging.getLogger(__name__)
 
+USAGE_WRITE_INTERVAL_S = 2.0
 TEXT_BLOCK_BYTES = 64  # without the model's tokenizer, prompts are hashed in blocks of bytes
 # Bodies past this are parsed on a worker thread: a 4 MiB JSON body takes tens of milliseconds.
 PARSE_INLINE_BYTES = 64 * 1024
+
+
+def _completion_estimate(body: dict) -> int:
+    """Completion tokens charged at admission: what the request may generate, corrected later."""
+    cap = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 0) > 0 else 1
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+        cap = DEFAULT_COMPLETION_ESTIMATE
+    return min(cap, 1 << 20) * min(n, 128)
 
 
 def _prompt_chars(path: str, body: dict) -> int:
@@ -67,6 +82,15 @@ class Gateway:
         self.tokenizer: Tokenizer | None = None
         self.proxy: Proxy | None = None
         self.kv_root = NONE_HASH
+        self.tenants = Tenants(config.tenants, config.api_key)
+        self.tenants.on_limited = lambda t, limit: self.metrics.tenant_rate_limited.labels(
+            t.name, limit
+        ).inc()
+        for t in self.tenants.all.values():
+            self.registry.fair.weights[t.name] = t.config.weight
+        self.tiers = TierRouter(config.tiers, self.metrics)
+        self.usage_store: UsageStore | None = None
+        self.batches = BatchService(self)
         for i, url in enumerate(config.backends):
             self.registry.add(f"backend-{i}", url)
 
@@ -104,9 +128,10 @@ class Gateway:
             return tok.encode(prompt)
         return None
 
-    def _route_hashes(self, path: str, body: dict) -> list[int]:
-        """Runs on a worker thread. A prompt too long for any context is not tokenized: the
-        replica refuses it anyway, and tokenizing megabytes would hold a thread for seconds."""
+    def _route_hashes(self, path: str, body: dict) -> tuple[list[int], int]:
+        """The prompt's block hashes and about how many tokens it has. Runs on a worker thread.
+        A prompt too long for any context is not tokenized: the replica refuses it anyway, and
+        tokenizing megabytes would hold a thread for seconds."""
         limit = self.config.route_tokenize_max_chars
         ids = None
         if _prompt_chars(path, body) <= limit:
@@ -115,13 +140,15 @@ class Gateway:
             except Exception:  # a prompt the template refuses: the replica will say why
                 ids = None
         if ids is not None:
-            return hash_blocks(ids[:limit], self.registry.block_size, root=self.kv_root)
+            return hash_blocks(ids[:limit], self.registry.block_size, root=self.kv_root), len(ids)
         prompt = body.get("messages") or body.get("prompt") or ""
         if isinstance(prompt, str):
             text = prompt[:limit]
         else:
             text = json.dumps(prompt, sort_keys=True, ensure_ascii=False)[:limit]
-        return hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES)
+        # About four characters a token, for admission's token estimate.
+        chars = _prompt_chars(path, body)
+        return hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES), chars // 4
 
     async def route_request(self, path: str, body: dict, headers) -> RouteRequest:
         session = headers.get(self.config.session_header) or body.get("user")
@@ -136,26 +163,30 @@ class Gateway:
                     "model",
                     "model_not_found",
                 )
-        hashes = await asyncio.to_thread(self._route_hashes, path, body)
-        return RouteRequest(hashes, session if isinstance(session, str) else None, model=model)
+        hashes, tokens = await asyncio.to_thread(self._route_hashes, path, body)
+        return RouteRequest(hashes, session if isinstance(session, str) else None, model=model, tokens=tokens)
 
     # --- requests ------------------------------------------------------------------------
 
-    def check_key(self, raw: Request) -> None:
-        key = self.config.api_key
-        if key and not bearer_matches(raw.headers.get("authorization", ""), key):
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    def check_key(self, raw: Request) -> Tenant:
+        """The tenant whose key the request carries (401 for none or an unknown one)."""
+        return self.tenants.authenticate(raw.headers.get("authorization", ""))
 
     def check_admin(self, raw: Request) -> None:
-        """Fleet changes: with an API key, whoever holds it; without one, only this host."""
-        if self.controller is None:
-            raise APIError(400, "this gateway runs no fleet of its own (it fronts --backend replicas)")
-        if self.config.api_key:
-            return self.check_key(raw)
+        """Fleet changes and usage: with an API key, whoever holds it; without one, only this host."""
+        key = self.config.api_key
+        if key:
+            if not bearer_matches(raw.headers.get("authorization", ""), key):
+                raise APIError(401, "this needs the gateway's own API key", code="invalid_api_key")
+            return None
         client = raw.client.host if raw.client else ""
         if client not in ("127.0.0.1", "::1", "localhost"):
             raise APIError(403, "fleet changes come from this host, or with the gateway's API key")
         return None
+
+    def check_fleet(self) -> None:
+        if self.controller is None:
+            raise APIError(400, "this gateway runs no fleet of its own (it fronts --backend replicas)")
 
     def upstream_headers(self, raw: Request | None = None) -> dict[str, str]:
         """The replica's key when the gateway has one; else the client's own passes through."""
@@ -169,34 +200,119 @@ class Gateway:
             headers["authorization"] = auth
         return headers
 
-    def clamp_priority(self, body: dict) -> None:
-        """Lower values run first and 0 is the default: a client may only give itself less."""
-        p = body.get("priority")
-        if not self.config.trust_client_priority and isinstance(p, int) and not isinstance(p, bool):
-            body["priority"] = max(p, 0)
+    def priority(self, tenant: Tenant, body: dict) -> int:
+        """The gateway decides: the tenant's class, or lower when the client asks (a larger value)."""
+        asked = body.get("priority")
+        if self.config.trust_client_priority and isinstance(asked, int) and not isinstance(asked, bool):
+            return asked
+        return tenant.priority_for(asked)
 
     async def forward(self, raw: Request, path: str) -> Response:
+        tenant = priority = None
         try:
-            self.check_key(raw)
+            tenant = self.check_key(raw)
             data = await raw.body()
             if len(data) > PARSE_INLINE_BYTES:
                 body = await asyncio.to_thread(parse_json_object, data)
             else:
                 body = parse_json_object(data)
-            self.clamp_priority(body)
             if body.pop("kv_transfer_params", None) is not None:
                 raise APIError(
                     400, "kv_transfer_params is set by the gateway, not by clients", "kv_transfer_params"
                 )
-            route = await self.route_request(path, body, raw.headers)
-            fwd = Forward(path, body, self.upstream_headers(raw), route, time.monotonic(), len(data))
-            resp = await self.proxy.handle(fwd)
+            if not tenant.may_use(body.get("model")):
+                self.tenants.admit(tenant, body.get("model"), 0)  # raises its 404
+            priority = self.priority(tenant, body)
+            if priority or "priority" in body:  # other OpenAI servers may not know the field
+                body["priority"] = priority
+            tier = self.tiers.get(body.get("model"))
+            routed = {**body, "model": tier.cheap} if tier is not None else body
+            route = await self.route_request(path, routed, raw.headers)
+            ticket = self.tenants.admit(tenant, body.get("model"), route.tokens + _completion_estimate(body))
+            self.metrics.tenant_requests.labels(tenant.name, "interactive").inc()
+            headers = self.upstream_headers(raw)
+            if tier is None:
+                resp = await self.send(path, body, headers, route, ticket, len(data), settle=True)
+            else:
+                resp = await self.send_tiered(
+                    tier, path, body, raw.headers, headers, route, ticket, len(data)
+                )
         except APIError as exc:
             resp = exc.response()
+        if tenant is not None:
+            resp.headers.update(tenant.rate_headers())
+            if priority is not None:
+                resp.headers["x-shoal-priority"] = str(priority)
         self.metrics.responses.labels(str(resp.status_code)).inc()
         return resp
 
-    async def list_models(self, raw: Request) -> dict[str, Any]:
+    async def send(
+        self, path: str, body: dict, headers: dict, route, ticket: Ticket, size: int, settle: bool
+    ) -> Response:
+        """One request to a replica of `route.model`, its tokens recorded on `ticket` (and the ticket
+        settled when it ends, with `settle`: at the end of its stream, for a stream)."""
+        route.tenant, route.priority = ticket.tenant.name, body.get("priority", 0)
+        done = self._settle if settle else self._record
+        fwd = Forward(path, body, headers, route, time.monotonic(), size, on_done=lambda f: done(ticket, f))
+        try:
+            return await self.proxy.handle(fwd)
+        except BaseException:
+            fwd.settle()  # the proxy settles every request it answers; this one it could not
+            raise
+
+    async def send_tiered(self, tier, path, body, raw_headers, headers, route, ticket, size) -> Response:
+        first = True
+
+        async def attempt(p: str, b: dict) -> Response:
+            nonlocal first
+            r = route
+            if not first or b["model"] != tier.cheap:  # routed afresh for the other model
+                r = await self.route_request(p, b, raw_headers)
+            first = False
+            return await self.send(p, b, headers, r, ticket, size, settle=bool(b.get("stream")))
+
+        try:
+            resp = await self.tiers.run(tier, path, body, raw_headers, route.tokens, attempt)
+        except BaseException:
+            ticket.settle()
+            raise
+        if not isinstance(resp, StreamingResponse):
+            ticket.settle()  # a stream's ticket is settled when it ends
+        return resp
+
+    def _record(self, ticket: Ticket, fwd: Forward) -> None:
+        prompt, completion = fwd.usage
+        ticket.record(prompt, completion)
+        self.registry.fair.charge(ticket.tenant.name, completion)  # the prompt was charged at dispatch
+        name, lane = ticket.tenant.name, ticket.lane
+        self.metrics.tenant_tokens.labels(name, lane, "prompt").inc(prompt)
+        self.metrics.tenant_tokens.labels(name, lane, "completion").inc(completion)
+
+    def _settle(self, ticket: Ticket, fwd: Forward) -> None:
+        self._record(ticket, fwd)
+        ticket.settle()
+
+    async def run_internal(self, path: str, body: dict, tenant: Tenant) -> tuple[int, dict]:
+        """One unstreamed request of the batch lane: after every interactive request waiting, and
+        not held to the tenant's interactive limits. (status, JSON body) whatever happens."""
+        body = {**body, "stream": False, "priority": self.config.batch_priority}
+        body.pop("kv_transfer_params", None)
+        ticket = self.tenants.batch_ticket(tenant)
+        self.metrics.tenant_requests.labels(tenant.name, "batch").inc()
+        try:
+            if not tenant.may_use(body.get("model")):
+                self.tenants.admit(tenant, body.get("model"), 0)  # raises its 404
+            route = await self.route_request(path, body, {})
+            resp = await self.send(path, body, self.upstream_headers(), route, ticket, 0, settle=True)
+        except APIError as exc:
+            ticket.settle()
+            return exc.status, exc.body()
+        try:
+            return resp.status_code, json.loads(resp.body)
+        except ValueError:
+            return 502, {"error": {"message": "the replica's answer was not JSON", "type": "server_error"}}
+
+    async def list_models(self, raw: Request, tenant: Tenant) -> dict[str, Any]:
         ready = [r for r in self.registry.replicas.values() if r.state == ReplicaState.READY]
         headers = self.upstream_headers(raw)
         answers = await asyncio.gather(
@@ -212,119 +328,43 @@ class Gateway:
                 with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
                     for card in a.json().get("data", []):
                         cards.setdefault(card["id"], card)
-        return {"object": "list", "data": list(cards.values())}
+        for t in self.tiers.routes:
+            cards[t] = {"id": t, "object": "model", "created": 0, "owned_by": "shoal"}
+        return {"object": "list", "data": [c for c in cards.values() if tenant.may_use(c["id"])]}
+
+    def usage(self) -> dict[str, Any]:
+        """Usage totals by tenant and lane: stored ones and this process's."""
+        counts = self.tenants.counts()
+        totals = self.usage_store.totals(counts) if self.usage_store is not None else counts
+        out: dict[str, dict] = {}
+        for (tenant, lane), u in sorted(totals.items()):
+            out.setdefault(tenant, {})[lane] = u.as_dict()
+        return {"object": "list", "tenants": out}
+
+    async def _write_usage(self) -> None:
+        while True:
+            await asyncio.sleep(USAGE_WRITE_INTERVAL_S)
+            try:
+                await asyncio.to_thread(self.usage_store.write, self.tenants.counts())
+            except Exception:  # a full disk must not stop the gateway; the next write retries
+                log.exception("could not write usage totals")
 
     # --- app -----------------------------------------------------------------------------
 
     def build_app(self) -> FastAPI:
-        @contextlib.asynccontextmanager
-        async def lifespan(_app):
-            await self.start()
-            try:
-                yield
-            finally:
-                await self.stop()
+        from shoal.fleet.gateway_routes import build_app
 
-        app = FastAPI(title="shoal gateway", lifespan=lifespan)
-        install_error_handlers(app)
-        app.add_middleware(BodyLimitMiddleware, max_bytes=self.config.max_body_bytes)
-
-        @app.post("/v1/completions")
-        async def completions(raw: Request):
-            return await self.forward(raw, "/v1/completions")
-
-        @app.post("/v1/chat/completions")
-        async def chat(raw: Request):
-            return await self.forward(raw, "/v1/chat/completions")
-
-        @app.post("/tokenize")
-        async def tokenize(raw: Request):
-            return await self.forward(raw, "/tokenize")
-
-        @app.post("/detokenize")
-        async def detokenize(raw: Request):
-            return await self.forward(raw, "/detokenize")
-
-        @app.get("/v1/models")
-        async def models(raw: Request):
-            self.check_key(raw)
-            return await self.list_models(raw)
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok"}
-
-        @app.get("/ready")
-        async def ready():
-            n = sum(r.state == ReplicaState.READY for r in self.registry.replicas.values())
-            # A model scaled to zero still takes requests: they wait for a replica to start.
-            scalable = self.controller is not None and any(p.autoscaler for p in self.controller.pools)
-            ok = n > 0 or scalable
-            return JSONResponse({"ready": ok, "replicas_ready": n}, status_code=200 if ok else 503)
-
-        @app.get("/metrics")
-        async def metrics():
-            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-        @app.get("/status")
-        async def status_page():
-            return HTMLResponse(status_html())
-
-        @app.get("/fleet/state")
-        async def fleet_state(raw: Request):
-            """The status page's data: pools, replicas, decisions and the last minutes' samples."""
-            self.check_key(raw)
-            c = self.controller
-            return {
-                "pools": c.snapshot() if c is not None else [],
-                "replicas": [r.snapshot() for r in self.registry.replicas.values()],
-                "decisions": list(c.history.decisions) if c is not None else [],
-                "history": list(c.history.samples) if c is not None else [],
-            }
-
-        @app.post("/fleet/update")
-        async def fleet_update(raw: Request):
-            """Starts a rolling update (`shoal fleet update`)."""
-            self.check_admin(raw)
-            body = parse_json_object(await raw.body())
-            changes = {k: body[k] for k in ("model", "replica_args") if body.get(k) is not None}
-            args = changes.get("replica_args", [])
-            canary, canary_s = body.get("canary", 0.0), body.get("canary_s", 30.0)
-            if (
-                not isinstance(changes.get("model", ""), str)
-                or not isinstance(args, list)
-                or not all(isinstance(a, str) for a in args)
-                or not isinstance(canary, int | float)
-                or not 0 <= canary <= 1
-                or not isinstance(canary_s, int | float)
-                or canary_s < 0
-            ):
-                raise APIError(400, "give model (a path), replica_args (strings), canary (0-1), canary_s")
-            try:
-                pools = self.controller.update(
-                    body.get("model_name"), changes, float(canary), float(canary_s)
-                )
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
-            return JSONResponse({"updating": pools}, status_code=202)
-
-        @app.get("/replicas")
-        async def replicas(raw: Request):
-            self.check_key(raw)  # it shows replica URLs and process ids
-            out = {
-                "policy": self.policy.name,
-                "replicas": [
-                    {**r.snapshot(), "cached_blocks": self.index.size(r.name)}
-                    for r in self.registry.replicas.values()
-                ],
-            }
-            if self.controller is not None:
-                out["pools"] = self.controller.snapshot()
-            return out
-
-        return app
+        return build_app(self)
 
     async def start(self) -> None:
+        where = state_dir(self.config.state_dir, self.config.port)
+        if where is None:
+            where = Path(tempfile.mkdtemp(prefix="shoal-gateway-"))
+            log.warning("no cache directory: batch jobs and usage live in %s only", where)
+        where.mkdir(parents=True, exist_ok=True)
+        self.config.state_dir = str(where)
+        self.usage_store = await asyncio.to_thread(UsageStore, where / "usage.sqlite3")
+        self._usage_task = asyncio.get_running_loop().create_task(self._write_usage())
         self.kv_root = root_hash(kv_salt(self.config.kv_salt, self.config.replica_key))
         self.registry.kv_root = self.kv_root
         self.proxy = Proxy(self.config, self.registry, self.metrics)
@@ -337,8 +377,13 @@ class Gateway:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
         except Exception as exc:  # a foreign model: route on text blocks instead
             log.warning("no tokenizer for prefix routing (%s); hashing prompt text instead", exc)
+        await self.batches.start()
 
     async def stop(self) -> None:
+        await self.batches.stop()
+        self._usage_task.cancel()
+        await asyncio.to_thread(self.usage_store.write, self.tenants.counts())
+        self.usage_store.close()
         if self.controller is not None:
             await self.controller.stop()
         await self.registry.stop()

@@ -111,5 +111,43 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.tenant_requests = Counter(
+            "shoal:gateway_tenant_requests",
+            "Requests admitted per tenant and lane (interactive, batch).",
+            ["tenant", "lane"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "shoal:gateway_tenant_tokens",
+            "Tokens served per tenant, lane and kind (prompt, completion).",
+            ["tenant", "lane", "kind"],
+            registry=r,
+        )
+        self.tenant_rate_limited = Counter(
+            "shoal:gateway_tenant_rate_limited",
+            "Requests refused with 429 per tenant and limit (requests, tokens, concurrency).",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.tenant_queue = Histogram(
+            "shoal:gateway_tenant_queue_seconds",
+            "Time a tenant's requests waited at the gateway for a replica.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tier_requests = Counter(
+            "shoal:gateway_tier_requests",
+            "Requests to a tiers route by the tier that answered (cheap, strong).",
+            ["route", "tier"],
+            registry=r,
+        )
+        self.tier_escalations = Counter(
+            "shoal:gateway_tier_escalations",
+            "Requests a tiers route sent to its strong model, by rule (length, hint, confidence).",
+            ["route", "reason"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,6 +16,12 @@ class RouteRequest:
     session: str | None = None
     cached_blocks: int = 0  # set by the registry: leading blocks the chosen replica already held
     model: str | None = None  # the model asked for, in a fleet of several (None: the only one)
+    # Admission: whose request, at which priority (lower first), about how many prompt tokens
+    # (charged to the tenant's fair share once, when it is first dispatched).
+    tenant: str = "anonymous"
+    priority: int = 0
+    tokens: int = 0
+    charged: bool = False
 
 
 class Policy:

@@ -14,10 +14,11 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.disagg import Disaggregator
@@ -54,6 +55,14 @@ class Forward:
     size: int = 0  # bytes of the client's body
     fp: str | None = field(default=None, repr=False)  # fingerprint, computed when needed
     kv: dict | None = None  # kv_transfer_params from a remote prefill ({}: prefilled on decode)
+    usage: tuple[int, int] = (0, 0)  # (prompt, completion) tokens the answer reported
+    on_done: Callable[[Forward], None] | None = field(default=None, repr=False)
+
+    def settle(self) -> None:
+        """Tells admission the request has ended (once), with the tokens it used."""
+        done, self.on_done = self.on_done, None
+        if done is not None:
+            done(self)
 
 
 def unavailable(message: str) -> JSONResponse:
@@ -72,6 +81,14 @@ def _json_or_none(content: bytes):
         return json.loads(content)
     except ValueError:
         return None
+
+
+def _usage(obj) -> tuple[int, int]:
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (p if isinstance(p, int) else 0), (c if isinstance(c, int) else 0)
 
 
 class Proxy:
@@ -190,17 +207,22 @@ class Proxy:
             left = self.guard.refused(await self.fingerprint(fwd))
             if left:
                 self.metrics.e2e.observe(time.monotonic() - fwd.started)
+                fwd.settle()
                 return poison_error(
                     f"this request took a replica down; identical requests are refused for {left:.0f} s"
                 ).response()
         if fwd.body.get("stream") is True:
             from shoal.fleet.relay import Relay  # relay imports this module
 
-            return await Relay(self, fwd).start()
+            resp = await Relay(self, fwd).start()
+            if not isinstance(resp, StreamingResponse):
+                fwd.settle()  # it never streamed; else the stream settles when it ends
+            return resp
         try:
             return await self._unary(fwd)
         finally:
             self.metrics.e2e.observe(time.monotonic() - fwd.started)
+            fwd.settle()
 
     async def _unary(self, fwd: Forward) -> Response:
         cfg = self.config
@@ -271,6 +293,8 @@ class Proxy:
                 return answer
             return answer, passthrough(resp, content)
         await self.registry.release(replica, True)  # 4xx is the client's doing, not the replica's
+        if resp.status_code < 300:
+            fwd.usage = _usage(_json_or_none(content))
         out = passthrough(resp, content)
         out.headers["x-replica"] = replica.name
         return out

@@ -12,6 +12,7 @@ from collections import deque
 import httpx
 
 from shoal.fleet.config import GatewayConfig
+from shoal.fleet.fair_queue import FairQueue, Waiter
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.policies import Policy, RouteRequest
 from shoal.fleet.prefix_index import PrefixIndex
@@ -50,6 +51,7 @@ class Registry:
         self._ttfts: dict[str | None, deque] = {}
         # A rolling update's canary: model -> (its version, the share of requests it takes).
         self.canary: dict[str | None, tuple[int, float]] = {}
+        self.fair = FairQueue()  # the order of requests waiting for a replica
 
     def add(self, name: str, url: str, pid: int | None = None, proc_exit=None) -> Replica:
         """A replica, or a new life of one (its process restarted): probes decide when it is ready."""
@@ -274,15 +276,20 @@ class Registry:
         timeout: float | None = None,
         only_roles: bool = False,
     ) -> Replica:
-        """A replica of the request's model, waiting in the bounded queue while all are at their cap,
-        and up to cold_start_timeout_s while the controller brings one to a model that has none.
-        Replicas of `roles` first; others only when none of those is routable (unless `only_roles`)."""
+        """A replica of the request's model, waiting in the bounded fair queue while all are at their
+        cap, and up to cold_start_timeout_s while the controller brings one to a model that has none.
+        Replicas of `roles` first; others only when none of those is routable (unless `only_roles`).
+
+        While others wait, a request takes a free replica only in its turn (see fair_queue.py);
+        retries and prefill-only acquires are not held back (they were admitted once already)."""
         cfg = self.config
         start = time.monotonic()
         deadline = start + (cfg.queue_timeout_s if timeout is None else timeout)
         model = req.model
         if not only_roles:
             self.last_request[model] = start
+        tenant = req.tenant if cfg.fair_queuing else ""  # one queue: arrival order
+        waiter = Waiter(model, tenant, req.priority, bypass=bool(exclude) or only_roles)
         queued = cold = False
         try:
             async with self._changed:
@@ -301,13 +308,27 @@ class Registry:
                             raise NoReplicaError("no replica is ready")
                         cold = True  # one is starting or standing by: wait for it, not 503
                         deadline = start + cfg.cold_start_timeout_s
-                    free = self._canary_split(
-                        model, [r for r in routable if r.inflight < cfg.max_inflight_per_replica]
-                    )
+                    free = [r for r in routable if r.inflight < cfg.max_inflight_per_replica]
+                    if free and not waiter.bypass and self.fair.waiting(model):
+                        if not queued:
+                            self.fair.join(waiter)  # others wait: take a place among them
+                        slots = sum(cfg.max_inflight_per_replica - r.inflight for r in free)
+                        if self.fair.ahead(waiter, slots) >= slots:
+                            free = []
                     if free:
                         if cold:
                             self.metrics.cold_start_wait.labels(model or "default").observe(now - start)
-                        return self._dispatch(self.policy.choose(free, req), req)
+                        if not waiter.bypass:
+                            self.metrics.tenant_queue.labels(req.tenant).observe(now - start)
+                            if not req.charged:
+                                req.charged = True
+                                self.fair.charge(req.tenant, req.tokens)
+                        replica = self._dispatch(
+                            self.policy.choose(self._canary_split(model, free), req), req
+                        )
+                        if queued:
+                            self._changed.notify_all()  # the next in line may have a slot too
+                        return replica
                     if not queued:
                         if self._waiters >= cfg.max_queue:
                             raise NoReplicaError(
@@ -316,6 +337,8 @@ class Registry:
                         queued = True
                         self._waiters += 1
                         self.queued[model] = self.queued.get(model, 0) + 1
+                        if waiter._queue is None:
+                            self.fair.join(waiter)
                     remaining = deadline - now
                     if remaining <= 0:
                         what = "a replica to start" if cold else "a free replica"
@@ -323,9 +346,21 @@ class Registry:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
         finally:
+            self.fair.leave(waiter)
             if queued:
                 self._waiters -= 1
                 self.queued[model] -= 1
+
+    def spare_slots(self, model: str | None) -> int:
+        """Free request slots on the model's ready serving replicas, less the requests waiting here."""
+        now = time.monotonic()
+        cap = self.config.max_inflight_per_replica
+        free = sum(
+            max(0, cap - r.inflight)
+            for r in self.replicas.values()
+            if r.model == model and r.role in SERVING_ROLES and r.routable(now)
+        )
+        return free - self.fair.waiting(model)
 
     def _canary_split(self, model: str | None, free: list[Replica]) -> list[Replica]:
         """Under a canary, the canary's share of requests goes to the new version, the rest to the old."""

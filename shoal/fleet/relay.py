@@ -231,6 +231,8 @@ class Relay:
                 t.cancel()
                 _keep(t)
             self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
+            self.fwd.usage = state.token_counts()
+            self.fwd.settle()
 
     # --- failover ------------------------------------------------------------------------
 

@@ -169,17 +169,20 @@ class StreamState:
         self.events += 1
         return obj, tokens
 
-    def final_usage(self) -> dict | None:
-        """The usage chunk the client asked for, when the upstream's own could not be relayed."""
-        if not self.include_usage or self.usage_sent or self.head is None:
-            return None
+    def token_counts(self) -> tuple[int, int]:
+        """(prompt tokens, output tokens the client has), as far as the stream told them."""
         prompts: dict[int, int] = {}
         for c in self.choices.values():
             p = 0 if self.chat else c.index // self.n
             if c.prompt_ids is not None:
                 prompts[p] = len(c.prompt_ids)
-        prompt = sum(prompts.values())
-        done = sum(len(c.ids) for c in self.choices.values())
+        return sum(prompts.values()), sum(len(c.ids) for c in self.choices.values())
+
+    def final_usage(self) -> dict | None:
+        """The usage chunk the client asked for, when the upstream's own could not be relayed."""
+        if not self.include_usage or self.usage_sent or self.head is None:
+            return None
+        prompt, done = self.token_counts()
         usage = {
             "prompt_tokens": prompt,
             "completion_tokens": done,

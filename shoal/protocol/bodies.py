@@ -72,15 +72,26 @@ def _check_text(text: str, path: str) -> None:
 
 class BodyLimitMiddleware:
     """Refuses a body past `max_bytes` with 413 before it is buffered, then replays what it read
-    to the app (pure ASGI: streaming responses and disconnect detection pass through)."""
+    to the app (pure ASGI: streaming responses and disconnect detection pass through).
 
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    Paths under a prefix of `path_limits` (file uploads) have their own limit instead, and their
+    bodies stream to the app unbuffered: past the limit, the 413 goes out and the app reads a
+    disconnect."""
+
+    def __init__(
+        self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES, path_limits: dict[str, int] | None = None
+    ):
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        for prefix, limit in self.path_limits.items():
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return await self._streamed(scope, receive, send, limit)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
             return await self._too_large(send)
@@ -110,9 +121,40 @@ class BodyLimitMiddleware:
 
         return await self.app(scope, replay, send)
 
-    async def _too_large(self, send) -> None:
+    async def _streamed(self, scope, receive, send, limit: int):
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._too_large(send, limit)
+        size, refused = 0, False
+
+        async def counted():
+            nonlocal size, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    refused = True
+                    await self._too_large(send, limit)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded(message):
+            if not refused:  # the 413 went out already: the app's own answer is dropped
+                await send(message)
+
+        try:
+            return await self.app(scope, counted, guarded)
+        except Exception:
+            if not refused:
+                raise
+            return None  # the app failed on the disconnect it was handed
+
+    async def _too_large(self, send, limit: int | None = None) -> None:
+        limit = self.max_bytes if limit is None else limit
         body = json.dumps(
-            error_body(413, f"the request body is larger than {self.max_bytes} bytes", code="body_too_large")
+            error_body(413, f"the request body is larger than {limit} bytes", code="body_too_large")
         ).encode()
         await send(
             {

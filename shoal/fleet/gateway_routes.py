@@ -1,0 +1,138 @@
+"""The gateway's HTTP app: the OpenAI routes it forwards, and its own."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from shoal.fleet.batch_api import FILES_PATH, install_batch_routes
+from shoal.fleet.replica import ReplicaState
+from shoal.fleet.status_page import status_html
+from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
+from shoal.protocol.errors import APIError, install_error_handlers
+
+if TYPE_CHECKING:
+    from shoal.fleet.gateway import Gateway
+
+
+def build_app(self: Gateway) -> FastAPI:
+    """The gateway's HTTP routes."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    app = FastAPI(title="shoal gateway", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=self.config.max_body_bytes,
+        path_limits={FILES_PATH: self.config.batch_max_file_bytes},
+    )
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await self.forward(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await self.forward(raw, "/v1/chat/completions")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await self.forward(raw, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await self.forward(raw, "/detokenize")
+
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        return await self.list_models(raw, self.check_key(raw))
+
+    @app.get("/fleet/usage")
+    async def usage(raw: Request):
+        """Requests and tokens per tenant and lane since the state directory began, to bill from."""
+        self.check_admin(raw)
+        return self.usage()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        n = sum(r.state == ReplicaState.READY for r in self.registry.replicas.values())
+        # A model scaled to zero still takes requests: they wait for a replica to start.
+        scalable = self.controller is not None and any(p.autoscaler for p in self.controller.pools)
+        ok = n > 0 or scalable
+        return JSONResponse({"ready": ok, "replicas_ready": n}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/status")
+    async def status_page():
+        return HTMLResponse(status_html())
+
+    @app.get("/fleet/state")
+    async def fleet_state(raw: Request):
+        """The status page's data: pools, replicas, decisions and the last minutes' samples."""
+        self.check_admin(raw)
+        c = self.controller
+        return {
+            "pools": c.snapshot() if c is not None else [],
+            "replicas": [r.snapshot() for r in self.registry.replicas.values()],
+            "decisions": list(c.history.decisions) if c is not None else [],
+            "history": list(c.history.samples) if c is not None else [],
+        }
+
+    @app.post("/fleet/update")
+    async def fleet_update(raw: Request):
+        """Starts a rolling update (`shoal fleet update`)."""
+        self.check_fleet()
+        self.check_admin(raw)
+        body = parse_json_object(await raw.body())
+        changes = {k: body[k] for k in ("model", "replica_args") if body.get(k) is not None}
+        args = changes.get("replica_args", [])
+        canary, canary_s = body.get("canary", 0.0), body.get("canary_s", 30.0)
+        if (
+            not isinstance(changes.get("model", ""), str)
+            or not isinstance(args, list)
+            or not all(isinstance(a, str) for a in args)
+            or not isinstance(canary, int | float)
+            or not 0 <= canary <= 1
+            or not isinstance(canary_s, int | float)
+            or canary_s < 0
+        ):
+            raise APIError(400, "give model (a path), replica_args (strings), canary (0-1), canary_s")
+        try:
+            pools = self.controller.update(body.get("model_name"), changes, float(canary), float(canary_s))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        return JSONResponse({"updating": pools}, status_code=202)
+
+    @app.get("/replicas")
+    async def replicas(raw: Request):
+        self.check_admin(raw)  # it shows replica URLs and process ids
+        out = {
+            "policy": self.policy.name,
+            "replicas": [
+                {**r.snapshot(), "cached_blocks": self.index.size(r.name)}
+                for r in self.registry.replicas.values()
+            ],
+        }
+        if self.controller is not None:
+            out["pools"] = self.controller.snapshot()
+        return out
+
+    install_batch_routes(app, self)
+    return app
