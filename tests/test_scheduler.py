@@ -195,3 +195,24 @@ def test_external_tokens_get_slots_without_being_computed_here():
     free = kv.pool.num_free_blocks
     assert kv.allocate_slots(req("b", 4), 4, num_external_tokens=100) is None
     assert kv.pool.num_free_blocks == free and "b" not in kv.tables
+
+
+def test_a_better_priority_prompt_has_its_steps_to_itself():
+    s, w = make(budget=8), Worker()
+    batch = [req(f"b{i}", 4, max_tokens=20, priority=100) for i in range(2)]
+    for r in batch:
+        s.add_request(r)
+    step(s, w)  # both prefill
+    assert [sr.request_id for sr in step(s, w).scheduled] == ["b0", "b1"]  # decoding
+    s.add_request(req("late-batch", 4, priority=100))
+    s.add_request(urgent := req("chat", 12, max_tokens=2, priority=0))
+    first = step(s, w)
+    assert [sr.request_id for sr in first.scheduled] == ["chat"]  # a chunk of 8, alone
+    second = step(s, w)
+    assert [sr.request_id for sr in second.scheduled] == ["chat"]  # the rest of its prompt, alone
+    third = step(s, w)  # decoding now: the batch work rides along again
+    assert {sr.request_id for sr in third.scheduled} >= {"chat", "b0", "b1"}
+    assert urgent.num_output_tokens >= 1 and all(r.num_preemptions == 0 for r in batch)
+    while s.num_unfinished:
+        step(s, w)
+    assert s.kv.pool.num_free_blocks == 32

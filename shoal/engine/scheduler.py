@@ -6,6 +6,11 @@ a prompt asks for all of it and is chunked when the budget is short, a prefix hi
 further along, and a preempted request starts over (recompute). Nothing else distinguishes them.
 A decoding request may also carry tokens proposed for it (speculative decoding): they ride along
 in lookahead slots, and the runner says how many were right.
+
+Priorities: lower values first, in the running order, in admission, and in preemption. A prompt
+of a better priority than some running request also has its steps to itself: worse-priority
+requests sit those steps out (keeping their blocks), so an interactive request's time to first
+token does not pay for batch work beside it.
 """
 
 from __future__ import annotations
@@ -173,6 +178,17 @@ class Scheduler:
         """The running request to preempt: worst priority, then newest; never one in flight."""
         return next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
 
+    def _urgent_priority(self) -> float:
+        """The best priority with a prompt to compute (waiting, or running and not yet through its
+        prompt), when it is better than some running request's; else no limit (infinity)."""
+        prompts = [r.priority for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        if self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            prompts.append(self.waiting[0].priority)
+        best = min(prompts, default=None)
+        if best is None or all(r.priority <= best for r in self.running):
+            return float("inf")
+        return best
+
     def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
         """`max_seqs` caps the requests in this step (pipeline parallel spreads the running ones
         over the steps it keeps in flight)."""
@@ -182,11 +198,12 @@ class Scheduler:
         spec: dict[str, list[int]] = {}
         preempted = False
         self.running.sort(key=lambda r: r.sort_key)
+        urgent = self._urgent_priority()
 
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
-            if req.request_id in self.in_flight:
+            if req.request_id in self.in_flight or req.priority > urgent:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -219,6 +236,7 @@ class Scheduler:
             and len(self.running) < self.cfg.max_num_seqs
             and len(scheduled) < cap
             and not preempted
+            and self.waiting[0].priority <= urgent
         ):
             req = self.waiting[0]
             wants_prompt_logprobs = req.params.prompt_logprobs is not None
