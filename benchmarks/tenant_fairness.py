@@ -1,6 +1,6 @@
 """Fair sharing between tenants under saturation (issue 18): two tenants of equal weight, each
-limited to its share of the fleet's measured capacity in requests per minute. The quiet tenant
-sends at --quiet-share of its share; the flooder at --flood-factor times its share. Prints the
+limited to --headroom times its share of the fleet's measured capacity (requests per minute).
+The quiet tenant sends at --quiet-share of its share, the flooder at --flood-factor times it. Prints the
 quiet tenant's TTFT alone and beside the flood, with the gateway's fair queue and with first come
 first served, and what the flooder saw (429s, its own TTFT and gateway queue time).
 

@@ -166,6 +166,24 @@ def cmd_fleet_status(args) -> int:
     return 0
 
 
+def cmd_fleet_usage(args) -> int:
+    out = _admin(args, "GET", "/fleet/usage")
+    if out is None:
+        return 1
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    head = ("tenant", "lane", "requests", "prompt", "completion", "429s")
+    print("{:<20} {:<12} {:>9} {:>12} {:>12} {:>6}".format(*head))
+    for tenant, lanes in out["tenants"].items():
+        for lane, u in lanes.items():
+            print(
+                f"{tenant:<20} {lane:<12} {u['requests']:>9} {u['prompt_tokens']:>12} "
+                f"{u['completion_tokens']:>12} {u['rate_limited']:>6}"
+            )
+    return 0
+
+
 def add_fleet_parsers(sub) -> None:
     def gateway_args(p):
         p.add_argument(
@@ -255,6 +273,7 @@ def add_fleet_parsers(sub) -> None:
             "roll a running fleet's replicas to a new model or flags, one at a time",
         ),
         ("status", cmd_fleet_status, "the fleet's pools and replicas"),
+        ("usage", cmd_fleet_usage, "requests and tokens per tenant and lane, to bill from"),
     ):
         p = fleet.add_parser(name, help=what)
         p.add_argument("--gateway", default="http://127.0.0.1:8080", help="the fleet's gateway")

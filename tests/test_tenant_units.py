@@ -25,7 +25,7 @@ class Clock:
 
 
 def tenants(clock, **limits) -> Tenants:
-    cfg = TenantConfig("acme", api_key_sha256=key_digest("sk-acme"), **limits)
+    cfg = TenantConfig("acme", api_key_sha256=key_digest("sk-acme"), burst_s=60, **limits)
     other = TenantConfig("zen", api_key_sha256=key_digest("sk-zen"), priority=2, models=["small"])
     return Tenants([cfg, other], operator_key="sk-op", clock=clock)
 
@@ -136,9 +136,20 @@ def test_a_client_can_lower_its_priority_but_never_raise_it():
     assert zen.priority_for(True) == 2 and zen.priority_for("0") == 2
 
 
+def test_a_bucket_holds_its_burst_and_at_least_one():
+    clock = Clock()
+    b = TokenBucket(120, burst_s=10, clock=clock)  # 2 a second, 20 at once
+    b.take(20)
+    assert b.wait_for(1) == pytest.approx(0.5) and b.reset_s() == pytest.approx(10)
+    slow = TokenBucket(2, burst_s=10, clock=clock)  # a third of a request's worth: one
+    assert slow.wait_for(1) == 0
+    slow.take(1)
+    assert slow.wait_for(1) == pytest.approx(30)
+
+
 def test_a_bucket_in_debt_makes_later_requests_wait():
     clock = Clock()
-    b = TokenBucket(600, clock)
+    b = TokenBucket(600, clock=clock)
     b.take(900)  # used more than it had
     assert b.wait_for(1) == pytest.approx(30.1)
     clock.t += 31
@@ -217,3 +228,45 @@ def test_tiers_confidence_and_first_choice():
     assert router.first_choice(route, {}, {"x-shoal-tier": "strong"}, 5) == ("strong", "hint")
     with pytest.raises(APIError):
         router.first_choice(route, {"tier": "best"}, {}, 5)
+
+
+def test_a_full_queue_turns_away_the_tenant_that_holds_most_of_it():
+    q = FairQueue()
+    flood = waiters(q, None, "flood", 4) + waiters(q, "other-model", "flood", 1)
+    waiters(q, None, "quiet", 1)
+    victim = q.evict_for("quiet")
+    assert victim is flood[-1] and victim.evicted  # its newest, whichever model
+    assert q.waiting("other-model") == 0 and q.waiting(None) == 5
+    assert q.evict_for("flood") is None  # the flood itself is the one to turn away
+    q2 = FairQueue()
+    waiters(q2, None, "a", 2)
+    waiters(q2, None, "b", 1)
+    assert q2.evict_for("b") is None  # 2 against 1 + 1: even enough
+
+
+def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
+    from shoal.fleet.config import GatewayConfig
+    from shoal.fleet.metrics import GatewayMetrics
+    from shoal.fleet.policies import RouteRequest, make_policy
+    from shoal.fleet.prefix_index import PrefixIndex
+    from shoal.fleet.registry import Registry
+    from shoal.fleet.replica import Replica, ReplicaState
+
+    index = PrefixIndex()
+    cfg = GatewayConfig(max_inflight_per_replica=4)
+    reg = Registry(cfg, make_policy("least_load", index), index, GatewayMetrics())
+    reg.replicas["r0"] = Replica("r0", "http://r0", state=ReplicaState.READY)
+    t = tenants(Clock())
+    reg.tenants = t
+    acme, zen = t.all["acme"], t.all["zen"]
+    acme.inflight = 9
+    assert not reg.over_share("acme", None)  # alone: no share to be past
+    zen.inflight = 1
+    assert reg.over_share("acme", None) and not reg.over_share("zen", None)  # 4 slots, 2 each
+    assert reg._within_share(RouteRequest(tenant="zen"), 4)
+    assert not reg._within_share(RouteRequest(tenant="zen", priority=cfg.batch_priority), 4)
+    zen.config.weight = 9.0  # a 90 % share: 3.6 of 4 slots
+    zen.inflight = 3
+    assert not reg.over_share("zen", None) and reg.over_share("acme", None)
+    cfg.fair_queuing = False
+    assert not reg.over_share("acme", None)

@@ -5,6 +5,8 @@ serves a quiet tenant before a flooding one's backlog. Usage is counted per tena
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
+import sys
 import time
 
 import httpx
@@ -27,8 +29,8 @@ def fleet_toml(state_dir) -> str:
         # One request at a time on the replica: the rest wait in the gateway's queue, in its order.
         f'[gateway]\nmax_inflight_per_replica = 1\nstate_dir = "{state_dir}"\napi_key = "{OPERATOR}"\n'
         + tenant("alpha")
-        + tenant("flood", "requests_per_minute = 600")
-        + tenant("tiny", "requests_per_minute = 2")
+        + tenant("flood", "requests_per_minute = 600\nburst_s = 60")
+        + tenant("tiny", "requests_per_minute = 2\nburst_s = 60")
         + tenant("low", "priority = 5")
         + tenant("fenced", 'models = ["some-other-model"]')
     )
@@ -128,3 +130,6 @@ def test_a_flooding_tenant_waits_behind_a_quiet_one(fleet):
 
     flood = usage()["flood"]["interactive"]
     assert flood["requests"] == 8 and flood["completion_tokens"] == 8 * 24 and flood["prompt_tokens"] > 8
+    cli = [sys.executable, "-m", "shoal.cli", "fleet", "usage", "--gateway", fleet.url, "--api-key", OPERATOR]
+    table = subprocess.run(cli, capture_output=True, text=True, timeout=60).stdout
+    assert any(line.split()[:3] == ["flood", "interactive", "8"] for line in table.splitlines()), table

@@ -25,6 +25,7 @@ class Waiter:
     priority: int
     seq: int = 0
     bypass: bool = False  # a retry or a prefill-only acquire: not held back by others' turns
+    evicted: bool = False  # pushed out of a full queue to make room for another tenant's request
     _queue: deque | None = field(default=None, repr=False)
 
 
@@ -78,6 +79,26 @@ class FairQueue:
                 del self._waiting[w.model][w.priority]
                 if not self._waiting[w.model]:
                     del self._waiting[w.model]
+
+    def evict_for(self, tenant: str) -> Waiter | None:
+        """When the queue is full: the newest waiter of the tenant holding the most places, if that
+        tenant holds more than `tenant` would with one more (a flood cannot fill the queue and so
+        turn everyone else away). None: `tenant` is the one to turn away."""
+        if not self._backlog:
+            return None
+        most = max(self._backlog, key=self._backlog.get)
+        if self._backlog[most] <= self._backlog.get(tenant, 0) + 1:
+            return None
+        newest = None
+        for by_priority in self._waiting.values():
+            for by_tenant in by_priority.values():
+                q = by_tenant.get(most)
+                if q and (newest is None or q[-1].seq > newest.seq):
+                    newest = q[-1]
+        if newest is not None:
+            self.leave(newest)
+            newest.evicted = True
+        return newest
 
     def ahead(self, w: Waiter, limit: int) -> int:
         """How many waiters of its model come before `w` in service order, counting up to `limit`."""

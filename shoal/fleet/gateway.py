@@ -88,6 +88,8 @@ class Gateway:
         ).inc()
         for t in self.tenants.all.values():
             self.registry.fair.weights[t.name] = t.config.weight
+        self.registry.tenants = self.tenants
+        self.priority_base = min([0, *(t.config.priority for t in self.tenants.all.values())])
         self.tiers = TierRouter(config.tiers, self.metrics)
         self.usage_store: UsageStore | None = None
         self.batches = BatchService(self)
@@ -200,6 +202,13 @@ class Gateway:
             headers["authorization"] = auth
         return headers
 
+    def engine_priority(self, cls: int, over_share: bool = False) -> int:
+        """What the engine gets: the class, from 0 up (replicas keep clients' priorities at 0 or
+        above), doubled so that a request past its tenant's fair share while another tenant wants
+        some can run just after its class: a tenant within its share then has its prompt steps to
+        itself in the engine (see the scheduler)."""
+        return 2 * (cls - self.priority_base) + int(over_share)
+
     def priority(self, tenant: Tenant, body: dict) -> int:
         """The gateway decides: the tenant's class, or lower when the client asks (a larger value)."""
         asked = body.get("priority")
@@ -223,13 +232,15 @@ class Gateway:
             if not tenant.may_use(body.get("model")):
                 self.tenants.admit(tenant, body.get("model"), 0)  # raises its 404
             priority = self.priority(tenant, body)
-            if priority or "priority" in body:  # other OpenAI servers may not know the field
-                body["priority"] = priority
             tier = self.tiers.get(body.get("model"))
             routed = {**body, "model": tier.cheap} if tier is not None else body
             route = await self.route_request(path, routed, raw.headers)
             ticket = self.tenants.admit(tenant, body.get("model"), route.tokens + _completion_estimate(body))
             self.metrics.tenant_requests.labels(tenant.name, "interactive").inc()
+            over = self.registry.over_share(tenant.name, route.model)
+            if priority != self.priority_base or over or "priority" in body:
+                body["priority"] = self.engine_priority(priority, over)  # others may not know it
+            route.priority = priority
             headers = self.upstream_headers(raw)
             if tier is None:
                 resp = await self.send(path, body, headers, route, ticket, len(data), settle=True)
@@ -251,7 +262,7 @@ class Gateway:
     ) -> Response:
         """One request to a replica of `route.model`, its tokens recorded on `ticket` (and the ticket
         settled when it ends, with `settle`: at the end of its stream, for a stream)."""
-        route.tenant, route.priority = ticket.tenant.name, body.get("priority", 0)
+        route.tenant = ticket.tenant.name
         done = self._settle if settle else self._record
         fwd = Forward(path, body, headers, route, time.monotonic(), size, on_done=lambda f: done(ticket, f))
         try:
@@ -268,6 +279,7 @@ class Gateway:
             r = route
             if not first or b["model"] != tier.cheap:  # routed afresh for the other model
                 r = await self.route_request(p, b, raw_headers)
+                r.priority = route.priority
             first = False
             return await self.send(p, b, headers, r, ticket, size, settle=bool(b.get("stream")))
 
@@ -295,7 +307,8 @@ class Gateway:
     async def run_internal(self, path: str, body: dict, tenant: Tenant) -> tuple[int, dict]:
         """One unstreamed request of the batch lane: after every interactive request waiting, and
         not held to the tenant's interactive limits. (status, JSON body) whatever happens."""
-        body = {**body, "stream": False, "priority": self.config.batch_priority}
+        cls = self.config.batch_priority
+        body = {**body, "stream": False, "priority": self.engine_priority(cls)}
         body.pop("kv_transfer_params", None)
         ticket = self.tenants.batch_ticket(tenant)
         self.metrics.tenant_requests.labels(tenant.name, "batch").inc()
@@ -303,6 +316,7 @@ class Gateway:
             if not tenant.may_use(body.get("model")):
                 self.tenants.admit(tenant, body.get("model"), 0)  # raises its 404
             route = await self.route_request(path, body, {})
+            route.priority = cls
             resp = await self.send(path, body, self.upstream_headers(), route, ticket, 0, settle=True)
         except APIError as exc:
             ticket.settle()

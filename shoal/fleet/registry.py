@@ -52,6 +52,7 @@ class Registry:
         # A rolling update's canary: model -> (its version, the share of requests it takes).
         self.canary: dict[str | None, tuple[int, float]] = {}
         self.fair = FairQueue()  # the order of requests waiting for a replica
+        self.tenants = None  # the gateway's Tenants: whose requests are in flight (fair shares)
 
     def add(self, name: str, url: str, pid: int | None = None, proc_exit=None) -> Replica:
         """A replica, or a new life of one (its process restarted): probes decide when it is ready."""
@@ -294,6 +295,10 @@ class Registry:
         try:
             async with self._changed:
                 while True:
+                    if waiter.evicted:
+                        raise NoReplicaError(
+                            "the queue is full, and this tenant's requests hold the most of it"
+                        )
                     now = time.monotonic()
                     routable = [
                         r
@@ -308,11 +313,15 @@ class Registry:
                             raise NoReplicaError("no replica is ready")
                         cold = True  # one is starting or standing by: wait for it, not 503
                         deadline = start + cfg.cold_start_timeout_s
-                    free = [r for r in routable if r.inflight < cfg.max_inflight_per_replica]
-                    if free and not waiter.bypass and self.fair.waiting(model):
+                    cap = cfg.max_inflight_per_replica
+                    within = self._within_share(req, len(routable) * cap)
+                    if within:
+                        cap *= 2  # past the cap, not past twice it
+                    free = [r for r in routable if r.inflight < cap]
+                    if free and not (waiter.bypass or within) and self.fair.waiting(model):
                         if not queued:
                             self.fair.join(waiter)  # others wait: take a place among them
-                        slots = sum(cfg.max_inflight_per_replica - r.inflight for r in free)
+                        slots = sum(cap - r.inflight for r in free)
                         if self.fair.ahead(waiter, slots) >= slots:
                             free = []
                     if free:
@@ -331,9 +340,11 @@ class Registry:
                         return replica
                     if not queued:
                         if self._waiters >= cfg.max_queue:
-                            raise NoReplicaError(
-                                "every replica is at its concurrency cap and the queue is full"
-                            )
+                            if self.fair.evict_for(waiter.tenant) is None:
+                                raise NoReplicaError(
+                                    "every replica is at its concurrency cap and the queue is full"
+                                )
+                            self._changed.notify_all()  # the evicted waiter learns it at once
                         queued = True
                         self._waiters += 1
                         self.queued[model] = self.queued.get(model, 0) + 1
@@ -350,6 +361,35 @@ class Registry:
             if queued:
                 self._waiters -= 1
                 self.queued[model] -= 1
+
+    def _within_share(self, req: RouteRequest, slots: int) -> bool:
+        """Whether the request's tenant holds no more than its weighted share of the model's slots
+        among the tenants with requests in flight. Such a request does not queue behind others
+        that hold more: it may take a replica up to twice its cap."""
+        cfg = self.config
+        if req.priority >= cfg.batch_priority:
+            return False
+        return self._share(req.tenant, slots) is True
+
+    def over_share(self, tenant: str, model: str | None) -> bool:
+        """Whether `tenant` holds more than its weighted share of the model's slots while another
+        tenant also has requests in flight (see _within_share)."""
+        now = time.monotonic()
+        n = sum(
+            r.model == model and r.role in SERVING_ROLES and r.routable(now) for r in self.replicas.values()
+        )
+        return self._share(tenant, max(1, n) * self.config.max_inflight_per_replica) is False
+
+    def _share(self, tenant: str, slots: int) -> bool | None:
+        """Within its share (True), past it (False), or no share to speak of (None: fair
+        queuing is off, no tenants, or it is alone)."""
+        if self.tenants is None or not self.config.fair_queuing:
+            return None
+        mine = self.tenants.all.get(tenant)
+        active = [t for t in self.tenants.all.values() if t.inflight > 0]
+        if mine is None or len(active) < 2:
+            return None
+        return mine.inflight <= slots * mine.config.weight / sum(t.config.weight for t in active)
 
     def spare_slots(self, model: str | None) -> int:
         """Free request slots on the model's ready serving replicas, less the requests waiting here."""

@@ -39,6 +39,9 @@ class TenantConfig:
     priority: int = 0
     models: list[str] = field(default_factory=list)  # empty: every model
     weight: float = 1.0
+    # A limit's bucket holds this many seconds of its rate (at least one request): bursts up to
+    # that pass, a minute's worth at once does not (OpenAI enforces its limits the same way).
+    burst_s: float = 10.0
 
     def key_hash(self) -> str:
         given = [k for k in (self.api_key_sha256, self.api_key_env, self.api_key_file) if k]
@@ -66,6 +69,8 @@ class TenantConfig:
             raise ValueError(f"tenant {self.name!r}: needs a name and a weight above 0")
         if min(self.requests_per_minute, self.tokens_per_minute, self.max_concurrency) < 0:
             raise ValueError(f"tenant {self.name}: limits cannot be negative")
+        if not 0 < self.burst_s <= 60:
+            raise ValueError(f"tenant {self.name}: burst_s must be in (0, 60]")
 
 
 def key_digest(key: str) -> str:
@@ -81,22 +86,25 @@ def _reset(seconds: float) -> str:
 
 
 class TokenBucket:
-    """`rate` per minute, holding at most a minute's worth; 0 is unlimited. It may go below zero
-    when a request used more than it was charged: later requests then wait for the debt."""
+    """`per_minute` refilled continuously, holding `burst_s` seconds of it (at least 1); 0 is
+    unlimited. It may go below zero when a request used more than it was charged: later requests
+    then wait for the debt."""
 
-    def __init__(self, per_minute: float, clock=time.monotonic):
-        self.capacity = float(per_minute)
+    def __init__(self, per_minute: float, burst_s: float = 60.0, clock=time.monotonic):
+        self.per_minute = float(per_minute)
+        self.rate = self.per_minute / 60.0  # per second
+        self.capacity = max(1.0, self.rate * burst_s) if per_minute > 0 else 0.0
         self.level = self.capacity
         self.clock = clock
         self.stamp = clock()
 
     @property
     def limited(self) -> bool:
-        return self.capacity > 0
+        return self.per_minute > 0
 
     def _refill(self) -> None:
         now = self.clock()
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.capacity / 60.0)
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
 
     def wait_for(self, amount: float) -> float:
@@ -105,7 +113,7 @@ class TokenBucket:
             return 0.0
         self._refill()
         need = min(amount, self.capacity) - self.level
-        return max(0.0, need * 60.0 / self.capacity)
+        return max(0.0, need / self.rate)
 
     def take(self, amount: float) -> None:
         if self.limited:
@@ -120,8 +128,10 @@ class TokenBucket:
 
     def reset_s(self) -> float:
         """Seconds until the bucket is full again."""
+        if not self.limited:
+            return 0.0
         self._refill()
-        return (self.capacity - self.level) * 60.0 / self.capacity if self.limited else 0.0
+        return (self.capacity - self.level) / self.rate
 
 
 @dataclass
@@ -145,8 +155,8 @@ class Tenant:
     def __init__(self, config: TenantConfig, clock=time.monotonic):
         self.config = config
         self.name = config.name
-        self.requests = TokenBucket(config.requests_per_minute, clock)
-        self.tokens = TokenBucket(config.tokens_per_minute, clock)
+        self.requests = TokenBucket(config.requests_per_minute, config.burst_s, clock)
+        self.tokens = TokenBucket(config.tokens_per_minute, config.burst_s, clock)
         self.inflight = 0
         self.usage: dict[str, Usage] = {}  # by lane: interactive, batch
 
@@ -164,7 +174,7 @@ class Tenant:
         out: dict[str, str] = {}
         for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
             if bucket.limited:
-                out[f"x-ratelimit-limit-{kind}"] = str(int(bucket.capacity))
+                out[f"x-ratelimit-limit-{kind}"] = f"{bucket.per_minute:g}"
                 out[f"x-ratelimit-remaining-{kind}"] = str(bucket.remaining())
                 out[f"x-ratelimit-reset-{kind}"] = _reset(bucket.reset_s())
         return out
