@@ -5,7 +5,7 @@ greedy against the strong model alone, then against each route. Prints, per rout
 escalated (by rule), the tokens each model processed (from the replicas' own counters), and how
 often the answer equals the strong model's.
 
-    python benchmarks/tiers.py [--thresholds 0.5,0.7,0.85] [--max-prompt-tokens 200] [--max-tokens 24]
+    python benchmarks/tiers.py [--thresholds 0.2,0.3,0.4,0.5] [--max-prompt-tokens 200] [--max-tokens 24]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ async def run(url: str, model: str, chats: list[list[dict]], max_tokens: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--thresholds", default="0.5,0.7,0.85", help="min_confidence of each route")
+    p.add_argument("--thresholds", default="0.2,0.3,0.4,0.5", help="min_confidence of each route")
     p.add_argument("--max-prompt-tokens", type=int, default=200, help="longer prompts go to the strong tier")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--long", type=int, default=6, help="long-document prompts in the mix")

@@ -1,6 +1,9 @@
-"""Tenants on a real fleet: keys map to tenants, limits answer 429 with OpenAI's headers, a tenant
-keeps to its models, a client cannot raise its priority, and while the replica is full the queue
-serves a quiet tenant before a flooding one's backlog. Usage is counted per tenant."""
+"""The gateway's admission on a real fleet of two models, the bundled model in int4 ("small", the
+cheap tier) and in fp32 ("large", the strong one). Tenants: keys map to tenants, limits answer
+429 with OpenAI's headers, a tenant keeps to its models, a client cannot raise its priority, and
+while the replica is full the queue serves a quiet tenant before a flooding one's backlog; usage
+is counted per tenant. Tiers: a hint, a long prompt or an unsure cheap answer goes to the strong
+model, a confident one stays cheap, and every escalation is counted."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import pytest
 from shoal.fleet.tenants import key_digest
 from tests.fleet_helpers import auth, metric, spawn, wait_until
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "small"
 OPERATOR = "sk-operator"
 KEYS = {"alpha": "sk-alpha", "flood": "sk-flood", "tiny": "sk-tiny", "low": "sk-low", "fenced": "sk-fenced"}
 
@@ -24,15 +27,21 @@ def fleet_toml(state_dir) -> str:
     def tenant(name: str, extra: str = "") -> str:
         return f'[[tenants]]\nname = "{name}"\napi_key_sha256 = "{key_digest(KEYS[name])}"\n{extra}\n'
 
+    args = '"--threads", "1", "--kv-cache-memory", "128MiB"'
     return (
-        'replicas = 1\nreplica_args = ["--threads", "1", "--kv-cache-memory", "256MiB"]\n'
-        # One request at a time on the replica: the rest wait in the gateway's queue, in its order.
+        f'[[models]]\nname = "small"\nreplica_args = [{args}, "--quantization", "int4"]\n'
+        f'[[models]]\nname = "large"\nreplica_args = [{args}, "--quantization", "none"]\n'
+        # One request at a time on a replica: the rest wait in the gateway's queue, in its order.
         f'[gateway]\nmax_inflight_per_replica = 1\nstate_dir = "{state_dir}"\napi_key = "{OPERATOR}"\n'
         + tenant("alpha")
         + tenant("flood", "requests_per_minute = 600\nburst_s = 60")
         + tenant("tiny", "requests_per_minute = 2\nburst_s = 60")
         + tenant("low", "priority = 5")
         + tenant("fenced", 'models = ["some-other-model"]')
+        + '[[tiers]]\nname = "auto"\ncheap = "small"\nstrong = "large"\nmax_prompt_tokens = 40\n'
+        # No 6-token answer is 99.9 % sure: escalated; any clears 0.001.
+        + "min_confidence = 0.999\n"
+        + '[[tiers]]\nname = "auto-sure"\ncheap = "small"\nstrong = "large"\nmin_confidence = 0.001\n'
     )
 
 
@@ -43,17 +52,22 @@ def fleet(tmp_path_factory):
     path.write_text(fleet_toml(where / "state"))
     gw = spawn(["fleet", "up", "--config", str(path), "--base-port", "0"])
     try:
-        wait_until(gw, lambda: ask(gw, "alpha").status_code == 200, 240, every=0.5)
+        ready = ("small", "large")
+        wait_until(
+            gw, lambda: all(ask(gw, "alpha", model=m).status_code == 200 for m in ready), 240, every=0.5
+        )
         yield gw
     finally:
         gw.stop()
 
 
-def ask(gw, tenant: str | None, max_tokens: int = 4, **extra) -> httpx.Response:
+def ask(gw, tenant: str | None, max_tokens: int = 4, headers=None, **extra) -> httpx.Response:
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0}
     body.update(extra)
     key = KEYS.get(tenant, tenant)
-    return httpx.post(gw.url + "/v1/completions", json=body, headers=auth(key), timeout=120)
+    return httpx.post(
+        gw.url + "/v1/completions", json=body, headers={**auth(key), **(headers or {})}, timeout=120
+    )
 
 
 def test_keys_limits_and_models(fleet):
@@ -133,3 +147,40 @@ def test_a_flooding_tenant_waits_behind_a_quiet_one(fleet):
     cli = [sys.executable, "-m", "shoal.cli", "fleet", "usage", "--gateway", fleet.url, "--api-key", OPERATOR]
     table = subprocess.run(cli, capture_output=True, text=True, timeout=60).stdout
     assert any(line.split()[:3] == ["flood", "interactive", "8"] for line in table.splitlines()), table
+
+
+def test_tiers_escalate_by_hint_length_and_confidence(fleet):
+    strong = ask(fleet, "alpha", 6, model="large").json()["choices"][0]["text"]
+
+    sure = ask(fleet, "alpha", 6, model="auto-sure")  # the cheap model's answer stands
+    assert sure.status_code == 200 and sure.headers["x-shoal-tier"] == "cheap"
+    assert sure.headers["x-shoal-tier-reason"] == "confident"
+    assert float(sure.headers["x-shoal-tier-confidence"]) > 0.001
+    assert sure.json()["choices"][0]["logprobs"] is None  # asked for the rule, not by the client
+    asked = ask(fleet, "alpha", 6, model="auto-sure", logprobs=1).json()["choices"][0]["logprobs"]
+    assert asked["token_logprobs"] and asked["top_logprobs"][0]  # the client's own request is kept
+
+    unsure = ask(fleet, "alpha", 6, model="auto")
+    assert (
+        unsure.headers["x-shoal-tier"] == "strong" and unsure.headers["x-shoal-tier-reason"] == "confidence"
+    )
+    assert unsure.json()["choices"][0]["text"] == strong
+
+    long = ask(fleet, "alpha", 6, model="auto", prompt="The capital of France is " * 12)
+    assert long.headers["x-shoal-tier"] == "strong" and long.headers["x-shoal-tier-reason"] == "length"
+    hinted = ask(fleet, "alpha", 6, model="auto-sure", headers={"x-shoal-tier": "strong"})
+    assert hinted.headers["x-shoal-tier-reason"] == "hint" and hinted.json()["choices"][0]["text"] == strong
+    assert ask(fleet, "alpha", 6, model="auto", tier="cheap").headers["x-shoal-tier"] == "cheap"
+    bad = ask(fleet, "alpha", 6, model="auto", tier="best")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tier"
+
+    streamed = ask(fleet, "alpha", 3, model="auto", stream=True)
+    assert streamed.headers["x-shoal-tier"] == "cheap" and "[DONE]" in streamed.text  # no confidence rule
+
+    def escalations(route: str, reason: str) -> float:
+        return metric(fleet.url, f'shoal:gateway_tier_escalations_total{{reason="{reason}",route="{route}"}}')
+
+    assert escalations("auto", "confidence") == 1 and escalations("auto", "length") == 1
+    assert escalations("auto-sure", "hint") == 1
+    listed = httpx.get(fleet.url + "/v1/models", headers=auth(KEYS["alpha"]), timeout=30).json()["data"]
+    assert {"small", "large", "auto", "auto-sure"} <= {m["id"] for m in listed}

@@ -12,6 +12,7 @@ import re
 import time
 
 from shoal.fleet.batch_store import BatchStore, Line, result_line
+from shoal.fleet.proxy import usage_of
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError, error_body
 
@@ -100,14 +101,6 @@ def validate_input(content: bytes, endpoint: str) -> tuple[list[tuple[str, str |
             {"code": "empty_file", "message": "the input file holds no requests", "param": None, "line": None}
         )
     return lines, errors
-
-
-def _usage(body) -> tuple[int, int]:
-    u = body.get("usage") if isinstance(body, dict) else None
-    if not isinstance(u, dict):
-        return 0, 0
-    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
-    return (p if isinstance(p, int) else 0), (c if isinstance(c, int) else 0)
 
 
 def _error_of(status: int, body) -> dict:
@@ -266,7 +259,7 @@ class BatchService:
                 result = result_line(line.custom_id, status, body)
             else:
                 result = result_line(line.custom_id, status, body, _error_of(status, body))
-            await self.db(self.store.finish, line, status == 200, result, _usage(body))
+            await self.db(self.store.finish, line, status == 200, result, usage_of(body))
         except Exception:  # the store failed: the line stays running and runs again after a restart
             log.exception("batch %s line %d", line.batch_id, line.line_no)
         finally:

@@ -203,10 +203,13 @@ class Gateway:
         return headers
 
     def engine_priority(self, cls: int, over_share: bool = False) -> int:
-        """What the engine gets: the class, from 0 up (replicas keep clients' priorities at 0 or
-        above), doubled so that a request past its tenant's fair share while another tenant wants
-        some can run just after its class: a tenant within its share then has its prompt steps to
-        itself in the engine (see the scheduler)."""
+        """What the engine gets. Without tenants, the class as it is. With them, the gateway owns
+        the scale: the class from 0 up (replicas keep clients' priorities at 0 or above), doubled
+        so that a request past its tenant's fair share while another tenant wants some runs just
+        after its class, and a tenant within its share has its prompt steps to itself in the
+        engine (see the scheduler)."""
+        if not self.config.tenants:
+            return cls  # one tenant: no shares, and foreign backends see the client's number
         return 2 * (cls - self.priority_base) + int(over_share)
 
     def priority(self, tenant: Tenant, body: dict) -> int:

@@ -83,7 +83,8 @@ def _json_or_none(content: bytes):
         return None
 
 
-def _usage(obj) -> tuple[int, int]:
+def usage_of(obj) -> tuple[int, int]:
+    """(prompt, completion) tokens an OpenAI answer reports; (0, 0) when it reports none."""
     usage = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(usage, dict):
         return 0, 0
@@ -294,7 +295,7 @@ class Proxy:
             return answer, passthrough(resp, content)
         await self.registry.release(replica, True)  # 4xx is the client's doing, not the replica's
         if resp.status_code < 300:
-            fwd.usage = _usage(_json_or_none(content))
+            fwd.usage = usage_of(_json_or_none(content))
         out = passthrough(resp, content)
         out.headers["x-replica"] = replica.name
         return out
