@@ -216,3 +216,17 @@ def test_a_better_priority_prompt_has_its_steps_to_itself():
     while s.num_unfinished:
         step(s, w)
     assert s.kv.pool.num_free_blocks == 32
+
+
+def test_a_request_sits_out_a_bounded_number_of_steps():
+    from shoal.engine.scheduler import HOLD_STEPS
+
+    s, w = make(budget=16, num_blocks=64), Worker()
+    s.add_request(low := req("low", 2, max_tokens=50, priority=9))
+    step(s, w)
+    ran = []
+    for i in range(HOLD_STEPS + 2):  # a better prompt arrives at every step
+        s.add_request(req(f"chat{i}", 2, max_tokens=1, priority=0, start=1000 + 10 * i))
+        ran.append(any(sr.request_id == "low" for sr in step(s, w).scheduled))
+    assert ran[:HOLD_STEPS] == [False] * HOLD_STEPS and ran[HOLD_STEPS]  # then it runs once anyway
+    assert low.num_preemptions == 0

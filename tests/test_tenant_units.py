@@ -169,11 +169,11 @@ def test_the_fair_queue_serves_the_tenant_with_least_service_first():
     q.charge("flood", 500)  # it has been served a lot already
     other = waiters(q, None, "other", 2)
     assert q.counters["other"] == 500  # lifted to the flood's: idling earned it nothing
-    assert q.ahead(other[0], 10) == 1  # equal shares: the older flood request, then it
+    assert not q.in_turn(other[0], 1) and q.in_turn(other[0], 2)  # equal: the older flood request first
     q.leave(flood[0])
     q.charge("flood", 100)  # that request was served
     assert list(q.order(None))[:3] == [other[0], flood[1], other[1]]  # then turns, not 4 floods
-    assert q.ahead(flood[1], 1) == 1
+    assert not q.in_turn(flood[1], 1) and q.in_turn(other[0], 1)
 
 
 def test_weights_and_priorities_order_the_queue():
@@ -228,20 +228,25 @@ def test_tiers_confidence_and_first_choice():
     assert router.first_choice(route, {}, {"x-shoal-tier": "strong"}, 5) == ("strong", "hint")
     with pytest.raises(APIError):
         router.first_choice(route, {"tier": "best"}, {}, 5)
+    # A tenant not allowed the strong model by name cannot ask for it; the rules still apply.
+    assert router.first_choice(route, {"tier": "strong"}, {}, 5, may_ask_strong=False) == ("cheap", "default")
 
 
 def test_a_full_queue_turns_away_the_tenant_that_holds_most_of_it():
     q = FairQueue()
     flood = waiters(q, None, "flood", 4) + waiters(q, "other-model", "flood", 1)
     waiters(q, None, "quiet", 1)
-    victim = q.evict_for("quiet")
+    victim = q.evict_for(Waiter(None, "quiet", 0))
     assert victim is flood[-1] and victim.evicted  # its newest, whichever model
     assert q.waiting("other-model") == 0 and q.waiting(None) == 5
-    assert q.evict_for("flood") is None  # the flood itself is the one to turn away
+    assert q.evict_for(Waiter(None, "flood", 0)) is None  # the flood itself is the one to turn away
+    assert q.evict_for(Waiter(None, "quiet", 100)) is None  # a batch request displaces no one
+    flood[3].bypass = True  # a continuation of a stream, admitted long ago
+    assert q.evict_for(Waiter(None, "quiet", 0)) is flood[2]
     q2 = FairQueue()
     waiters(q2, None, "a", 2)
     waiters(q2, None, "b", 1)
-    assert q2.evict_for("b") is None  # 2 against 1 + 1: even enough
+    assert q2.evict_for(Waiter(None, "b", 0)) is None  # 2 against 1 + 1: even enough
 
 
 def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
@@ -262,11 +267,25 @@ def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
     acme.inflight = 9
     assert not reg.over_share("acme", None)  # alone: no share to be past
     zen.inflight = 1
-    assert reg.over_share("acme", None) and not reg.over_share("zen", None)  # 4 slots, 2 each
+    assert reg.over_share("acme", None) and not reg.over_share("zen", None)  # 8 at most, 4 each
     assert reg._within_share(RouteRequest(tenant="zen"), 4)
     assert not reg._within_share(RouteRequest(tenant="zen", priority=cfg.batch_priority), 4)
-    zen.config.weight = 9.0  # a 90 % share: 3.6 of 4 slots
-    zen.inflight = 3
+    zen.inflight = 5
+    assert reg.over_share("zen", None)
+    zen.config.weight = 9.0  # a 90 % share: 7.2 of 8
+    zen.inflight = 7
     assert not reg.over_share("zen", None) and reg.over_share("acme", None)
     cfg.fair_queuing = False
     assert not reg.over_share("acme", None)
+
+
+def test_a_stream_without_token_ids_is_counted_from_its_usage_chunk():
+    from shoal.fleet.stream_state import ORIGINAL, StreamState
+
+    st = StreamState("/v1/completions", {"prompt": "x", "stream": True})
+    head = {"id": "c", "created": 1, "model": "m"}
+    st.relay(ORIGINAL, {**head, "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]})
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    out, _ = st.relay(ORIGINAL, {**head, "choices": [], "usage": usage})
+    assert out is None  # the client did not ask for it: the gateway did, to count the tenant's tokens
+    assert st.token_counts() == (5, 2)

@@ -10,7 +10,8 @@ in lookahead slots, and the runner says how many were right.
 Priorities: lower values first, in the running order, in admission, and in preemption. A prompt
 of a better priority than some running request also has its steps to itself: worse-priority
 requests sit those steps out (keeping their blocks), so an interactive request's time to first
-token does not pay for batch work beside it.
+token does not pay for batch work beside it. A request sits out at most HOLD_STEPS steps in a
+row, so a steady stream of better prompts slows it but cannot stop it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from shoal.engine.scheduler_output import (
     SchedulerOutput,
 )
 from shoal.protocol.seeds import derive_seed
+
+HOLD_STEPS = 16  # steps in a row a worse-priority request may sit out for better prompts
 
 
 class Scheduler:
@@ -58,6 +61,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self._held_since: dict[str, float] = {}
         self.num_preemptions = 0
+        self._held_back: dict[str, int] = {}  # request id -> steps sat out in a row
         self._reserve = int(cfg.admission_watermark * kv.pool.num_blocks)
 
     # --- queue management ----------------------------------------------------------------
@@ -132,6 +136,7 @@ class Scheduler:
         """The runner drops the request's state at the next step (if it ever had any)."""
         req.spec_token_ids = []
         self._new_blocks.pop(req.request_id, None)
+        self._held_back.pop(req.request_id, None)
         if req.request_id in self._unseen:
             self._unseen.discard(req.request_id)
         else:
@@ -181,7 +186,11 @@ class Scheduler:
     def _urgent_priority(self) -> float:
         """The best priority with a prompt to compute (waiting, or running and not yet through its
         prompt), when it is better than some running request's; else no limit (infinity)."""
-        prompts = [r.priority for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        prompts = [
+            r.priority
+            for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens and r.request_id not in self.in_flight
+        ]
         if self.waiting and len(self.running) < self.cfg.max_num_seqs:
             prompts.append(self.waiting[0].priority)
         best = min(prompts, default=None)
@@ -203,9 +212,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
-            if req.request_id in self.in_flight or req.priority > urgent:
+            if req.request_id in self.in_flight:
                 i += 1
                 continue
+            if req.priority > urgent:
+                held = self._held_back.get(req.request_id, 0)
+                if held < HOLD_STEPS:
+                    self._held_back[req.request_id] = held + 1
+                    i += 1
+                    continue
+            self._held_back.pop(req.request_id, None)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._speculative_tokens(req, n, budget)
             stuck = False

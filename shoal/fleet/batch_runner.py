@@ -125,6 +125,7 @@ class BatchService:
         self._failures: dict[str | None, int] = {}  # transient failures in a row, by key
         self._retry_at: dict[str | None, float] = {}
         self._active: dict[str, list[str | None]] = {}  # batch id -> the models it names
+        self._created: dict[str, list[str | None]] = {}  # batches created while a sweep ran
         self._wake = asyncio.Event()
 
     async def db(self, fn, *args):
@@ -172,7 +173,8 @@ class BatchService:
             self.store.add_batch, tenant, endpoint, input_file_id, window, window_s, metadata, lines, errors
         )
         if batch["status"] == "in_progress":
-            self._active[batch["id"]] = sorted({m for _, m, _ in lines}, key=lambda m: (m is None, m or ""))
+            models = sorted({m for _, m, _ in lines}, key=lambda m: (m is None, m or ""))
+            self._active[batch["id"]] = self._created[batch["id"]] = models
             self._wake.set()
         return batch
 
@@ -198,7 +200,9 @@ class BatchService:
     async def _tick(self) -> None:
         if not self._active:
             return
-        self._active = await self.db(self.store.sweep, None)
+        self._created = {}
+        swept = await self.db(self.store.sweep, None)
+        self._active = {**swept, **self._created}  # one created during the sweep is not in it
         budget = self.gateway.config.batch_max_inflight - len(self._tasks)
         controller = self.gateway.controller
         by_model = controller is not None and controller.multi_model

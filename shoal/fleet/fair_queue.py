@@ -13,6 +13,7 @@ else's requests, not they behind its.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class Waiter:
     seq: int = 0
     bypass: bool = False  # a retry or a prefill-only acquire: not held back by others' turns
     evicted: bool = False  # pushed out of a full queue to make room for another tenant's request
+    wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set: look again
     _queue: deque | None = field(default=None, repr=False)
 
 
@@ -37,9 +39,16 @@ class FairQueue:
         self._waiting: dict[str | None, dict[int, dict[str, deque[Waiter]]]] = {}
         self._backlog: dict[str, int] = {}  # tenant -> its waiters, every model
         self._seq = itertools.count()
+        # The waiters whose turn it is, for (model, free slots, version): every waiter wakes at
+        # each change, and all but the first find the answer here instead of walking the queue.
+        self._version = 0
+        self._bypassing = 0  # bypass waiters queued (rare: only then are queues searched for them)
+        self._turn_key: tuple | None = None
+        self._turn: set[Waiter] = set()
 
     def charge(self, tenant: str, tokens: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / self.weights.get(tenant, 1.0)
+        self._version += 1
 
     def waiting(self, model: str | None) -> int:
         return sum(len(q) for by_tenant in self._waiting.get(model, {}).values() for q in by_tenant.values())
@@ -60,6 +69,8 @@ class FairQueue:
                 own = self.counters.get(w.tenant, 0.0)
                 self.counters[w.tenant] = min(max(own, min(active)), max(active))
         self._backlog[w.tenant] = self._backlog.get(w.tenant, 0) + 1
+        self._bypassing += w.bypass
+        self._version += 1
         w.seq = next(self._seq)
         q = self._waiting.setdefault(w.model, {}).setdefault(w.priority, {}).setdefault(w.tenant, deque())
         q.append(w)
@@ -72,6 +83,8 @@ class FairQueue:
         w._queue = None
         q.remove(w)
         self._backlog[w.tenant] -= 1
+        self._bypassing -= w.bypass
+        self._version += 1
         if not q:
             by_tenant = self._waiting[w.model][w.priority]
             del by_tenant[w.tenant]
@@ -80,35 +93,58 @@ class FairQueue:
                 if not self._waiting[w.model]:
                     del self._waiting[w.model]
 
-    def evict_for(self, tenant: str) -> Waiter | None:
+    def evict_for(self, newcomer: Waiter) -> Waiter | None:
         """When the queue is full: the newest waiter of the tenant holding the most places, if that
-        tenant holds more than `tenant` would with one more (a flood cannot fill the queue and so
-        turn everyone else away). None: `tenant` is the one to turn away."""
+        tenant holds more than the newcomer's would with one more (a flood cannot fill the queue
+        and so turn everyone else away). Only a waiter that runs no sooner than the newcomer and
+        was not admitted already (a retry, a continuation) gives way. None: turn the newcomer away."""
         if not self._backlog:
             return None
         most = max(self._backlog, key=self._backlog.get)
-        if self._backlog[most] <= self._backlog.get(tenant, 0) + 1:
+        if self._backlog[most] <= self._backlog.get(newcomer.tenant, 0) + 1:
             return None
         newest = None
         for by_priority in self._waiting.values():
-            for by_tenant in by_priority.values():
-                q = by_tenant.get(most)
-                if q and (newest is None or q[-1].seq > newest.seq):
-                    newest = q[-1]
+            for p, by_tenant in by_priority.items():
+                for w in reversed(by_tenant.get(most, ())) if p >= newcomer.priority else ():
+                    if not w.bypass and (newest is None or w.seq > newest.seq):
+                        newest = w
+                        break
         if newest is not None:
             self.leave(newest)
             newest.evicted = True
+            newest.wake.set()
         return newest
 
-    def ahead(self, w: Waiter, limit: int) -> int:
-        """How many waiters of its model come before `w` in service order, counting up to `limit`."""
-        n = 0
-        for other in self.order(w.model):
-            if other is w or n >= limit:
-                return n
-            if not other.bypass:
-                n += 1
-        return n
+    def models(self) -> list[str | None]:
+        return list(self._waiting)
+
+    def everyone(self):
+        for by_priority in self._waiting.values():
+            for by_tenant in by_priority.values():
+                for q in by_tenant.values():
+                    yield from q
+
+    def to_wake(self, model: str | None, slots: int) -> set[Waiter]:
+        """Who may get a replica of `model` when `slots` are free: those in turn, each tenant's
+        first waiter (it may be within its share), and retries and continuations (not held back).
+        The rest sleep: waking every waiter at every release would cost the event loop the square
+        of the queue's length."""
+        out = set(itertools.islice((x for x in self.order(model) if not x.bypass), max(1, slots)))
+        for by_tenant in self._waiting.get(model, {}).values():
+            for q in by_tenant.values():
+                out.add(q[0])
+                if self._bypassing:
+                    out.update(x for x in q if x.bypass)
+        return out
+
+    def in_turn(self, w: Waiter, slots: int) -> bool:
+        """Whether `w` is among the first `slots` waiters of its model in service order."""
+        key = (w.model, slots, self._version)
+        if self._turn_key != key:
+            self._turn_key = key
+            self._turn = set(itertools.islice((x for x in self.order(w.model) if not x.bypass), slots))
+        return w in self._turn
 
     def order(self, model: str | None):
         """Waiters of `model` in service order."""

@@ -198,8 +198,8 @@ class Gateway:
         key = self.config.replica_key
         if key:
             headers["authorization"] = f"Bearer {key}"
-        elif raw is not None and (auth := raw.headers.get("authorization")):
-            headers["authorization"] = auth
+        elif raw is not None and not self.config.tenants and (auth := raw.headers.get("authorization")):
+            headers["authorization"] = auth  # a tenant's key is the gateway's to know, not a backend's
         return headers
 
     def engine_priority(self, cls: int, over_share: bool = False) -> int:
@@ -287,7 +287,8 @@ class Gateway:
             return await self.send(p, b, headers, r, ticket, size, settle=bool(b.get("stream")))
 
         try:
-            resp = await self.tiers.run(tier, path, body, raw_headers, route.tokens, attempt)
+            may = ticket.tenant.may_use(tier.strong)
+            resp = await self.tiers.run(tier, path, body, raw_headers, route.tokens, attempt, may)
         except BaseException:
             ticket.settle()
             raise

@@ -25,6 +25,7 @@ class NoReplicaError(Exception):
     """No replica can take the request now (none ready, or all full past the queue bound)."""
 
 
+SHARE_WINDOW_S = 10.0  # a tenant with a request admitted this recently counts in the shares
 # Whole requests go to replicas with these roles; prefill workers take them only when none is left.
 SERVING_ROLES = frozenset({"both", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
@@ -37,10 +38,8 @@ class Registry:
         self.index = index
         self.metrics = metrics
         self.replicas: dict[str, Replica] = {}
-        self._changed = asyncio.Condition()
         self._waiters = 0
         self._tasks: list[asyncio.Task] = []
-        self._background: set[asyncio.Task] = set()
         self.client: httpx.AsyncClient | None = None
         self.kv_root = 0  # root of the prompt block hashes (the deployment's salt), set by the gateway
         self.controller = None  # the fleet's controller, when it runs the replicas (see controller.py)
@@ -213,8 +212,7 @@ class Registry:
             if is_ready:
                 r.consecutive_failures = 0
                 r.death, r.note = None, None  # a new life
-                async with self._changed:
-                    self._changed.notify_all()
+                self.wake(everyone=True)
         elif not is_ready and r.state == ReplicaState.READY:
             r.state = ReplicaState.LOADING
 
@@ -293,69 +291,63 @@ class Registry:
         waiter = Waiter(model, tenant, req.priority, bypass=bool(exclude) or only_roles)
         queued = cold = False
         try:
-            async with self._changed:
-                while True:
-                    if waiter.evicted:
-                        raise NoReplicaError(
-                            "the queue is full, and this tenant's requests hold the most of it"
-                        )
-                    now = time.monotonic()
-                    routable = [
-                        r
-                        for r in self.replicas.values()
-                        if r.name not in exclude and r.model == model and r.routable(now)
-                    ]
-                    preferred = [r for r in routable if r.role in roles]
-                    if preferred or only_roles:
-                        routable = preferred
-                    if not routable and not cold:
-                        if only_roles or self.controller is None or not self.controller.wake(model):
-                            raise NoReplicaError("no replica is ready")
-                        cold = True  # one is starting or standing by: wait for it, not 503
-                        deadline = start + cfg.cold_start_timeout_s
-                    cap = cfg.max_inflight_per_replica
-                    within = self._within_share(req, len(routable) * cap)
-                    if within:
-                        cap *= 2  # past the cap, not past twice it
-                    free = [r for r in routable if r.inflight < cap]
-                    if free and not (waiter.bypass or within) and self.fair.waiting(model):
-                        if not queued:
-                            self.fair.join(waiter)  # others wait: take a place among them
-                        slots = sum(cap - r.inflight for r in free)
-                        if self.fair.ahead(waiter, slots) >= slots:
-                            free = []
-                    if free:
-                        if cold:
-                            self.metrics.cold_start_wait.labels(model or "default").observe(now - start)
-                        if not waiter.bypass:
-                            self.metrics.tenant_queue.labels(req.tenant).observe(now - start)
-                            if not req.charged:
-                                req.charged = True
-                                self.fair.charge(req.tenant, req.tokens)
-                        replica = self._dispatch(
-                            self.policy.choose(self._canary_split(model, free), req), req
-                        )
-                        if queued:
-                            self._changed.notify_all()  # the next in line may have a slot too
-                        return replica
+            # Every check below runs without an await, so it is atomic on the event loop.
+            while True:
+                if waiter.evicted:
+                    raise NoReplicaError("the queue is full, and this tenant's requests hold the most of it")
+                now = time.monotonic()
+                routable = [
+                    r
+                    for r in self.replicas.values()
+                    if r.name not in exclude and r.model == model and r.routable(now)
+                ]
+                preferred = [r for r in routable if r.role in roles]
+                if preferred or only_roles:
+                    routable = preferred
+                if not routable and not cold:
+                    if only_roles or self.controller is None or not self.controller.wake(model):
+                        raise NoReplicaError("no replica is ready")
+                    cold = True  # one is starting or standing by: wait for it, not 503
+                    deadline = start + cfg.cold_start_timeout_s
+                cap = cfg.max_inflight_per_replica
+                within = self._within_share(req, len(routable) * cap)
+                if within:
+                    cap *= 2  # past the cap, not past twice it
+                free = [r for r in routable if r.inflight < cap]
+                if free and not (waiter.bypass or within) and self.fair.waiting(model):
                     if not queued:
-                        if self._waiters >= cfg.max_queue:
-                            if self.fair.evict_for(waiter.tenant) is None:
-                                raise NoReplicaError(
-                                    "every replica is at its concurrency cap and the queue is full"
-                                )
-                            self._changed.notify_all()  # the evicted waiter learns it at once
-                        queued = True
-                        self._waiters += 1
-                        self.queued[model] = self.queued.get(model, 0) + 1
-                        if waiter._queue is None:
-                            self.fair.join(waiter)
-                    remaining = deadline - now
-                    if remaining <= 0:
-                        what = "a replica to start" if cold else "a free replica"
-                        raise NoReplicaError(f"timed out waiting for {what}")
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
+                        self.fair.join(waiter)  # others wait: take a place among them
+                    slots = sum(cap - r.inflight for r in free)
+                    if not self.fair.in_turn(waiter, slots):
+                        free = []
+                if free:
+                    if cold:
+                        self.metrics.cold_start_wait.labels(model or "default").observe(now - start)
+                    if not waiter.bypass:
+                        self.metrics.tenant_queue.labels(req.tenant).observe(now - start)
+                        if not req.charged:
+                            req.charged = True
+                            self.fair.charge(req.tenant, req.tokens)
+                    replica = self._dispatch(self.policy.choose(self._canary_split(model, free), req), req)
+                    if queued:
+                        self.wake()  # the next in line may have a slot too
+                    return replica
+                if not queued:
+                    if self._waiters >= cfg.max_queue and self.fair.evict_for(waiter) is None:
+                        raise NoReplicaError("every replica is at its concurrency cap and the queue is full")
+                    queued = True
+                    self._waiters += 1
+                    self.queued[model] = self.queued.get(model, 0) + 1
+                    if waiter._queue is None:
+                        self.fair.join(waiter)
+                remaining = deadline - now
+                if remaining <= 0:
+                    what = "a replica to start" if cold else "a free replica"
+                    raise NoReplicaError(f"timed out waiting for {what}")
+                waiter.wake.clear()
+                # Woken when its turn may have come; the timeout only backs up a missed wake.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.wake.wait(), min(remaining, 1.0))
         finally:
             self.fair.leave(waiter)
             if queued:
@@ -364,8 +356,9 @@ class Registry:
 
     def _within_share(self, req: RouteRequest, slots: int) -> bool:
         """Whether the request's tenant holds no more than its weighted share of the model's slots
-        among the tenants with requests in flight. Such a request does not queue behind others
-        that hold more: it may take a replica up to twice its cap."""
+        among the tenants that want some (requests in flight, or one admitted lately). Such a
+        request does not queue behind others that hold more: it may take a replica up to twice
+        its cap."""
         cfg = self.config
         if req.priority >= cfg.batch_priority:
             return False
@@ -373,7 +366,7 @@ class Registry:
 
     def over_share(self, tenant: str, model: str | None) -> bool:
         """Whether `tenant` holds more than its weighted share of the model's slots while another
-        tenant also has requests in flight (see _within_share)."""
+        tenant also wants some (see _within_share)."""
         now = time.monotonic()
         n = sum(
             r.model == model and r.role in SERVING_ROLES and r.routable(now) for r in self.replicas.values()
@@ -386,10 +379,15 @@ class Registry:
         if self.tenants is None or not self.config.fair_queuing:
             return None
         mine = self.tenants.all.get(tenant)
-        active = [t for t in self.tenants.all.values() if t.inflight > 0]
+        # A tenant between requests still wants its share: one that sends a request a second must
+        # not find the others' work ranked beside its own each time it arrives.
+        active = [t for t in self.tenants.all.values() if t.active(SHARE_WINDOW_S)]
         if mine is None or len(active) < 2:
             return None
-        return mine.inflight <= slots * mine.config.weight / sum(t.config.weight for t in active)
+        # The slots a tenant within its share may use reach twice the cap, and its part of
+        # them is its weighted share of all of those: a tenant sending at half its share still
+        # holds more requests at once beside a flood than alone, since each takes longer.
+        return mine.inflight <= 2 * slots * mine.config.weight / sum(t.config.weight for t in active)
 
     def spare_slots(self, model: str | None) -> int:
         """Free request slots on the model's ready serving replicas, less the requests waiting here."""
@@ -429,24 +427,35 @@ class Registry:
         """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
         neither (a timeout on a replica that still passes probes)."""
         self._account(r, ok, reason)
-        async with self._changed:
-            self._changed.notify_all()
+        self.wake()
 
     def release_nowait(self, r: Replica, ok: bool | None, reason: str = "") -> None:
         """`release` for cleanup that must not await (a cancelled stream's, which anyio would
         cancel again at each await)."""
         self._account(r, ok, reason)
-        self.notify_nowait()
+        self.wake()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def wake(self, everyone: bool = False) -> None:
+        """Wakes the waiters that may now get a replica (see FairQueue.to_wake), or all of them
+        (a replica came or went)."""
+        if everyone:
+            for w in list(self.fair.everyone()):
+                w.wake.set()
+            return
+        cap = self.config.max_inflight_per_replica
+        now = time.monotonic()
+        for model in self.fair.models():
+            slots = sum(
+                max(0, cap - r.inflight)
+                for r in self.replicas.values()
+                if r.model == model and r.routable(now)
+            )
+            for w in self.fair.to_wake(model, slots):
+                w.wake.set()
 
     def notify_nowait(self) -> None:
         """Wakes requests waiting for a replica (one was promoted, or became free)."""
-        task = asyncio.get_running_loop().create_task(self._notify())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.wake(everyone=True)
 
     def _account(self, r: Replica, ok: bool | None, reason: str) -> None:
         r.inflight -= 1

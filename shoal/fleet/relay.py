@@ -36,6 +36,30 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _with_usage(body: dict) -> dict:
+    """The upstream always reports usage (the tenant's tokens); the client sees it only if it asked.
+    A copy: the client's body stays as it came (its poison fingerprint, say)."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict | None) or (options or {}).get("include_usage"):
+        return body
+    return {**body, "stream_options": {**(options or {}), "include_usage": True}}
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream that cleans up after itself however the response ends, even when the
+    client left before its first byte (and the generator never started)."""
+
+    def __init__(self, cleanup, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cleanup()
+
+
 class StopRelay(Exception):
     """Ends the client's stream with an in-band error."""
 
@@ -73,12 +97,13 @@ class Relay:
         self.upstreams: list[Upstream] = []
         self.ids_complete = True  # every upstream so far gave token ids
         self.first_event = True
+        self.cleaned = False
 
     # --- opening -------------------------------------------------------------------------
 
     async def start(self) -> Response:
         try:
-            up = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=True)
+            up = await self.open(ORIGINAL, self.fwd.route, _with_usage(self.fwd.body), budget=True)
         except StopRelay as stop:
             up = APIError(stop.status, stop.message, code=stop.code).response()
         if not isinstance(up, Upstream):
@@ -86,7 +111,8 @@ class Relay:
             return up
         self.launch(up)
         rid = up.resp.headers.get("x-request-id")
-        return StreamingResponse(
+        return RelayResponse(
+            self.cleanup,
             self.run(),
             media_type="text/event-stream",
             headers={"x-replica": up.replica.name, **({"x-request-id": rid} if rid else {})},
@@ -218,21 +244,29 @@ class Relay:
             yield stop.event
             yield SSE_DONE
         finally:
-            # Without awaiting: a client that went away cancels this generator, and anyio's cancel
-            # scope would cancel every await here again. The pumps close their own responses.
-            for up in self.upstreams:
-                if not up.released:
-                    up.released = True
-                    self.registry.release_nowait(up.replica, None)
-                up.attempt.done()
-                if up not in self.pumps:
-                    _keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
-            for t in self.pumps.values():
-                t.cancel()
-                _keep(t)
-            self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
-            self.fwd.usage = state.token_counts()
-            self.fwd.settle()
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        """Once, when the stream ends or is dropped (also one the server never started to send:
+        its generator's own `finally` would not run). Without awaiting: a client that went away
+        cancels the generator, and anyio's cancel scope would cancel every await here again. The
+        pumps close their own responses."""
+        if self.cleaned:
+            return
+        self.cleaned = True
+        for up in self.upstreams:
+            if not up.released:
+                up.released = True
+                self.registry.release_nowait(up.replica, None)
+            up.attempt.done()
+            if up not in self.pumps:
+                _keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
+        for t in self.pumps.values():
+            t.cancel()
+            _keep(t)
+        self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
+        self.fwd.usage = self.state.token_counts()
+        self.fwd.settle()
 
     # --- failover ------------------------------------------------------------------------
 
@@ -281,7 +315,11 @@ class Relay:
             raise StopRelay(502, "the replica failed mid-stream before its prompt was known")
         body, tag = state.resume_body(index, prompt_ids)
         hashes = hash_blocks(prompt_ids + c.ids, self.registry.block_size, root=self.registry.kv_root)
-        up = await self.open(tag, RouteRequest(hashes, self.fwd.route.session), body, budget=False)
+        r = self.fwd.route
+        route = RouteRequest(
+            hashes, r.session, model=r.model, tenant=r.tenant, priority=r.priority, charged=True
+        )
+        up = await self.open(tag, route, body, budget=False)
         if isinstance(up, Response) and up.status_code < 500:
             raise StopRelay(502, f"the continuation was refused: {up.body.decode(errors='replace')[:300]}")
         if not isinstance(up, Upstream):

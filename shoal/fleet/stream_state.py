@@ -59,6 +59,7 @@ class StreamState:
         self.continued = False
         self.usage_sent = False
         self.cached_tokens = 0
+        self.upstream_usage: tuple[int, int] = (0, 0)  # the original upstream's own usage chunk
 
     # --- what can be continued -----------------------------------------------------------
 
@@ -130,6 +131,10 @@ class StreamState:
         if obj.get("usage") is not None and not obj.get("choices"):
             details = obj["usage"].get("prompt_tokens_details") or {}
             self.cached_tokens = max(self.cached_tokens, details.get("cached_tokens") or 0)
+            if tag is ORIGINAL:
+                u = obj["usage"]
+                p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+                self.upstream_usage = (p if isinstance(p, int) else 0, c if isinstance(c, int) else 0)
             if tag is not ORIGINAL or self.continued or not self.include_usage:
                 return None, 0
             self.usage_sent = True
@@ -170,13 +175,15 @@ class StreamState:
         return obj, tokens
 
     def token_counts(self) -> tuple[int, int]:
-        """(prompt tokens, output tokens the client has), as far as the stream told them."""
+        """(prompt tokens, output tokens the client has), as far as the stream told them: from
+        token ids, else (a server that sends none) from its own usage chunk."""
         prompts: dict[int, int] = {}
         for c in self.choices.values():
             p = 0 if self.chat else c.index // self.n
             if c.prompt_ids is not None:
                 prompts[p] = len(c.prompt_ids)
-        return sum(prompts.values()), sum(len(c.ids) for c in self.choices.values())
+        counted = sum(prompts.values()), sum(len(c.ids) for c in self.choices.values())
+        return counted if any(counted) else self.upstream_usage
 
     def final_usage(self) -> dict | None:
         """The usage chunk the client asked for, when the upstream's own could not be relayed."""

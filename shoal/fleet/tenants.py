@@ -158,7 +158,13 @@ class Tenant:
         self.requests = TokenBucket(config.requests_per_minute, config.burst_s, clock)
         self.tokens = TokenBucket(config.tokens_per_minute, config.burst_s, clock)
         self.inflight = 0
+        self.clock = clock
+        self.last_admitted = float("-inf")
         self.usage: dict[str, Usage] = {}  # by lane: interactive, batch
+
+    def active(self, window_s: float) -> bool:
+        """Has requests in flight, or had one admitted within `window_s`: it wants a share."""
+        return self.inflight > 0 or self.clock() - self.last_admitted < window_s
 
     def may_use(self, model: str | None) -> bool:
         return not self.config.models or model in self.config.models
@@ -277,6 +283,7 @@ class Tenants:
         tenant.requests.take(1)
         tenant.tokens.take(tokens)
         tenant.inflight += 1
+        tenant.last_admitted = tenant.clock()
         tenant.lane_usage(lane).requests += 1
         return Ticket(tenant, tokens, lane)
 

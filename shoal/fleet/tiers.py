@@ -73,21 +73,31 @@ class TierRouter:
     def get(self, model) -> TierConfig | None:
         return self.routes.get(model) if isinstance(model, str) else None
 
-    def first_choice(self, route: TierConfig, body: dict, headers, prompt_tokens: int) -> tuple[str, str]:
-        """(tier, why) before anything runs: strong by a hint or the length, else cheap."""
+    def first_choice(
+        self, route: TierConfig, body: dict, headers, prompt_tokens: int, may_ask_strong: bool = True
+    ) -> tuple[str, str]:
+        """(tier, why) before anything runs: strong by a hint or the length, else cheap. A hint
+        for the strong model counts only from a tenant allowed that model by name."""
         hint = headers.get(HINT_HEADER) or body.pop("tier", None)
         if hint not in (None, "cheap", "strong"):
             raise APIError(400, f"tier must be cheap or strong, not {str(hint)[:40]!r}", "tier")
-        if hint:
+        if hint == "cheap" or (hint == "strong" and may_ask_strong):
             return hint, "hint"
         if route.max_prompt_tokens and prompt_tokens > route.max_prompt_tokens:
             return "strong", "length"
         return "cheap", "default"
 
     async def run(
-        self, route: TierConfig, path: str, body: dict, headers, prompt_tokens: int, send: Send
+        self,
+        route: TierConfig,
+        path: str,
+        body: dict,
+        headers,
+        prompt_tokens: int,
+        send: Send,
+        may_ask_strong: bool = True,
     ) -> Response:
-        tier, why = self.first_choice(route, body, headers, prompt_tokens)
+        tier, why = self.first_choice(route, body, headers, prompt_tokens, may_ask_strong)
         judge = tier == "cheap" and why == "default" and route.min_confidence > 0 and not body.get("stream")
         if tier == "strong":
             return await self._answer(route, "strong", why, path, body, send)
