@@ -136,7 +136,8 @@ class Gateway:
         tokenizing megabytes would hold a thread for seconds."""
         limit = self.config.route_tokenize_max_chars
         ids = None
-        if _prompt_chars(path, body) <= limit:
+        chars = _prompt_chars(path, body)
+        if chars <= limit:
             try:
                 ids = self._prompt_ids(path, body)
             except Exception:  # a prompt the template refuses: the replica will say why
@@ -149,7 +150,6 @@ class Gateway:
         else:
             text = json.dumps(prompt, sort_keys=True, ensure_ascii=False)[:limit]
         # About four characters a token, for admission's token estimate.
-        chars = _prompt_chars(path, body)
         return hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES), chars // 4
 
     async def route_request(self, path: str, body: dict, headers) -> RouteRequest:
@@ -232,8 +232,7 @@ class Gateway:
                 raise APIError(
                     400, "kv_transfer_params is set by the gateway, not by clients", "kv_transfer_params"
                 )
-            if not tenant.may_use(body.get("model")):
-                self.tenants.admit(tenant, body.get("model"), 0)  # raises its 404
+            self.tenants.check_model(tenant, body.get("model"))
             priority = self.priority(tenant, body)
             tier = self.tiers.get(body.get("model"))
             routed = {**body, "model": tier.cheap} if tier is not None else body
@@ -317,8 +316,7 @@ class Gateway:
         ticket = self.tenants.batch_ticket(tenant)
         self.metrics.tenant_requests.labels(tenant.name, "batch").inc()
         try:
-            if not tenant.may_use(body.get("model")):
-                self.tenants.admit(tenant, body.get("model"), 0)  # raises its 404
+            self.tenants.check_model(tenant, body.get("model"))
             route = await self.route_request(path, body, {})
             route.priority = cls
             resp = await self.send(path, body, self.upstream_headers(), route, ticket, 0, settle=True)

@@ -250,8 +250,9 @@ class Tenants:
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
         return tenant
 
-    def admit(self, tenant: Tenant, model: str | None, tokens: int, lane: str = "interactive") -> Ticket:
-        """A ticket for one request of about `tokens` tokens, or the APIError that refuses it."""
+    @staticmethod
+    def check_model(tenant: Tenant, model) -> None:
+        """404 for a model the tenant may not use (as for one that does not exist)."""
         if not tenant.may_use(model):
             raise APIError(
                 404,
@@ -259,6 +260,10 @@ class Tenants:
                 "model",
                 "model_not_found",
             )
+
+    def admit(self, tenant: Tenant, model: str | None, tokens: int, lane: str = "interactive") -> Ticket:
+        """A ticket for one request of about `tokens` tokens, or the APIError that refuses it."""
+        self.check_model(tenant, model)
         cfg = tenant.config
         if cfg.max_concurrency and tenant.inflight >= cfg.max_concurrency:
             raise self._limited(
