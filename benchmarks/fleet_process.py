@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from shoal.fleet.launcher import free_port
+from shoal.fleet.control.launchers.local import free_port
 
 
 class FleetProcess:

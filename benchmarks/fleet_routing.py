@@ -23,7 +23,7 @@ import httpx
 
 from shoal.bench.multiturn import MultiTurnConfig, run_multiturn
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
-from shoal.fleet.launcher import free_port
+from shoal.fleet.control.launchers.local import free_port
 
 REPLICA_ARGS = "--threads 1 --kv-cache-memory 1GiB"
 

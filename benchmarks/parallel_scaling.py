@@ -25,7 +25,7 @@ from llama_cpp_server import wait_until_ok  # this script's folder is on sys.pat
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.engine.parallel.comm import ShmCommunicator
-from shoal.fleet.launcher import free_port
+from shoal.fleet.control.launchers.local import free_port
 from shoal.kernels.build import cpu_model_name
 
 CORES = os.cpu_count() or 1

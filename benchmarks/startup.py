@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from shoal.fleet.launcher import free_port
+from shoal.fleet.control.launchers.local import free_port
 
 
 def start_to_ready(env: dict, extra: list[str]) -> float:

@@ -21,7 +21,7 @@ import httpx
 from autoscale import MODEL, pct  # this script's folder is on sys.path
 from fleet_process import FleetProcess, metric
 
-from shoal.fleet.tenants import key_digest
+from shoal.fleet.admission.tenants import key_digest
 from shoal.kernels.build import cpu_model_name
 
 REPLICA_ARGS = "--threads 2 --kv-cache-memory 512MiB"

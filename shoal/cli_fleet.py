@@ -44,9 +44,9 @@ def _run_gateway(gateway, what: str) -> int:
 def cmd_fleet_up(args) -> int:
     import shlex
 
-    from shoal.fleet.controller import FleetController
+    from shoal.fleet.control.controller import FleetController
+    from shoal.fleet.control.launchers.local import port_in_use
     from shoal.fleet.gateway import Gateway
-    from shoal.fleet.launcher import port_in_use
 
     fleet = _gateway_config(args)
     for flag in ("replicas", "min_replicas", "max_replicas", "warm_standby", "scale_to_zero_after_s"):
@@ -73,7 +73,7 @@ def cmd_fleet_up(args) -> int:
     fleet.gateway.tokenizer = fleet.gateway.tokenizer or fleet.model_configs()[0].model
     launcher = None
     if args.launcher == "ray":
-        from shoal.fleet.ray_launcher import RayLauncher
+        from shoal.fleet.control.launchers.ray import RayLauncher
 
         try:
             launcher = RayLauncher(args.address or "auto", args.ray_cpus_per_replica)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from shoal.fleet.launcher import free_port
+from shoal.fleet.control.launchers.local import free_port
 
 
 @dataclass

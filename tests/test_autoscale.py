@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from shoal.fleet.autoscaler import AutoscaleConfig, Autoscaler, Signals
 from shoal.fleet.config import load_fleet_config
+from shoal.fleet.control.autoscaler import AutoscaleConfig, Autoscaler, Signals
 from tests.fleet_helpers import metric, spawn, wait_until
 
 CFG = AutoscaleConfig(target_inflight=4, target_waiting=4, target_kv_usage=0.8, scale_up_delay_s=1.0)
@@ -198,12 +198,12 @@ def test_a_burst_scales_up_and_idleness_back_to_zero_without_a_failure(fleet):
 
 
 def test_a_canary_takes_its_share_of_requests():
+    from shoal.fleet.admission.dispatch import Registry
     from shoal.fleet.config import GatewayConfig
     from shoal.fleet.metrics import GatewayMetrics
-    from shoal.fleet.policies import make_policy
-    from shoal.fleet.prefix_index import PrefixIndex
-    from shoal.fleet.registry import Registry
-    from shoal.fleet.replica import Replica
+    from shoal.fleet.replicas.replica import Replica
+    from shoal.fleet.routing.policies import make_policy
+    from shoal.fleet.routing.prefix_index import PrefixIndex
 
     index = PrefixIndex()
     reg = Registry(GatewayConfig(), make_policy("round_robin", index), index, GatewayMetrics())

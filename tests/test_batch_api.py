@@ -17,9 +17,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai import OpenAI
 
-from shoal.fleet.batch_api import install_batch_routes
-from shoal.fleet.batch_runner import BatchService, parse_window, validate_input
-from shoal.fleet.batch_store import BatchStore, result_line
+from shoal.fleet.batch.api import install_batch_routes
+from shoal.fleet.batch.runner import BatchService, parse_window, validate_input
+from shoal.fleet.batch.store import BatchStore, result_line
 from shoal.fleet.config import GatewayConfig
 from shoal.protocol.bodies import BodyLimitMiddleware
 from shoal.protocol.errors import APIError, error_body, install_error_handlers

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from shoal.fleet.config import FleetConfig, load_fleet_config
-from shoal.fleet.controller import FleetController
-from shoal.fleet.launcher import port_in_use
-from shoal.fleet.poison import PoisonGuard, crashed, fingerprint
-from shoal.fleet.policies import KVAware, RouteRequest, Session
-from shoal.fleet.prefix_index import PrefixIndex
-from shoal.fleet.replica import Death, Replica, ReplicaState
-from shoal.fleet.replica_set import Slot
-from shoal.fleet.stream_state import ORIGINAL, StreamState
+from shoal.fleet.control.controller import FleetController
+from shoal.fleet.control.launchers.local import port_in_use
+from shoal.fleet.control.replica_set import Slot
+from shoal.fleet.proxy.poison import PoisonGuard, crashed, fingerprint
+from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState
+from shoal.fleet.replicas.replica import Death, Replica, ReplicaState
+from shoal.fleet.routing.policies import KVAware, RouteRequest, Session
+from shoal.fleet.routing.prefix_index import PrefixIndex
 from shoal.protocol.block_hash import hash_blocks
 
 

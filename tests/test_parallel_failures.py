@@ -18,7 +18,7 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.parallel.worker import AUTHKEY_ENV
-from shoal.fleet.launcher import free_port
+from shoal.fleet.control.launchers.local import free_port
 from tests.fleet_helpers import replicas, start_fleet, wait_replicas_ready
 from tests.server_helpers import start_server
 from tests.test_parallel import _parallel_pids

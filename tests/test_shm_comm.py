@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shoal.engine.parallel.comm import SLOT_BYTES, CommError, ShmCommunicator
-from shoal.fleet.launcher import free_port
+from shoal.fleet.control.launchers.local import free_port
 from shoal.kernels.build import load_shm_library
 
 pytestmark = pytest.mark.skipif(load_shm_library() is None, reason="no C compiler")

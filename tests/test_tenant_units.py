@@ -8,11 +8,11 @@ import hashlib
 
 import pytest
 
+from shoal.fleet.admission.fair_queue import FairQueue, Waiter
+from shoal.fleet.admission.tenants import TenantConfig, Tenants, TokenBucket, key_digest
+from shoal.fleet.admission.usage_store import UsageStore
 from shoal.fleet.config import load_fleet_config
-from shoal.fleet.fair_queue import FairQueue, Waiter
-from shoal.fleet.tenants import TenantConfig, Tenants, TokenBucket, key_digest
-from shoal.fleet.tiers import TierConfig, TierRouter, confidence
-from shoal.fleet.usage_store import UsageStore
+from shoal.fleet.routing.tiers import TierConfig, TierRouter, confidence
 from shoal.protocol.errors import APIError
 
 
@@ -250,12 +250,12 @@ def test_a_full_queue_turns_away_the_tenant_that_holds_most_of_it():
 
 
 def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
+    from shoal.fleet.admission.dispatch import Registry
     from shoal.fleet.config import GatewayConfig
     from shoal.fleet.metrics import GatewayMetrics
-    from shoal.fleet.policies import RouteRequest, make_policy
-    from shoal.fleet.prefix_index import PrefixIndex
-    from shoal.fleet.registry import Registry
-    from shoal.fleet.replica import Replica, ReplicaState
+    from shoal.fleet.replicas.replica import Replica, ReplicaState
+    from shoal.fleet.routing.policies import RouteRequest, make_policy
+    from shoal.fleet.routing.prefix_index import PrefixIndex
 
     index = PrefixIndex()
     cfg = GatewayConfig(max_inflight_per_replica=4)
@@ -280,7 +280,7 @@ def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
 
 
 def test_a_stream_without_token_ids_is_counted_from_its_usage_chunk():
-    from shoal.fleet.stream_state import ORIGINAL, StreamState
+    from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState
 
     st = StreamState("/v1/completions", {"prompt": "x", "stream": True})
     head = {"id": "c", "created": 1, "model": "m"}

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from shoal.fleet.tenants import key_digest
+from shoal.fleet.admission.tenants import key_digest
 from tests.fleet_helpers import auth, metric, spawn, wait_until
 
 MODEL = "small"

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shoal.fleet.autoscaler import AutoscaleConfig
-from shoal.fleet.tenants import TenantConfig
-from shoal.fleet.tiers import TierConfig
+from shoal.fleet.admission.tenants import TenantConfig
+from shoal.fleet.control.autoscaler import AutoscaleConfig
+from shoal.fleet.routing.tiers import TierConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 

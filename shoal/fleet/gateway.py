@@ -14,17 +14,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from shoal.fleet.batch_runner import BatchService
+from shoal.fleet.admission.dispatch import Registry
+from shoal.fleet.admission.tenants import DEFAULT_COMPLETION_ESTIMATE, Tenant, Tenants, Ticket
+from shoal.fleet.admission.usage_store import UsageStore, state_dir
+from shoal.fleet.batch.runner import BatchService
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
-from shoal.fleet.policies import RouteRequest, make_policy
-from shoal.fleet.prefix_index import PrefixIndex
-from shoal.fleet.proxy import Forward, Proxy
-from shoal.fleet.registry import Registry
-from shoal.fleet.replica import ReplicaState
-from shoal.fleet.tenants import DEFAULT_COMPLETION_ESTIMATE, Tenant, Tenants, Ticket
-from shoal.fleet.tiers import TierRouter
-from shoal.fleet.usage_store import UsageStore, state_dir
+from shoal.fleet.proxy.proxy import Forward, Proxy
+from shoal.fleet.replicas.replica import ReplicaState
+from shoal.fleet.routing.policies import RouteRequest, make_policy
+from shoal.fleet.routing.prefix_index import PrefixIndex
+from shoal.fleet.routing.tiers import TierRouter
 from shoal.models.chat_template import template_message
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import conversation, offered_tools, tool_format
@@ -368,7 +368,7 @@ class Gateway:
     # --- app -----------------------------------------------------------------------------
 
     def build_app(self) -> FastAPI:
-        from shoal.fleet.gateway_routes import build_app
+        from shoal.fleet.routes import build_app
 
         return build_app(self)
 

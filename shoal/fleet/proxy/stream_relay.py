@@ -12,12 +12,12 @@ import time
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from shoal.fleet.policies import RouteRequest
-from shoal.fleet.proxy import Forward, Proxy, passthrough, unavailable
-from shoal.fleet.registry import NoReplicaError
-from shoal.fleet.replica import ReplicaState
-from shoal.fleet.stream_state import ORIGINAL, StreamState, Tag
-from shoal.fleet.upstream import Attempt, Outcome, sse_events
+from shoal.fleet.admission.dispatch import NoReplicaError
+from shoal.fleet.proxy.proxy import Forward, Proxy, passthrough, unavailable
+from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
+from shoal.fleet.proxy.upstream import Attempt, Outcome, sse_events
+from shoal.fleet.replicas.replica import ReplicaState
+from shoal.fleet.routing.policies import RouteRequest
 from shoal.protocol.block_hash import hash_blocks
 from shoal.protocol.errors import APIError, error_body
 

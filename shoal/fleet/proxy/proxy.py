@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from shoal.fleet.admission.dispatch import NoReplicaError, Registry
 from shoal.fleet.config import GatewayConfig
-from shoal.fleet.disagg import Disaggregator
 from shoal.fleet.metrics import GatewayMetrics
-from shoal.fleet.poison import PoisonGuard, fingerprint, poison_error
-from shoal.fleet.policies import RouteRequest
-from shoal.fleet.registry import NoReplicaError, Registry
-from shoal.fleet.replica import Replica
-from shoal.fleet.upstream import Attempt, Outcome, error_outcome
+from shoal.fleet.proxy.disagg import Disaggregator
+from shoal.fleet.proxy.poison import PoisonGuard, fingerprint, poison_error
+from shoal.fleet.proxy.upstream import Attempt, Outcome, error_outcome
+from shoal.fleet.replicas.replica import Replica
+from shoal.fleet.routing.policies import RouteRequest
 from shoal.protocol.errors import APIError, error_body
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class Proxy:
                     f"this request took a replica down; identical requests are refused for {left:.0f} s"
                 ).response()
         if fwd.body.get("stream") is True:
-            from shoal.fleet.relay import Relay  # relay imports this module
+            from shoal.fleet.proxy.stream_relay import Relay  # relay imports this module
 
             resp = await Relay(self, fwd).start()
             if not isinstance(resp, StreamingResponse):

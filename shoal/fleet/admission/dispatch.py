@@ -11,12 +11,12 @@ from collections import deque
 
 import httpx
 
+from shoal.fleet.admission.fair_queue import FairQueue, Waiter
 from shoal.fleet.config import GatewayConfig
-from shoal.fleet.fair_queue import FairQueue, Waiter
 from shoal.fleet.metrics import GatewayMetrics
-from shoal.fleet.policies import Policy, RouteRequest
-from shoal.fleet.prefix_index import PrefixIndex
-from shoal.fleet.replica import Death, Replica, ReplicaState
+from shoal.fleet.replicas.replica import Death, Replica, ReplicaState
+from shoal.fleet.routing.policies import Policy, RouteRequest
+from shoal.fleet.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

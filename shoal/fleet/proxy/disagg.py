@@ -18,9 +18,9 @@ import time
 import httpx
 from prometheus_client import Counter, Histogram
 
-from shoal.fleet.registry import PREFILL_ROLES, NoReplicaError
-from shoal.fleet.replica import Replica
-from shoal.fleet.upstream import Attempt
+from shoal.fleet.admission.dispatch import PREFILL_ROLES, NoReplicaError
+from shoal.fleet.proxy.upstream import Attempt
+from shoal.fleet.replicas.replica import Replica
 from shoal.protocol.bodies import STRUCTURED_FIELDS
 from shoal.protocol.errors import APIError
 from shoal.protocol.metric_names import LATENCY_BUCKETS

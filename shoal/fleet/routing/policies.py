@@ -6,8 +6,8 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
-from shoal.fleet.prefix_index import PrefixIndex
-from shoal.fleet.replica import Replica
+from shoal.fleet.replicas.replica import Replica
+from shoal.fleet.routing.prefix_index import PrefixIndex
 
 
 @dataclass

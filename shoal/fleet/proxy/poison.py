@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from shoal.fleet.replica import Death
+from shoal.fleet.replicas.replica import Death
 from shoal.protocol.errors import EXIT_RANK_LOST, APIError
 
 # Exit by these signals is someone ending the process; anything else it did itself.

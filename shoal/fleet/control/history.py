@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from shoal.fleet.replica_set import Lifecycle
+from shoal.fleet.control.replica_set import Lifecycle
 
 SAMPLE_EVERY_S = 1.0
 KEEP_S = 600.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from shoal.fleet.replica_set import Lifecycle, Pool
+from shoal.fleet.control.replica_set import Lifecycle, Pool
 
 log = logging.getLogger(__name__)
 

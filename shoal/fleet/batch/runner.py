@@ -11,8 +11,8 @@ import os
 import re
 import time
 
-from shoal.fleet.batch_store import BatchStore, Line, result_line
-from shoal.fleet.proxy import usage_of
+from shoal.fleet.batch.store import BatchStore, Line, result_line
+from shoal.fleet.proxy.proxy import usage_of
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError, error_body
 

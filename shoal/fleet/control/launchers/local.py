@@ -1,5 +1,5 @@
 """The local launcher: starts a replica as a `shoal serve` process on a loopback port. What to run
-and when (restarts, scaling, draining) is the controller's (shoal.fleet.controller).
+and when (restarts, scaling, draining) is the controller's (shoal.fleet.control.controller).
 
 Crash safety. Replicas die with their supervisor, however it dies: each child asks the kernel for
 SIGKILL when its parent goes (Linux, prctl PR_SET_PDEATHSIG), and is told its parent's pid

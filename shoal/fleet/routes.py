@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from shoal.fleet.batch_api import FILES_PATH, install_batch_routes
-from shoal.fleet.replica import ReplicaState
+from shoal.fleet.batch.api import FILES_PATH, install_batch_routes
+from shoal.fleet.replicas.replica import ReplicaState
 from shoal.fleet.status_page import status_html
 from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
 from shoal.protocol.errors import APIError, install_error_handlers

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from shoal.fleet.autoscaler import Autoscaler
 from shoal.fleet.config import ModelConfig
+from shoal.fleet.control.autoscaler import Autoscaler
 
 
 class Lifecycle(StrEnum):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from shoal.fleet.replica import Replica
+from shoal.fleet.replicas.replica import Replica
 from shoal.protocol.errors import RANK_LOST_CODE
 
 # Errors that prove the request never reached the replica's application: safe to send elsewhere.

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from shoal.fleet.config import ModelConfig
-from shoal.fleet.replica_set import Lifecycle, Pool, Slot
+from shoal.fleet.control.replica_set import Lifecycle, Pool, Slot
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ import subprocess
 import tempfile
 import time
 
-from shoal.fleet.autoscaler import Autoscaler, Signals
 from shoal.fleet.config import FleetConfig
-from shoal.fleet.history import FleetHistory
-from shoal.fleet.launcher import LocalLauncher, ReplicaSpec
-from shoal.fleet.placement import Placement
-from shoal.fleet.replica import ReplicaState
-from shoal.fleet.replica_set import Lifecycle, Pool, Slot
-from shoal.fleet.rollout import RolloutDriver
+from shoal.fleet.control.autoscaler import Autoscaler, Signals
+from shoal.fleet.control.history import FleetHistory
+from shoal.fleet.control.launchers.local import LocalLauncher, ReplicaSpec
+from shoal.fleet.control.placement import Placement
+from shoal.fleet.control.replica_set import Lifecycle, Pool, Slot
+from shoal.fleet.control.rollout import RolloutDriver
+from shoal.fleet.replicas.replica import ReplicaState
 from shoal.protocol.kv_files import shm_sweep
 from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
 

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from shoal.cache_dir import cache_root
-from shoal.fleet.tenants import Usage
+from shoal.fleet.admission.tenants import Usage
 
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "rate_limited")
 

@@ -1,0 +1,1 @@
+"""Admission: dispatch to replicas through the fair queue, tenants, usage, demand signals."""

@@ -1,0 +1,1 @@
+"""Control: the controller (reconcile loop), replica set, autoscaler, rollout, placement, history."""

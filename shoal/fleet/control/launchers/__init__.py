@@ -1,0 +1,1 @@
+"""Launchers: where replica processes run (local processes, Ray actors), behind one protocol."""

@@ -1,0 +1,1 @@
+"""The replica table and health probing: what the gateway knows of each replica."""
