@@ -44,7 +44,6 @@ def _run_gateway(gateway, what: str) -> int:
 def cmd_fleet_up(args) -> int:
     import shlex
 
-    from shoal.fleet.control.controller import FleetController
     from shoal.fleet.control.launchers.local import port_in_use
     from shoal.fleet.gateway import Gateway
 
@@ -80,7 +79,8 @@ def cmd_fleet_up(args) -> int:
         except (RuntimeError, ConnectionError, ValueError) as exc:
             print(f"shoal: {exc}", file=sys.stderr)
             return 2
-    controller = FleetController(fleet, launcher)
+    gateway = Gateway(fleet.gateway, fleet, launcher)
+    controller = gateway.controller
     busy = controller.busy_ports()
     if port_in_use(fleet.gateway.port, fleet.gateway.host):
         busy.insert(0, fleet.gateway.port)
@@ -96,7 +96,7 @@ def cmd_fleet_up(args) -> int:
         f"shoal: starting {len(controller.slots)} replicas ({names}); logs in {controller.log_dir}",
         flush=True,
     )
-    return _run_gateway(Gateway(fleet.gateway, controller), "fleet gateway up")
+    return _run_gateway(gateway, "fleet gateway up")
 
 
 def cmd_gateway(args) -> int:

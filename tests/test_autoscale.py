@@ -198,24 +198,19 @@ def test_a_burst_scales_up_and_idleness_back_to_zero_without_a_failure(fleet):
 
 
 def test_a_canary_takes_its_share_of_requests():
-    from shoal.fleet.admission.dispatch import Registry
-    from shoal.fleet.config import GatewayConfig
-    from shoal.fleet.metrics import GatewayMetrics
+    from shoal.fleet.admission.canary import CanarySplit
     from shoal.fleet.replicas.replica import Replica
-    from shoal.fleet.routing.policies import make_policy
-    from shoal.fleet.routing.prefix_index import PrefixIndex
 
-    index = PrefixIndex()
-    reg = Registry(GatewayConfig(), make_policy("round_robin", index), index, GatewayMetrics())
+    canary = CanarySplit()
     old = [Replica(f"r{i}", f"http://r{i}", version=0) for i in range(3)]
     new = Replica("r3", "http://r3", version=1)
     free = [*old, new]
-    assert reg._canary_split(None, free) == free  # no canary: every replica
-    reg.canary[None] = (1, 0.2)
-    picks = [reg._canary_split(None, free) for _ in range(2000)]
+    assert canary.split(None, free) == free  # no canary: every replica
+    canary.start(None, 1, 0.2)
+    picks = [canary.split(None, free) for _ in range(2000)]
     share = sum(p == [new] for p in picks) / len(picks)
     assert 0.15 < share < 0.25 and all(p in ([new], old) for p in picks)
-    assert reg._canary_split(None, old) == old  # the canary busy or gone: the rest serve
+    assert canary.split(None, old) == old  # the canary busy or gone: the rest serve
 
 
 def test_an_idle_model_is_unloaded_when_memory_is_short(tmp_path):

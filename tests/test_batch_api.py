@@ -128,6 +128,9 @@ class FakeRegistry:
     def waiting_below(self, model, priority):
         return self.waiting_now
 
+    def may_start(self, model):
+        return not any(r.model == model for r in self.replicas.values())  # no fleet: none wakes
+
 
 class FakeGateway:
     """Answers each request from its prompt: "bad" gets a 400, "flaky" a 503 the first time."""
@@ -139,7 +142,7 @@ class FakeGateway:
         self.tenants = self
         self.all = {n: Tenant(n) for n in ("alice", "bob")}
         self.delay, self.calls, self.peak = delay, [], 0
-        self.batches = BatchService(self)
+        self.batches = BatchService(self.config, self.registry, self.all, self.run_internal, False)
 
     def check_key(self, raw):
         name = raw.headers.get("authorization", "").removeprefix("Bearer ").removesuffix("-key")
@@ -179,7 +182,7 @@ def stand_in(tmp_path, **kw):
 
     app = FastAPI(lifespan=lifespan)
     install_error_handlers(app)
-    install_batch_routes(app, gw)
+    install_batch_routes(app, gw.batches, gw.check_key, gw.config.batch_max_file_bytes)
     with TestClient(app) as http:
         names = [*gw.all, "eve"]
         sdk = {

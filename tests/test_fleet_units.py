@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from shoal.fleet.config import FleetConfig, load_fleet_config
-from shoal.fleet.control.controller import FleetController
 from shoal.fleet.control.launchers.local import port_in_use
-from shoal.fleet.control.replica_set import Slot
+from shoal.fleet.control.replica_set import ReplicaSet, Slot
 from shoal.fleet.proxy.poison import PoisonGuard, crashed, fingerprint
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState
 from shoal.fleet.replicas.replica import Death, Replica, ReplicaState
@@ -156,14 +155,14 @@ def test_fingerprints_ignore_how_the_answer_streams():
 
 
 def test_restarts_back_off_exponentially_and_reset_after_a_good_run():
-    controller = SimpleNamespace(
+    replica_set = SimpleNamespace(
         config=FleetConfig(restart_backoff_s=1.0, restart_backoff_max_s=8.0, restart_reset_after_s=60.0)
     )
     r = Slot("replica-0", None, 1, "/dev/null", started_at=100.0)
-    delays = [FleetController._backoff(controller, r, 101.0) for _ in range(5)]
+    delays = [ReplicaSet._backoff(replica_set, r, 101.0) for _ in range(5)]
     assert delays == [1.0, 2.0, 4.0, 8.0, 8.0]
     r.started_at = 100.0
-    assert FleetController._backoff(controller, r, 200.0) == 1.0  # it had stayed up 100 s
+    assert ReplicaSet._backoff(replica_set, r, 200.0) == 1.0  # it had stayed up 100 s
 
 
 def test_a_listening_port_is_in_use():

@@ -250,33 +250,33 @@ def test_a_full_queue_turns_away_the_tenant_that_holds_most_of_it():
 
 
 def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
-    from shoal.fleet.admission.dispatch import Registry
+    from shoal.fleet.admission.shares import FairShares
     from shoal.fleet.config import GatewayConfig
     from shoal.fleet.metrics import GatewayMetrics
     from shoal.fleet.replicas.replica import Replica, ReplicaState
-    from shoal.fleet.routing.policies import RouteRequest, make_policy
+    from shoal.fleet.replicas.table import ReplicaTable
+    from shoal.fleet.routing.policies import RouteRequest
     from shoal.fleet.routing.prefix_index import PrefixIndex
 
-    index = PrefixIndex()
     cfg = GatewayConfig(max_inflight_per_replica=4)
-    reg = Registry(cfg, make_policy("least_load", index), index, GatewayMetrics())
-    reg.replicas["r0"] = Replica("r0", "http://r0", state=ReplicaState.READY)
+    table = ReplicaTable(PrefixIndex(), GatewayMetrics(), cfg.block_size)
+    table.replicas["r0"] = Replica("r0", "http://r0", state=ReplicaState.READY)
     t = tenants(Clock())
-    reg.tenants = t
+    reg = FairShares(cfg, t, table)
     acme, zen = t.all["acme"], t.all["zen"]
     acme.inflight = 9
-    assert not reg.over_share("acme", None)  # alone: no share to be past
+    assert not reg.over("acme", None)  # alone: no share to be past
     zen.inflight = 1
-    assert reg.over_share("acme", None) and not reg.over_share("zen", None)  # 8 at most, 4 each
-    assert reg._within_share(RouteRequest(tenant="zen"), 4)
-    assert not reg._within_share(RouteRequest(tenant="zen", priority=cfg.batch_priority), 4)
+    assert reg.over("acme", None) and not reg.over("zen", None)  # 8 at most, 4 each
+    assert reg.within(RouteRequest(tenant="zen"), 4)
+    assert not reg.within(RouteRequest(tenant="zen", priority=cfg.batch_priority), 4)
     zen.inflight = 5
-    assert reg.over_share("zen", None)
+    assert reg.over("zen", None)
     zen.config.weight = 9.0  # a 90 % share: 7.2 of 8
     zen.inflight = 7
-    assert not reg.over_share("zen", None) and reg.over_share("acme", None)
+    assert not reg.over("zen", None) and reg.over("acme", None)
     cfg.fair_queuing = False
-    assert not reg.over_share("acme", None)
+    assert not reg.over("acme", None)
 
 
 def test_a_stream_without_token_ids_is_counted_from_its_usage_chunk():

@@ -132,6 +132,12 @@ class ModelConfig:
         if self.max_replicas == 0 and not self.prefill:
             raise ValueError(f"model {self.key}: max_replicas must be at least 1")
 
+    @property
+    def autoscaled(self) -> bool:
+        """Whether its replicas (of role both) scale: a fixed pool's bounds leave nothing to decide."""
+        fixed = self.min_replicas == self.max_replicas and not self.warm_standby
+        return not self.prefill and not (fixed and self.scale_to_zero_after_s is None)
+
     def pools(self) -> list[tuple[str, int, int]]:
         """(role, min, max) of each pool of replicas this model runs."""
         if self.prefill:

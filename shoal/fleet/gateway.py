@@ -14,14 +14,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from shoal.fleet.admission.dispatch import Registry
+from shoal.fleet.admission.canary import CanarySplit
+from shoal.fleet.admission.dispatch import Dispatcher
+from shoal.fleet.admission.fair_queue import FairQueue
+from shoal.fleet.admission.shares import FairShares
+from shoal.fleet.admission.signals import DemandSignals
 from shoal.fleet.admission.tenants import DEFAULT_COMPLETION_ESTIMATE, Tenant, Tenants, Ticket
 from shoal.fleet.admission.usage_store import UsageStore, state_dir
 from shoal.fleet.batch.runner import BatchService
-from shoal.fleet.config import GatewayConfig
+from shoal.fleet.catalog import ModelCatalog
+from shoal.fleet.config import FleetConfig, GatewayConfig
+from shoal.fleet.control.controller import FleetController
+from shoal.fleet.control.launchers.base import Launcher
+from shoal.fleet.control.launchers.local import LocalLauncher
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.proxy.proxy import Forward, Proxy
-from shoal.fleet.replicas.replica import ReplicaState
+from shoal.fleet.replicas.health import HealthMonitor
+from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.policies import RouteRequest, make_policy
 from shoal.fleet.routing.prefix_index import PrefixIndex
 from shoal.fleet.routing.tiers import TierRouter
@@ -72,29 +81,60 @@ def _prompt_chars(path: str, body: dict) -> int:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, controller=None):
+    def __init__(
+        self, config: GatewayConfig, fleet: FleetConfig | None = None, launcher: Launcher | None = None
+    ):
+        """A gateway over `config.backends`, or over the replicas of `fleet` (whose gateway config
+        `config` is), which it runs through `launcher` (default: local processes)."""
         self.config = config
+        self.catalog = ModelCatalog.of(fleet) if fleet is not None else ModelCatalog()
         self.metrics = GatewayMetrics()
         self.index = PrefixIndex()
         self.policy = make_policy(config.policy, self.index, config.load_weight, config.imbalance_limit)
-        self.registry = Registry(config, self.policy, self.index, self.metrics)
-        self.controller = controller  # runs the replicas (FleetController), when the fleet owns them
-        self.tokenizer: Tokenizer | None = None
-        self.proxy: Proxy | None = None
-        self.kv_root = NONE_HASH
+        self.table = ReplicaTable(self.index, self.metrics, config.block_size)
+        self.demand = DemandSignals()
+        self.canary = CanarySplit()
         self.tenants = Tenants(config.tenants, config.api_key)
         self.tenants.on_limited = lambda t, limit: self.metrics.tenant_rate_limited.labels(
             t.name, limit
         ).inc()
-        for t in self.tenants.all.values():
-            self.registry.fair.weights[t.name] = t.config.weight
-        self.registry.tenants = self.tenants
+        fair = FairQueue({t.name: t.config.weight for t in self.tenants.all.values()})
+        shares = FairShares(config, self.tenants, self.table)
+        self.dispatch = Dispatcher(
+            config,
+            self.table,
+            self.policy,
+            self.index,
+            self.metrics,
+            fair,
+            shares,
+            self.demand,
+            self.canary,
+            self.catalog.wakes,
+        )
+        self.health = HealthMonitor(config, self.table, self.index, self.metrics, self.dispatch.notify_nowait)
+        self.controller: FleetController | None = None  # runs the replicas, when the fleet owns them
+        if fleet is not None:
+            self.controller = FleetController(
+                fleet,
+                launcher or LocalLauncher(),
+                self.table,
+                self.demand,
+                self.canary,
+                self.metrics,
+                self.dispatch.notify_nowait,
+            )
+        self.tokenizer: Tokenizer | None = None
+        self.proxy: Proxy | None = None
+        self.kv_root = NONE_HASH
         self.priority_base = min([0, *(t.config.priority for t in self.tenants.all.values())])
         self.tiers = TierRouter(config.tiers, self.metrics)
         self.usage_store: UsageStore | None = None
-        self.batches = BatchService(self)
+        self.batches = BatchService(
+            config, self.dispatch, self.tenants.all, self.run_internal, self.catalog.multi_model
+        )
         for i, url in enumerate(config.backends):
-            self.registry.add(f"backend-{i}", url)
+            self.table.add(f"backend-{i}", url)
 
     # --- routing keys --------------------------------------------------------------------
 
@@ -143,7 +183,7 @@ class Gateway:
             except Exception:  # a prompt the template refuses: the replica will say why
                 ids = None
         if ids is not None:
-            return hash_blocks(ids[:limit], self.registry.block_size, root=self.kv_root), len(ids)
+            return hash_blocks(ids[:limit], self.table.block_size, root=self.kv_root), len(ids)
         prompt = body.get("messages") or body.get("prompt") or ""
         if isinstance(prompt, str):
             text = prompt[:limit]
@@ -155,10 +195,10 @@ class Gateway:
     async def route_request(self, path: str, body: dict, headers) -> RouteRequest:
         session = headers.get(self.config.session_header) or body.get("user")
         model = None
-        if self.controller is not None and self.controller.multi_model:
+        if self.catalog.multi_model:
             model = body.get("model")
-            if not self.controller.serves(model):
-                names = ", ".join(m.name for m in self.controller.models)
+            if not self.catalog.serves(model):
+                names = ", ".join(m.name for m in self.catalog.models)
                 raise APIError(
                     404,
                     f"the model {str(model)[:100]!r} does not exist; this fleet serves {names}",
@@ -239,7 +279,7 @@ class Gateway:
             route = await self.route_request(path, routed, raw.headers)
             ticket = self.tenants.admit(tenant, body.get("model"), route.tokens + _completion_estimate(body))
             self.metrics.tenant_requests.labels(tenant.name, "interactive").inc()
-            over = self.registry.over_share(tenant.name, route.model)
+            over = self.dispatch.shares.over(tenant.name, route.model)
             if priority != self.priority_base or over or "priority" in body:
                 body["priority"] = self.engine_priority(priority, over)  # others may not know it
             route.priority = priority
@@ -298,7 +338,7 @@ class Gateway:
     def _record(self, ticket: Ticket, fwd: Forward) -> None:
         prompt, completion = fwd.usage
         ticket.record(prompt, completion)
-        self.registry.fair.charge(ticket.tenant.name, completion)  # the prompt was charged at dispatch
+        self.dispatch.charge(ticket.tenant.name, completion)  # the prompt was charged at dispatch
         name, lane = ticket.tenant.name, ticket.lane
         self.metrics.tenant_tokens.labels(name, lane, "prompt").inc(prompt)
         self.metrics.tenant_tokens.labels(name, lane, "completion").inc(completion)
@@ -329,15 +369,15 @@ class Gateway:
             return 502, {"error": {"message": "the replica's answer was not JSON", "type": "server_error"}}
 
     async def list_models(self, raw: Request, tenant: Tenant) -> dict[str, Any]:
-        ready = [r for r in self.registry.replicas.values() if r.state == ReplicaState.READY]
+        ready = self.table.ready()
         headers = self.upstream_headers(raw)
         answers = await asyncio.gather(
             *(self.proxy.client.get(r.url + "/v1/models", headers=headers, timeout=5) for r in ready),
             return_exceptions=True,
         )
         cards: dict[str, Any] = {}
-        if self.controller is not None and self.controller.multi_model:  # also those scaled to zero
-            for m in self.controller.models:
+        if self.catalog.multi_model:  # also those scaled to zero
+            for m in self.catalog.models:
                 cards[m.name] = {"id": m.name, "object": "model", "created": 0, "owned_by": "shoal"}
         for a in answers:
             if not isinstance(a, BaseException) and a.status_code == 200:
@@ -382,11 +422,12 @@ class Gateway:
         self.usage_store = await asyncio.to_thread(UsageStore, where / "usage.sqlite3")
         self._usage_task = asyncio.get_running_loop().create_task(self._write_usage())
         self.kv_root = root_hash(kv_salt(self.config.kv_salt, self.config.replica_key))
-        self.registry.kv_root = self.kv_root
-        self.proxy = Proxy(self.config, self.registry, self.metrics)
+        self.proxy = Proxy(
+            self.config, self.table, self.health, self.dispatch, self.demand, self.metrics, self.kv_root
+        )
         if self.controller is not None:
-            await self.controller.start(self.registry)
-        await self.registry.start()
+            await self.controller.start()
+        await self.health.start()
         try:
             from shoal.models.checkpoint import load_tokenizer
 
@@ -402,6 +443,6 @@ class Gateway:
         self.usage_store.close()
         if self.controller is not None:
             await self.controller.stop()
-        await self.registry.stop()
+        await self.health.stop()
         if self.proxy is not None:
             await self.proxy.aclose()

@@ -9,7 +9,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from shoal.fleet.batch.api import FILES_PATH, install_batch_routes
-from shoal.fleet.replicas.replica import ReplicaState
 from shoal.fleet.status_page import status_html
 from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
 from shoal.protocol.errors import APIError, install_error_handlers
@@ -69,9 +68,9 @@ def build_app(self: Gateway) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        n = sum(r.state == ReplicaState.READY for r in self.registry.replicas.values())
+        n = len(self.table.ready())
         # A model scaled to zero still takes requests: they wait for a replica to start.
-        scalable = self.controller is not None and any(p.autoscaler for p in self.controller.pools)
+        scalable = self.catalog.scalable
         ok = n > 0 or scalable
         return JSONResponse({"ready": ok, "replicas_ready": n}, status_code=200 if ok else 503)
 
@@ -90,7 +89,7 @@ def build_app(self: Gateway) -> FastAPI:
         c = self.controller
         return {
             "pools": c.snapshot() if c is not None else [],
-            "replicas": [r.snapshot() for r in self.registry.replicas.values()],
+            "replicas": [r.snapshot() for r in self.table.replicas.values()],
             "decisions": list(c.history.decisions) if c is not None else [],
             "history": list(c.history.samples) if c is not None else [],
         }
@@ -127,12 +126,12 @@ def build_app(self: Gateway) -> FastAPI:
             "policy": self.policy.name,
             "replicas": [
                 {**r.snapshot(), "cached_blocks": self.index.size(r.name)}
-                for r in self.registry.replicas.values()
+                for r in self.table.replicas.values()
             ],
         }
         if self.controller is not None:
             out["pools"] = self.controller.snapshot()
         return out
 
-    install_batch_routes(app, self)
+    install_batch_routes(app, self.batches, self.check_key, self.config.batch_max_file_bytes)
     return app

@@ -32,9 +32,9 @@ class Waiter:
 
 
 class FairQueue:
-    def __init__(self):
+    def __init__(self, weights: dict[str, float] | None = None):
         self.counters: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
+        self.weights: dict[str, float] = dict(weights or {})  # tenant -> its fair-share weight
         # model -> priority -> tenant -> waiters in arrival order
         self._waiting: dict[str | None, dict[int, dict[str, deque[Waiter]]]] = {}
         self._backlog: dict[str, int] = {}  # tenant -> its waiters, every model

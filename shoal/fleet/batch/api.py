@@ -3,10 +3,14 @@ created it: another tenant's ids answer 404, as if they did not exist."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
+from shoal.fleet.admission.tenants import Tenant
+from shoal.fleet.batch.runner import BatchService
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError
 
@@ -41,13 +45,14 @@ def _no_batch(batch_id: str) -> APIError:
     return APIError(404, f"no such batch: {batch_id[:100]}", "batch_id", "batch_not_found")
 
 
-def install_batch_routes(app: FastAPI, gateway) -> None:
-    svc = gateway.batches
-    cap = gateway.config.batch_max_file_bytes
+def install_batch_routes(
+    app: FastAPI, svc: BatchService, authenticate: Callable[[Request], Tenant], cap: int
+) -> None:
+    """The routes, each for the tenant `authenticate` finds in the request; files up to `cap` bytes."""
 
     @app.post(FILES_PATH)
     async def upload_file(raw: Request):
-        tenant = gateway.check_key(raw)  # before the upload is read
+        tenant = authenticate(raw)  # before the upload is read
         form = await raw.form(max_files=1, max_fields=8)
         try:
             upload, purpose = form.get("file"), form.get("purpose")
@@ -65,7 +70,7 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
 
     @app.get(FILES_PATH)
     async def list_files(raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         order = raw.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be asc or desc", "order")
@@ -81,7 +86,7 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
 
     @app.get(FILES_PATH + "/{file_id}")
     async def get_file(file_id: str, raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         f = await svc.db(svc.store.get_file, tenant.name, file_id)
         if f is None:
             raise _no_file(file_id)
@@ -89,7 +94,7 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
 
     @app.get(FILES_PATH + "/{file_id}/content")
     async def file_content(file_id: str, raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         content = await svc.db(svc.store.file_content, tenant.name, file_id)
         if content is None:
             raise _no_file(file_id)
@@ -97,14 +102,14 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
 
     @app.delete(FILES_PATH + "/{file_id}")
     async def delete_file(file_id: str, raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         if not await svc.db(svc.store.delete_file, tenant.name, file_id):
             raise _no_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @app.post("/v1/batches")
     async def create_batch(raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         body = parse_json_object(await raw.body())
         return await svc.create(
             tenant.name,
@@ -116,14 +121,14 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
 
     @app.get("/v1/batches")
     async def list_batches(raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         limit = _limit(raw, 20, 100)
         data, more = await svc.db(svc.store.list_batches, tenant.name, limit, raw.query_params.get("after"))
         return _page(data, more)
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         batch = await svc.db(svc.store.get_batch, tenant.name, batch_id)
         if batch is None:
             raise _no_batch(batch_id)
@@ -131,7 +136,7 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, raw: Request):
-        tenant = gateway.check_key(raw)
+        tenant = authenticate(raw)
         batch = await svc.cancel(tenant.name, batch_id)
         if batch is None:
             raise _no_batch(batch_id)

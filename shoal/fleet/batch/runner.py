@@ -10,8 +10,12 @@ import logging
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
+from shoal.fleet.admission.tenants import Tenant
 from shoal.fleet.batch.store import BatchStore, Line, result_line
+from shoal.fleet.config import GatewayConfig
 from shoal.fleet.proxy.proxy import usage_of
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError, error_body
@@ -113,11 +117,39 @@ def _error_of(status: int, body) -> dict:
     return {"code": "request_failed", "message": f"the request failed with status {status}"}
 
 
-class BatchService:
-    """Owns the store and the loop that runs batches; the HTTP routes are in batch_api.py."""
+class BatchCapacity(Protocol):
+    """What the batch lane reads of admission (see admission/dispatch.py)."""
 
-    def __init__(self, gateway):
-        self.gateway = gateway
+    def spare_slots(self, model: str | None) -> int: ...
+
+    def waiting(self, model: str | None) -> int: ...
+
+    def waiting_below(self, model: str | None, priority: int) -> int: ...
+
+    def may_start(self, model: str | None) -> bool: ...
+
+
+# One unstreamed request of the batch lane: (path, body, tenant) -> (status, JSON body), whatever
+# happens (see Pipeline.run_internal).
+RunRequest = Callable[[str, dict, Tenant], Awaitable[tuple[int, dict]]]
+
+
+class BatchService:
+    """Owns the store and the loop that runs batches; the HTTP routes are in api.py."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        capacity: BatchCapacity,
+        tenants: Mapping[str, Tenant],
+        run: RunRequest,
+        by_model: bool,
+    ):
+        self.config = config
+        self.capacity = capacity
+        self.tenants = tenants  # name -> tenant: a line runs as the tenant that created its batch
+        self.run = run
+        self.by_model = by_model  # lines take turns by the model they name (a fleet of several)
         self.store: BatchStore | None = None
         self._loop: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -132,7 +164,7 @@ class BatchService:
         return await asyncio.to_thread(fn, *args)
 
     async def start(self) -> None:
-        path = os.path.join(self.gateway.config.state_dir, "batches.sqlite3")
+        path = os.path.join(self.config.state_dir, "batches.sqlite3")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.store = await asyncio.to_thread(BatchStore, path)
         resumed = await self.db(self.store.recover)
@@ -186,7 +218,7 @@ class BatchService:
     # --- the loop ------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        interval = self.gateway.config.batch_poll_interval_s
+        interval = self.config.batch_poll_interval_s
         while True:
             self._wake.clear()
             try:
@@ -203,9 +235,8 @@ class BatchService:
         self._created = {}
         swept = await self.db(self.store.sweep, None)
         self._active = {**swept, **self._created}  # one created during the sweep is not in it
-        budget = self.gateway.config.batch_max_inflight - len(self._tasks)
-        controller = self.gateway.controller
-        by_model = controller is not None and controller.multi_model
+        budget = self.config.batch_max_inflight - len(self._tasks)
+        by_model = self.by_model
         keys = dict.fromkeys(m for ms in self._active.values() for m in ms) if by_model else {None: None}
         for key in keys:
             # One start per model per tick (a tick also follows each finished line): the batch's
@@ -231,20 +262,16 @@ class BatchService:
         A model with no replica to measure (one scaled to zero, or an id the fleet routes some
         other way) gets one request at a time when nothing waits: it wakes the model, or fails.
         """
-        cfg = self.gateway.config
-        registry = self.gateway.registry
-        if registry.fair.waiting_below(key, cfg.batch_priority) > 0:
+        cfg, capacity = self.config, self.capacity
+        if capacity.waiting_below(key, cfg.batch_priority) > 0:
             return 0
         mine = self._inflight.get(key, 0)
-        free = registry.spare_slots(key) + mine  # the slots batch requests now hold count as free
+        free = capacity.spare_slots(key) + mine  # the slots batch requests now hold count as free
         if free > 0:
             return min(cfg.batch_max_inflight, (free + 1) // 2)
-        if mine or registry.fair.waiting(key):
+        if mine or capacity.waiting(key):
             return 0
-        controller = self.gateway.controller
-        unknown = not any(r.model == key for r in registry.replicas.values())
-        wakes = controller is not None and controller.wake(key)
-        return 1 if unknown or wakes else 0
+        return 1 if capacity.may_start(key) else 0
 
     async def _run_line(self, line: Line, key: str | None) -> None:
         try:
@@ -272,13 +299,13 @@ class BatchService:
             self._wake.set()
 
     async def _send(self, line: Line) -> tuple[int, dict]:
-        tenant = self.gateway.tenants.all.get(line.tenant)
+        tenant = self.tenants.get(line.tenant)
         if tenant is None:
             return 403, error_body(
                 403, f"the batch's tenant {line.tenant} is no longer configured", code="tenant_gone"
             )
         try:
-            return await self.gateway.run_internal(line.endpoint, json.loads(line.body), tenant)
+            return await self.run(line.endpoint, json.loads(line.body), tenant)
         except Exception as exc:  # run_internal answers request errors; anything else is a bug
             log.exception("batch request failed")
             return 500, error_body(500, f"internal error: {type(exc).__name__}")

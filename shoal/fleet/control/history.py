@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
-from shoal.fleet.control.replica_set import Lifecycle
+from shoal.fleet.control.autoscaler import Signals
+from shoal.fleet.control.replica_set import Lifecycle, Pool
 
 SAMPLE_EVERY_S = 1.0
 KEEP_S = 600.0
@@ -23,13 +25,13 @@ class FleetHistory:
             {"time": time.time(), "pool": pool, "from": before, "to": after, "reason": reason}
         )
 
-    def sample(self, controller, now: float) -> None:
+    def sample(self, pools: list[Pool], signals: Callable[[Pool, float], Signals], now: float) -> None:
         if now - self._last < SAMPLE_EVERY_S:
             return
         self._last = now
         pools = {}
-        for p in controller.pools:
-            s = controller.signals(p, now)
+        for p in pools:
+            s = signals(p, now)
             pools[p.key] = {
                 "active": s.active,
                 "desired": p.desired,

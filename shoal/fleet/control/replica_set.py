@@ -6,11 +6,27 @@ starting (its process loads the model), standby (loaded, takes no traffic until 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from shoal.fleet.config import ModelConfig
+from shoal.fleet.config import FleetConfig, ModelConfig
 from shoal.fleet.control.autoscaler import Autoscaler
+from shoal.fleet.control.launchers.base import Launcher, ReplicaSpec
+from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.replicas.replica import ReplicaState
+from shoal.fleet.replicas.table import ReplicaTable
+from shoal.protocol.kv_files import shm_sweep
+from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
+
+log = logging.getLogger(__name__)
+
+PORT_RECHECK_S = 1.0
 
 
 class Lifecycle(StrEnum):
@@ -73,3 +89,193 @@ class Pool:
 
     def in_state(self, *states: Lifecycle) -> list[Slot]:
         return [s for s in self.slots if s.state in states]
+
+
+class ReplicaSet:
+    """Every pool's slots and the operations on them: create, start, restart with backoff, move
+    between lifecycle states, stop. The controller decides; this carries it out, through the
+    launcher, and keeps the replica table in step."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        launcher: Launcher,
+        table: ReplicaTable,
+        metrics: GatewayMetrics,
+        notify: Callable[[], None],
+        log_dir: str,
+    ):
+        self.config = config
+        self.launcher = launcher
+        self.table = table
+        self.metrics = metrics
+        self.notify = notify  # a replica came or went: requests waiting for one look again
+        self.log_dir = log_dir
+        self.multi_model = bool(config.models)
+        self.pools: list[Pool] = []
+        self._index = 0
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [s for p in self.pools for s in p.slots]
+
+    def new_slot(self, pool: Pool) -> Slot:
+        i = self._index
+        self._index += 1
+        port = self.launcher.port_for(self.config.base_port, i)
+        if self.multi_model:
+            name = f"{pool.model.name}-{i}" if pool.role == "both" else f"{pool.model.name}-{pool.role}-{i}"
+        else:
+            name = f"replica-{i}" if pool.role == "both" else f"{pool.role}-{i}"
+        slot = Slot(name, pool, port, os.path.join(self.log_dir, f"{name}.log"), self.launcher.host)
+        slot.model, slot.version = pool.model, pool.version
+        pool.slots.append(slot)
+        return slot
+
+    def busy_ports(self) -> list[int]:
+        return [s.port for s in self.slots if s.port and self.launcher.port_in_use(s.port)]
+
+    def pool_for(self, model: str | None, role: str = "both") -> Pool | None:
+        for p in self.pools:
+            if p.role == role and (not self.multi_model or p.model.name == model):
+                return p
+        return None
+
+    # --- processes -----------------------------------------------------------------------
+
+    def _spec(self, slot: Slot) -> ReplicaSpec:
+        m, gw = slot.model, self.config.gateway
+        args = list(m.replica_args)
+        if m.name:
+            args += ["--served-model-name", m.name]
+        if gw.replica_key:
+            args += ["--api-key", gw.replica_key]
+        if slot.pool.role != "both":
+            args += ["--role", slot.pool.role]
+        env = {KV_SALT_ENV: gw.kv_salt, KV_TRANSFER_KEY_ENV: gw.kv_transfer_key}
+        return ReplicaSpec(slot.name, slot.port, slot.log_path, m.model, args, env, m.memory_mb)
+
+    def _publish(self, slot: Slot) -> None:
+        rep = self.table.replicas.get(slot.name)
+        if rep is not None:
+            rep.lifecycle = slot.state.value
+
+    def _start(self, slot: Slot) -> bool:
+        """Starts `slot` unless its port is taken (then it shows as port_in_use until it is free)."""
+        if slot.port and self.launcher.port_in_use(slot.port):
+            rep = self.register(slot)  # a slot added by scaling up is not registered yet
+            if rep.state != ReplicaState.PORT_IN_USE:
+                log.warning("%s: port %d is in use by another process; not starting it", slot.name, slot.port)
+            self.table.port_in_use(
+                slot.name,
+                f"port {slot.port} is in use by another process; {slot.name} waits for it to be free",
+            )
+            return False
+        slot.proc = self.launcher.spawn(self._spec(slot))
+        slot.started_at = time.monotonic()
+        slot.state = Lifecycle.STARTING
+        slot.attached = False
+        self._attach(slot)
+        return True
+
+    def _attach(self, slot: Slot) -> None:
+        """Routes to the slot's process once the launcher knows where it listens (a remote
+        launcher learns that only after placing it)."""
+        if slot.attached or slot.proc.address is None:
+            return
+        slot.host, slot.port = slot.proc.address
+        self.register(slot, slot.proc).node = slot.proc.node
+        slot.attached = True
+        self._publish(slot)
+
+    def register(self, slot: Slot, proc=None):
+        """The slot's replica in the table (a new life of it, given its process)."""
+        pid, poll = (proc.pid, proc.poll) if proc is not None else (None, None)
+        rep = self.table.add(slot.name, slot.url, pid, poll)
+        rep.restarts, rep.role, rep.model, rep.version = (
+            slot.restarts,
+            slot.pool.role,
+            slot.pool.model.name,
+            slot.version,
+        )
+        return rep
+
+    def start_slot(self, slot: Slot, now: float) -> None:
+        if not self._start(slot):
+            slot.next_start = now + PORT_RECHECK_S
+
+    def _backoff(self, slot: Slot, now: float) -> float:
+        cfg = self.config
+        if now - slot.started_at >= cfg.restart_reset_after_s:
+            slot.quick_deaths = 0
+        delay = min(cfg.restart_backoff_max_s, cfg.restart_backoff_s * 2**slot.quick_deaths)
+        slot.quick_deaths += 1
+        return delay
+
+    def tend(self, slot: Slot, now: float) -> None:
+        """Restarts a slot whose process died (unless it was leaving anyway)."""
+        if slot.proc is not None:
+            self._attach(slot)
+            code = slot.proc.poll()
+            if code is None:
+                return
+            if slot.name in self.table.replicas:
+                self.table.mark_down(slot.name, f"process exited with {code}", code)
+            if slot.proc.pid is not None and slot.proc.node is None:
+                shm_sweep(slot.proc.pid)  # K/V it was handing over when it died (on this host)
+            slot.proc = None
+            if slot.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
+                return self._remove(slot)
+            slot.restarts += 1
+            delay = self._backoff(slot, now)
+            slot.next_start = now + delay
+            slot.state = Lifecycle.STARTING
+            self._publish(slot)
+            log.warning("%s exited with %s; restarting in %.1f s", slot.name, code, delay)
+        elif slot.state != Lifecycle.STOPPED and now >= slot.next_start and not self._start(slot):
+            slot.next_start = now + PORT_RECHECK_S
+
+    def set_state(self, slot: Slot, state: Lifecycle, why: str) -> None:
+        if slot.state != state:
+            log.info("%s: %s -> %s (%s)", slot.name, slot.state.value, state.value, why)
+            if state == Lifecycle.READY:  # cold: its process's start; warm: the need for it
+                warm = slot.state == Lifecycle.STANDBY
+                since = slot.pool.raised_at if warm else slot.started_at
+                self.metrics.replica_start.labels("warm" if warm else "cold").observe(
+                    time.monotonic() - since
+                )
+            slot.state = state
+            slot.drain_since = time.monotonic() if state == Lifecycle.DRAINING else None
+            self._publish(slot)
+            self.notify()
+
+    def stop_slot(self, slot: Slot, why: str) -> None:
+        self.set_state(slot, Lifecycle.STOPPED, why)
+        if slot.proc is not None:
+            slot.proc.terminate()
+        else:
+            self._remove(slot)
+
+    def _remove(self, slot: Slot) -> None:
+        slot.state = Lifecycle.STOPPED
+        if slot in slot.pool.slots:
+            slot.pool.slots.remove(slot)
+        self.table.remove(slot.name)
+
+    def start_all(self) -> None:
+        """Called on the event loop's thread, which spawns every replica (see launchers)."""
+        for slot in self.slots:
+            if slot.port:  # known before its start: shown (and port-checked) from now
+                self.register(slot)
+            self._start(slot)
+
+    async def stop_all(self) -> None:
+        procs = [s.proc for s in self.slots if s.proc is not None]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                await asyncio.to_thread(p.wait, 15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.launcher.shutdown()

@@ -11,8 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from shoal.fleet.admission.canary import CanarySplit
 from shoal.fleet.config import ModelConfig
-from shoal.fleet.control.replica_set import Lifecycle, Pool, Slot
+from shoal.fleet.control.replica_set import Lifecycle, Pool, ReplicaSet, Slot
+from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.replicas.table import ReplicaTable
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +46,22 @@ def failed(slot: Slot, rep, now: float, timeout: float) -> str | None:
 class RolloutDriver:
     """Moves a pool's slots to its target version; the controller calls `step` each tick."""
 
-    def __init__(self, controller):
-        self.c = controller
+    def __init__(
+        self,
+        replica_set: ReplicaSet,
+        table: ReplicaTable,
+        canary: CanarySplit,
+        metrics: GatewayMetrics,
+        ready_timeout_s: float,
+    ):
+        self.rs = replica_set
+        self.table = table
+        self.canary = canary
+        self.metrics = metrics
+        self.ready_timeout_s = ready_timeout_s
 
     def begin(self, pool: Pool, model: ModelConfig, canary: float, canary_s: float, now: float) -> None:
-        r = Rollout(pool.model, pool.version, canary, canary_s, self.c.config.update_ready_timeout_s, now)
+        r = Rollout(pool.model, pool.version, canary, canary_s, self.ready_timeout_s, now)
         pool.rollout, pool.model = r, model
         pool.version += 1
         log.warning(
@@ -56,17 +70,16 @@ class RolloutDriver:
 
     def step(self, pool: Pool, now: float) -> None:
         r = pool.rollout
-        reg = self.c.registry
         current = [s for s in pool.slots if s.version == pool.version and s.state != Lifecycle.STOPPED]
         old = [s for s in pool.slots if s.version != pool.version]  # stopped ones: until they exit
         if not r.rolling_back:
             for s in current:
-                why = failed(s, reg.replicas.get(s.name), now, r.ready_timeout_s)
+                why = failed(s, self.table.replicas.get(s.name), now, r.ready_timeout_s)
                 if why:
                     return self._roll_back(pool, why)
         if r.canary_since is not None and now - r.canary_since < r.canary_s:
             return  # the canary is being watched
-        reg.canary.pop(pool.model.name, None)
+        self.canary.stop(pool.model.name)
         if not [s for s in old if s.state not in (Lifecycle.DRAINING, Lifecycle.STOPPED)]:
             if not old:
                 self._finish(pool)
@@ -76,40 +89,40 @@ class RolloutDriver:
         old_spare = [s for s in old if s.state in (Lifecycle.STANDBY, Lifecycle.STARTING)]
         if old_spare:  # spares of the old version are simply replaced (the pool refills them)
             for s in old_spare:
-                self.c.stop_slot(s, "replaced by the new version")
+                self.rs.stop_slot(s, "replaced by the new version")
             return
         if loaded and old_ready:
             new, gone = loaded[0], old_ready[0]
-            self.c.set_state(new, Lifecycle.READY, f"version {pool.version}")
-            self.c.set_state(gone, Lifecycle.DRAINING, f"replaced by version {pool.version}")
+            self.rs.set_state(new, Lifecycle.READY, f"version {pool.version}")
+            self.rs.set_state(gone, Lifecycle.DRAINING, f"replaced by version {pool.version}")
             if r.canary and r.canary_since is None and not r.rolling_back and len(old_ready) > 1:
                 r.canary_since = now
-                reg.canary[pool.model.name] = (pool.version, r.canary)
+                self.canary.start(pool.model.name, pool.version, r.canary)
             return
         starting = [s for s in current if s.state == Lifecycle.STARTING and s.surge]
         if not starting and not loaded:
-            slot = self.c.new_slot(pool)
+            slot = self.rs.new_slot(pool)
             slot.surge = True
-            self.c.start_slot(slot, now)
+            self.rs.start_slot(slot, now)
 
     def _roll_back(self, pool: Pool, why: str) -> None:
         r = pool.rollout
         log.warning(
             "rolling update of %s failed (%s); rolling back to version %d", pool.key, why, r.previous_version
         )
-        self.c.registry.metrics.rollouts.labels(pool.key, "rolled_back").inc()
-        self.c.registry.canary.pop(pool.model.name, None)
+        self.metrics.rollouts.labels(pool.key, "rolled_back").inc()
+        self.canary.stop(pool.model.name)
         pool.model, pool.version = r.previous, r.previous_version
         r.rolling_back, r.canary_since = True, None
         for s in pool.slots:
             if s.version != pool.version and s.state in (Lifecycle.STARTING, Lifecycle.STANDBY):
-                self.c.stop_slot(s, "its version was rolled back")
+                self.rs.stop_slot(s, "its version was rolled back")
 
     def _finish(self, pool: Pool) -> None:
         r = pool.rollout
         outcome = "rolled_back" if r.rolling_back else "done"
         if not r.rolling_back:
-            self.c.registry.metrics.rollouts.labels(pool.key, outcome).inc()
+            self.metrics.rollouts.labels(pool.key, outcome).inc()
         log.warning("rolling update of %s: %s at version %d", pool.key, outcome, pool.version)
         pool.rollout = None
         pool.last_rollout = outcome

@@ -18,9 +18,9 @@ import time
 import httpx
 from prometheus_client import Counter, Histogram
 
-from shoal.fleet.admission.dispatch import PREFILL_ROLES, NoReplicaError
+from shoal.fleet.admission.dispatch import NoReplicaError
 from shoal.fleet.proxy.upstream import Attempt
-from shoal.fleet.replicas.replica import Replica
+from shoal.fleet.replicas.replica import PREFILL_ROLES, Replica
 from shoal.protocol.bodies import STRUCTURED_FIELDS
 from shoal.protocol.errors import APIError
 from shoal.protocol.metric_names import LATENCY_BUCKETS
@@ -59,7 +59,8 @@ class Disaggregator:
     def __init__(self, proxy):
         self.proxy = proxy
         self.config = proxy.config
-        self.registry = proxy.registry
+        self.dispatch = proxy.dispatch
+        self.table = proxy.table
         r = proxy.metrics.registry
         self.decisions = Counter(
             "shoal:gateway_disagg_decisions",
@@ -77,7 +78,7 @@ class Disaggregator:
 
     @property
     def active(self) -> bool:
-        return self.registry.has_role(PREFILL_ROLES)
+        return self.table.has_role(PREFILL_ROLES)
 
     def headers(self, headers: dict) -> dict:
         return {**headers, KV_TRANSFER_KEY_HEADER: self.config.kv_transfer_key or ""}
@@ -96,7 +97,7 @@ class Disaggregator:
             return "unsupported"
         if decode.role not in ("decode", "both"):
             return "no_decode_worker"  # a prefill worker standing in for a missing decode worker
-        block, threshold = self.registry.block_size, self.config.disagg_min_prompt_tokens
+        block, threshold = self.table.block_size, self.config.disagg_min_prompt_tokens
         total = len(route.hashes) * block  # full blocks only: a bound from below
         if route.hashes and route.cached_blocks == len(route.hashes):
             return "cached"
@@ -112,7 +113,7 @@ class Disaggregator:
         if reason is not None:
             return self._local(reason)
         try:
-            replica = await self.registry.acquire(
+            replica = await self.dispatch.acquire(
                 fwd.route, set(), PREFILL_ROLES, timeout=self.config.prefill_timeout_s, only_roles=True
             )
         except NoReplicaError:
@@ -142,13 +143,13 @@ class Disaggregator:
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             timeout = outcome.kind == "timeout"
-            await self.registry.release(replica, None if timeout else False, f"prefill: {outcome.message}")
+            await self.dispatch.release(replica, None if timeout else False, f"prefill: {outcome.message}")
             log.warning("prefill on %s failed (%s); prefilling on decode", replica.name, outcome.message)
             if outcome.is_death and await proxy.judge_death(fwd, attempt, outcome, seen) == "poison":
                 message = f"this request took replica {replica.name} down"
                 raise APIError(500, message, code="poison_request") from None
             return None
-        await self.registry.release(replica, resp.status_code < 500, f"prefill: HTTP {resp.status_code}")
+        await self.dispatch.release(replica, resp.status_code < 500, f"prefill: HTTP {resp.status_code}")
         if resp.status_code != 200:
             log.warning("prefill on %s answered %d; prefilling on decode", replica.name, resp.status_code)
             return None

@@ -20,13 +20,16 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shoal.fleet.admission.dispatch import NoReplicaError, Registry
+from shoal.fleet.admission.dispatch import Dispatcher, NoReplicaError
+from shoal.fleet.admission.signals import DemandSignals
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.proxy.disagg import Disaggregator
 from shoal.fleet.proxy.poison import PoisonGuard, fingerprint, poison_error
 from shoal.fleet.proxy.upstream import Attempt, Outcome, error_outcome
+from shoal.fleet.replicas.health import HealthMonitor
 from shoal.fleet.replicas.replica import Replica
+from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.policies import RouteRequest
 from shoal.protocol.errors import APIError, error_body
 
@@ -93,10 +96,23 @@ def usage_of(obj) -> tuple[int, int]:
 
 
 class Proxy:
-    def __init__(self, config: GatewayConfig, registry: Registry, metrics: GatewayMetrics):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        table: ReplicaTable,
+        health: HealthMonitor,
+        dispatch: Dispatcher,
+        demand: DemandSignals,
+        metrics: GatewayMetrics,
+        kv_root: int,
+    ):
         self.config = config
-        self.registry = registry
+        self.table = table
+        self.health = health
+        self.dispatch = dispatch
+        self.demand = demand
         self.metrics = metrics
+        self.kv_root = kv_root
         key = config.replica_key
         # Deadlines are the attempt's own (see Attempt.deadline); httpx only bounds connecting.
         self.client = httpx.AsyncClient(
@@ -144,7 +160,7 @@ class Proxy:
             try:
                 fwd.kv = await self.disagg.prefill(fwd, replica, seen) or {}
             except BaseException:
-                await self.registry.release(replica, None)
+                await self.dispatch.release(replica, None)
                 raise
         if not fwd.kv:
             return body, headers
@@ -178,13 +194,13 @@ class Proxy:
         if outcome.kind == "engine_dead":
             # Marked down now, so its other requests fail over at once; they learn from the
             # death record that it was a crash, whichever of them hears of it first.
-            self.registry.mark_down(r.name, f"engine died: {outcome.message}")
+            self.table.mark_down(r.name, f"engine died: {outcome.message}")
             death = r.death
             death.engine_dead = True
         elif outcome.kind == "interrupted":
             death = r.death
         else:
-            death = await self.registry.fate(r)
+            death = await self.health.fate(r)
         if death is None:
             return "retry"
         key = id(death)
@@ -234,7 +250,7 @@ class Proxy:
         for attempt_no in range(cfg.max_retries + 1):
             can_retry = attempt_no < cfg.max_retries
             try:
-                replica = await self.registry.acquire(fwd.route, tried)
+                replica = await self.dispatch.acquire(fwd.route, tried)
             except NoReplicaError as exc:
                 if last is None:
                     self.metrics.rejections.inc()
@@ -273,14 +289,14 @@ class Proxy:
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             if outcome.kind == "timeout":
-                await self.registry.release(replica, None)  # slow, not sick: not held against it
+                await self.dispatch.release(replica, None)  # slow, not sick: not held against it
                 return APIError(
                     504,
                     f"replica {replica.name} did not answer within {cfg.request_timeout_s:.0f} s; "
                     "the request was not sent elsewhere (it may still be running)",
                     code="timeout",
                 ).response()
-            await self.registry.release(replica, False, outcome.message)
+            await self.dispatch.release(replica, False, outcome.message)
             last = unavailable(f"replica {replica.name} failed: {outcome.message}")
             if outcome.kind == "not_sent":
                 return "connect", last
@@ -293,7 +309,7 @@ class Proxy:
             if isinstance(answer, Response):
                 return answer
             return answer, passthrough(resp, content)
-        await self.registry.release(replica, True)  # 4xx is the client's doing, not the replica's
+        await self.dispatch.release(replica, True)  # 4xx is the client's doing, not the replica's
         if resp.status_code < 300:
             fwd.usage = usage_of(_json_or_none(content))
         out = passthrough(resp, content)
@@ -308,15 +324,15 @@ class Proxy:
         outcome = error_outcome(_json_or_none(content))
         if outcome.kind == "internal_error" and resp.status_code == 500:
             # The engine failed this request alone and went on: it would fail anywhere.
-            await self.registry.release(replica, True)
+            await self.dispatch.release(replica, True)
             self.guard.strike(await self.fingerprint(fwd))
             return passthrough(resp, content)
         if outcome.kind == "engine_dead":
-            await self.registry.release(replica, False, f"HTTP {resp.status_code}: {outcome.message}")
+            await self.dispatch.release(replica, False, f"HTTP {resp.status_code}: {outcome.message}")
             verdict = await self.judge_death(fwd, attempt, outcome, seen)
             if verdict == "poison":
                 return poison_error(f"this request took replica {replica.name} down").response()
             return "engine_dead"
         # A 503 is a busy replica shedding load: try another, but it is not sick.
-        await self.registry.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}")
+        await self.dispatch.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}")
         return f"http_{resp.status_code}"

@@ -87,7 +87,8 @@ class Relay:
         self.proxy = proxy
         self.fwd = fwd
         self.cfg = proxy.config
-        self.registry = proxy.registry
+        self.dispatch = proxy.dispatch
+        self.table = proxy.table
         self.metrics = proxy.metrics
         self.state = StreamState(fwd.path, fwd.body)
         self.failed: set[str] = set()  # replicas that failed this request: not tried again
@@ -125,7 +126,7 @@ class Relay:
         last: Response | None = None
         for attempt_no in range(cfg.max_retries + 1):
             try:
-                replica = await self.registry.acquire(route, self.failed)
+                replica = await self.dispatch.acquire(route, self.failed)
             except NoReplicaError as exc:
                 if last is None:
                     self.metrics.rejections.inc()
@@ -149,7 +150,7 @@ class Relay:
             except (httpx.HTTPError, TimeoutError) as exc:
                 outcome = attempt.outcome(exc)
                 timeout = outcome.kind == "timeout"  # aborted by closing it: it runs nowhere now
-                await self.registry.release(replica, None if timeout else False, outcome.message)
+                await self.dispatch.release(replica, None if timeout else False, outcome.message)
                 self.failed.add(replica.name)
                 last = unavailable(f"replica {replica.name} failed: {outcome.message}")
                 if outcome.is_death:
@@ -171,13 +172,13 @@ class Relay:
             if resp.status_code != 200:
                 attempt.done()
                 if resp.status_code < 500:  # the client's doing (or a resume the replica refused)
-                    await self.registry.release(replica, True)
+                    await self.dispatch.release(replica, True)
                     out_resp = passthrough(resp, data)
                     out_resp.headers["x-replica"] = replica.name
                     return out_resp
                 # Refused before the stream began, so it did not run: any 5xx may go elsewhere.
                 busy = resp.status_code == 503
-                await self.registry.release(replica, busy, f"HTTP {resp.status_code}")
+                await self.dispatch.release(replica, busy, f"HTTP {resp.status_code}")
                 self.failed.add(replica.name)
                 last = passthrough(resp, data)
                 reason = f"http_{resp.status_code}"
@@ -212,7 +213,7 @@ class Relay:
     async def finish(self, up: Upstream, ok: bool | None, reason: str = "") -> None:
         if not up.released:
             up.released = True
-            await self.registry.release(up.replica, ok, reason)
+            await self.dispatch.release(up.replica, ok, reason)
 
     async def run(self):
         state = self.state
@@ -227,7 +228,7 @@ class Relay:
                             self.first_event = False
                             ttft = time.monotonic() - self.fwd.started
                             self.metrics.ttft.observe(ttft)
-                            self.registry.observe_ttft(self.fwd.route.model, ttft)
+                            self.proxy.demand.observe_ttft(self.fwd.route.model, ttft)
                         yield sse(out)
                     continue
                 self.pumps.pop(up, None)
@@ -257,7 +258,7 @@ class Relay:
         for up in self.upstreams:
             if not up.released:
                 up.released = True
-                self.registry.release_nowait(up.replica, None)
+                self.dispatch.release_nowait(up.replica, None)
             up.attempt.done()
             if up not in self.pumps:
                 _keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
@@ -314,7 +315,7 @@ class Relay:
         if prompt_ids is None:
             raise StopRelay(502, "the replica failed mid-stream before its prompt was known")
         body, tag = state.resume_body(index, prompt_ids)
-        hashes = hash_blocks(prompt_ids + c.ids, self.registry.block_size, root=self.registry.kv_root)
+        hashes = hash_blocks(prompt_ids + c.ids, self.table.block_size, root=self.proxy.kv_root)
         r = self.fwd.route
         route = RouteRequest(
             hashes, r.session, model=r.model, tenant=r.tenant, priority=r.priority, charged=True
@@ -332,7 +333,7 @@ class Relay:
         text = self.state.prompt_text_for(index)
         if text is None:
             return None
-        for r in self.registry.replicas.values():
+        for r in self.table.replicas.values():
             if r.state == ReplicaState.READY and r.name not in self.failed:
                 try:
                     resp = await self.proxy.client.post(

@@ -8,6 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# Whole requests go to replicas with these roles; prefill workers take them only when none is left.
+SERVING_ROLES = frozenset({"both", "decode"})
+PREFILL_ROLES = frozenset({"prefill"})
+
 
 class ReplicaState(StrEnum):
     LOADING = "loading"  # up but not /ready: never routed to

@@ -16,7 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+
+from shoal.fleet.control.launchers.base import ReplicaSpec
 
 PARENT_PID_ENV = "SHOAL_PARENT_PID"  # read by `shoal serve`
 PR_SET_PDEATHSIG = 1
@@ -58,19 +59,6 @@ def _die_with_parent():
             os._exit(1)
 
     return preexec
-
-
-@dataclass
-class ReplicaSpec:
-    """One replica process to start: what it serves, where, and with which secrets."""
-
-    name: str
-    port: int
-    log_path: str
-    model: str | None = None  # checkpoint (None: the bundled model)
-    args: list[str] = field(default_factory=list)  # `shoal serve` flags
-    env: dict[str, str] = field(default_factory=dict)  # secrets go here, never in argv
-    memory_mb: float = 0.0  # what it takes (a remote launcher reserves it on the node it picks)
 
 
 class LocalProcess:

@@ -14,7 +14,8 @@ import subprocess
 import sys
 import time
 
-from shoal.fleet.control.launchers.local import PARENT_PID_ENV, ReplicaSpec, _die_with_parent, free_port
+from shoal.fleet.control.launchers.base import ReplicaSpec
+from shoal.fleet.control.launchers.local import PARENT_PID_ENV, _die_with_parent, free_port
 
 try:
     import ray

@@ -1,0 +1,88 @@
+"""The replica table: every replica the gateway routes to, and the record of each one's deaths.
+Health probing fills it in (health.py); admission reads it to dispatch (admission/dispatch.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.replicas.replica import SERVING_ROLES, Death, Replica, ReplicaState
+from shoal.fleet.routing.prefix_index import PrefixIndex
+
+
+class ReplicaTable:
+    def __init__(self, index: PrefixIndex, metrics: GatewayMetrics, default_block_size: int):
+        self.index = index  # what each replica caches: void when it dies or leaves
+        self.metrics = metrics
+        self.default_block_size = default_block_size
+        self.replicas: dict[str, Replica] = {}
+
+    def add(self, name: str, url: str, pid: int | None = None, proc_exit=None) -> Replica:
+        """A replica, or a new life of one (its process restarted): probes decide when it is ready."""
+        r = self.replicas.get(name)
+        if r is None:
+            r = self.replicas[name] = Replica(name, url.rstrip("/"))
+        r.url, r.pid = url.rstrip("/"), pid
+        if proc_exit is not None:
+            r.proc_exit = proc_exit
+            r.state, r.death, r.note, r.probe_misses = ReplicaState.LOADING, None, None, 0
+        return r
+
+    def remove(self, name: str) -> None:
+        """A replica the controller stopped: gone from routing, its cache from the index."""
+        r = self.replicas.pop(name, None)
+        if r is not None:
+            self.index.reset(name)
+            for gauge in (self.metrics.replica_up, self.metrics.inflight):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(name)
+
+    def witness(self, r: Replica, reason: str, exit_code: int | None = None) -> Death:
+        """Records (once per life) that `r` died, with the requests in flight on it then."""
+        if r.death is None:
+            r.death = Death(time.monotonic(), reason, frozenset(r.attempts), exit_code)
+        elif exit_code is not None:
+            r.death.exit_code = exit_code
+        return r.death
+
+    def mark_down(self, name: str, reason: str, exit_code: int | None = None) -> None:
+        """Takes a replica out of routing and fails over every request relayed from it at once."""
+        r = self.replicas[name]
+        if r.state != ReplicaState.DOWN:
+            r.recent_errors.append((time.time(), reason))
+        r.state = ReplicaState.DOWN
+        self.witness(r, reason, exit_code)
+        self.index.reset(name)
+        for attempt in list(r.attempts):
+            attempt.interrupt()
+
+    def port_in_use(self, name: str, note: str) -> None:
+        r = self.replicas[name]
+        if r.state != ReplicaState.PORT_IN_USE:
+            r.recent_errors.append((time.time(), note))
+        r.state, r.note, r.pid, r.proc_exit = ReplicaState.PORT_IN_USE, note, None, None
+        self.index.reset(name)
+
+    @property
+    def block_size(self) -> int:
+        """The replicas' KV block size (they agree), or the configured one until they say."""
+        sizes = {r.block_size for r in self.replicas.values() if r.block_size}
+        return sizes.pop() if len(sizes) == 1 else self.default_block_size
+
+    def has_role(self, roles: frozenset) -> bool:
+        return any(r.role in roles for r in self.replicas.values())
+
+    def routable(self, model: str | None, now: float, roles: frozenset | None = None) -> list[Replica]:
+        """The model's replicas that take a request now (of `roles`, when given)."""
+        return [
+            r
+            for r in self.replicas.values()
+            if r.model == model and (roles is None or r.role in roles) and r.routable(now)
+        ]
+
+    def serving(self, model: str | None, now: float) -> list[Replica]:
+        return self.routable(model, now, SERVING_ROLES)
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.state == ReplicaState.READY]
