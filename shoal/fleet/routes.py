@@ -3,21 +3,69 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from shoal.fleet.admission.usage import UsageLedger
 from shoal.fleet.batch.api import FILES_PATH, install_batch_routes
+from shoal.fleet.batch.runner import BatchService
+from shoal.fleet.catalog import ModelCatalog
+from shoal.fleet.config import GatewayConfig
+from shoal.fleet.control.controller import FleetController
+from shoal.fleet.listing import ModelListing
+from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.pipeline import Pipeline
+from shoal.fleet.replicas.table import ReplicaTable
+from shoal.fleet.routing.policies import Policy
+from shoal.fleet.routing.prefix_index import PrefixIndex
 from shoal.fleet.status_page import status_html
+from shoal.protocol.auth import bearer_matches
 from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
 from shoal.protocol.errors import APIError, install_error_handlers
 
-if TYPE_CHECKING:
-    from shoal.fleet.gateway import Gateway
+
+@dataclass
+class Edge:
+    """What the routes answer from: the gateway's parts, as the composition root built them."""
+
+    config: GatewayConfig
+    start: Callable[[], Awaitable[None]]
+    stop: Callable[[], Awaitable[None]]
+    pipeline: Pipeline
+    listing: ModelListing
+    catalog: ModelCatalog
+    table: ReplicaTable
+    index: PrefixIndex
+    policy: Policy
+    metrics: GatewayMetrics
+    usage: UsageLedger
+    batches: BatchService
+    controller: FleetController | None
+
+    def check_key(self, raw: Request):
+        return self.pipeline.authenticate(raw)
+
+    def check_admin(self, raw: Request) -> None:
+        """Fleet changes and usage: with an API key, whoever holds it; without one, only this host."""
+        key = self.config.api_key
+        if key:
+            if not bearer_matches(raw.headers.get("authorization", ""), key):
+                raise APIError(401, "this needs the gateway's own API key", code="invalid_api_key")
+            return None
+        client = raw.client.host if raw.client else ""
+        if client not in ("127.0.0.1", "::1", "localhost"):
+            raise APIError(403, "fleet changes come from this host, or with the gateway's API key")
+        return None
+
+    def check_fleet(self) -> None:
+        if self.controller is None:
+            raise APIError(400, "this gateway runs no fleet of its own (it fronts --backend replicas)")
 
 
-def build_app(self: Gateway) -> FastAPI:
+def build_app(self: Edge) -> FastAPI:
     """The gateway's HTTP routes."""
 
     @contextlib.asynccontextmanager
@@ -38,29 +86,30 @@ def build_app(self: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        return await self.forward(raw, "/v1/completions")
+        return await self.pipeline.forward(raw, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request):
-        return await self.forward(raw, "/v1/chat/completions")
+        return await self.pipeline.forward(raw, "/v1/chat/completions")
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        return await self.forward(raw, "/tokenize")
+        return await self.pipeline.forward(raw, "/tokenize")
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
-        return await self.forward(raw, "/detokenize")
+        return await self.pipeline.forward(raw, "/detokenize")
 
     @app.get("/v1/models")
     async def models(raw: Request):
-        return await self.list_models(raw, self.check_key(raw))
+        tenant = self.check_key(raw)
+        return await self.listing.list(tenant, self.pipeline.upstream_headers(raw))
 
     @app.get("/fleet/usage")
     async def usage(raw: Request):
         """Requests and tokens per tenant and lane since the state directory began, to bill from."""
         self.check_admin(raw)
-        return self.usage()
+        return self.usage.report()
 
     @app.get("/health")
     async def health():

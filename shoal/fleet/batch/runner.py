@@ -16,7 +16,7 @@ from typing import Protocol
 from shoal.fleet.admission.tenants import Tenant
 from shoal.fleet.batch.store import BatchStore, Line, result_line
 from shoal.fleet.config import GatewayConfig
-from shoal.fleet.proxy.proxy import usage_of
+from shoal.fleet.proxy.forward import usage_of
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError, error_body
 

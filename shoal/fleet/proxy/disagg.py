@@ -6,7 +6,7 @@ and generates. The client sees the decode worker's one stream, id and usage.
 
 A prefill that fails, stalls past `prefill_timeout_s` or is refused leaves the prompt to the
 decode worker: slower, never a failed request. A prefill worker that died under the request is
-judged like any replica death (see Proxy.judge_death), so a poison prompt does not go on to kill
+judged like any replica death (see FailureJudge.judge_death), so a poison prompt does not go on to kill
 the decode worker too."""
 
 from __future__ import annotations
@@ -18,9 +18,14 @@ import time
 import httpx
 from prometheus_client import Counter, Histogram
 
-from shoal.fleet.admission.dispatch import NoReplicaError
-from shoal.fleet.proxy.upstream import Attempt
+from shoal.fleet.admission.dispatch import Dispatcher, NoReplicaError
+from shoal.fleet.config import GatewayConfig
+from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.proxy.failure import FailureJudge
+from shoal.fleet.proxy.forward import Forward
+from shoal.fleet.proxy.upstream import Attempt, UpstreamClient
 from shoal.fleet.replicas.replica import PREFILL_ROLES, Replica
+from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.bodies import STRUCTURED_FIELDS
 from shoal.protocol.errors import APIError
 from shoal.protocol.metric_names import LATENCY_BUCKETS
@@ -56,12 +61,24 @@ def prefill_body(body: dict) -> dict:
 
 
 class Disaggregator:
-    def __init__(self, proxy):
-        self.proxy = proxy
-        self.config = proxy.config
-        self.dispatch = proxy.dispatch
-        self.table = proxy.table
-        r = proxy.metrics.registry
+    """The P/D decider: where each request's prompt is computed. A swappable part: the relays
+    only ask it for the body and headers to send to the decode worker they chose."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        table: ReplicaTable,
+        dispatch: Dispatcher,
+        client: UpstreamClient,
+        judge: FailureJudge,
+        metrics: GatewayMetrics,
+    ):
+        self.config = config
+        self.table = table
+        self.dispatch = dispatch
+        self.client = client
+        self.judge = judge
+        r = metrics.registry
         self.decisions = Counter(
             "shoal:gateway_disagg_decisions",
             "Where each request's prompt was computed: remote (a prefill worker), or local on the "
@@ -76,6 +93,21 @@ class Disaggregator:
             registry=r,
         )
 
+    async def with_prefill(
+        self, fwd: Forward, replica: Replica, body: dict, headers: dict, seen: dict
+    ) -> tuple[dict, dict]:
+        """The body and headers of the request to `replica`, after a remote prefill where one pays
+        (decided once per request; a retry pulls the same K/V, or prefills itself if it is gone)."""
+        if fwd.kv is None:
+            try:
+                fwd.kv = await self.prefill(fwd, replica, seen) or {}
+            except BaseException:
+                await self.dispatch.release(replica, None)
+                raise
+        if not fwd.kv:
+            return body, headers
+        return {**body, "kv_transfer_params": fwd.kv}, self.headers(headers)
+
     @property
     def active(self) -> bool:
         return self.table.has_role(PREFILL_ROLES)
@@ -83,7 +115,7 @@ class Disaggregator:
     def headers(self, headers: dict) -> dict:
         return {**headers, KV_TRANSFER_KEY_HEADER: self.config.kv_transfer_key or ""}
 
-    def _local_reason(self, fwd, decode: Replica) -> str | None:
+    def _local_reason(self, fwd: Forward, decode: Replica) -> str | None:
         body, route = fwd.body, fwd.route
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
@@ -105,7 +137,7 @@ class Disaggregator:
             return "cached" if total >= threshold else "short"
         return None
 
-    async def prefill(self, fwd, decode: Replica, seen: dict) -> dict | None:
+    async def prefill(self, fwd: Forward, decode: Replica, seen: dict) -> dict | None:
         """kv_transfer_params for the decode worker's request, or None: it prefills itself."""
         if not self.active or fwd.path not in PATHS:
             return None
@@ -134,18 +166,18 @@ class Disaggregator:
         self.decisions.labels(f"local_{reason}").inc()
         return None
 
-    async def _run(self, fwd, attempt: Attempt, seen: dict) -> dict | None:
-        proxy, replica = self.proxy, attempt.replica
+    async def _run(self, fwd: Forward, attempt: Attempt, seen: dict) -> dict | None:
+        replica = attempt.replica
         content = json.dumps(prefill_body(fwd.body), ensure_ascii=False).encode()
         headers, timeout = self.headers(fwd.headers), self.config.prefill_timeout_s
         try:
-            resp, data = await proxy.exchange(attempt, fwd.path, content, headers, timeout)
+            resp, data = await self.client.exchange(attempt, fwd.path, content, headers, timeout)
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             timeout = outcome.kind == "timeout"
             await self.dispatch.release(replica, None if timeout else False, f"prefill: {outcome.message}")
             log.warning("prefill on %s failed (%s); prefilling on decode", replica.name, outcome.message)
-            if outcome.is_death and await proxy.judge_death(fwd, attempt, outcome, seen) == "poison":
+            if outcome.is_death and await self.judge.judge_death(fwd, attempt, outcome, seen) == "poison":
                 message = f"this request took replica {replica.name} down"
                 raise APIError(500, message, code="poison_request") from None
             return None

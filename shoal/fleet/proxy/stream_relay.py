@@ -13,12 +13,12 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from shoal.fleet.admission.dispatch import NoReplicaError
-from shoal.fleet.proxy.proxy import Forward, Proxy, passthrough, unavailable
+from shoal.fleet.proxy.forward import Forward, passthrough, unavailable
+from shoal.fleet.proxy.parts import RelayParts
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
 from shoal.fleet.proxy.upstream import Attempt, Outcome, sse_events
 from shoal.fleet.replicas.replica import ReplicaState
 from shoal.fleet.routing.policies import RouteRequest
-from shoal.protocol.block_hash import hash_blocks
 from shoal.protocol.errors import APIError, error_body
 
 log = logging.getLogger(__name__)
@@ -82,14 +82,13 @@ class Upstream:
         return self.attempt.replica
 
 
-class Relay:
-    def __init__(self, proxy: Proxy, fwd: Forward):
-        self.proxy = proxy
+class StreamRelay:
+    def __init__(self, parts: RelayParts, fwd: Forward):
+        self.p = parts
         self.fwd = fwd
-        self.cfg = proxy.config
-        self.dispatch = proxy.dispatch
-        self.table = proxy.table
-        self.metrics = proxy.metrics
+        self.cfg = parts.config
+        self.dispatch = parts.dispatch
+        self.metrics = parts.metrics
         self.state = StreamState(fwd.path, fwd.body)
         self.failed: set[str] = set()  # replicas that failed this request: not tried again
         self.seen: dict = {}  # deaths already judged for this request
@@ -122,7 +121,7 @@ class Relay:
     async def open(self, tag: Tag, route: RouteRequest, body: dict, budget: bool) -> Upstream | Response:
         """A replica's stream for `body`, trying others while it provably did not run there (or
         the replica said so). `budget`: retries draw on the retry budget (before the first byte)."""
-        cfg, proxy = self.cfg, self.proxy
+        cfg, p = self.cfg, self.p
         last: Response | None = None
         for attempt_no in range(cfg.max_retries + 1):
             try:
@@ -132,16 +131,17 @@ class Relay:
                     self.metrics.rejections.inc()
                     last = unavailable(str(exc))
                 break
-            with_ids = bool(body.get("return_token_ids")) or proxy.wants_token_ids(replica)
+            # A shoal replica can return token ids: its output can be continued exactly.
+            with_ids = bool(body.get("return_token_ids")) or replica.kv_events
             out = {**body, "return_token_ids": True} if with_ids else body
             headers = self.fwd.headers
             if tag is ORIGINAL:
-                out, headers = await proxy.with_prefill(self.fwd, replica, out, headers, self.seen)
-            content = await proxy.encode(out, self.fwd.size)
+                out, headers = await p.prefill.with_prefill(self.fwd, replica, out, headers, self.seen)
+            content = await p.client.encode(out, self.fwd.size)
             attempt = Attempt(replica)
             try:
                 async with attempt.deadline(cfg.first_byte_timeout_s):
-                    resp = await proxy.send(replica, self.fwd.path, content, headers)
+                    resp = await p.client.send(replica, self.fwd.path, content, headers)
                     if resp.status_code != 200:
                         try:
                             data = await resp.aread()
@@ -155,7 +155,7 @@ class Relay:
                 last = unavailable(f"replica {replica.name} failed: {outcome.message}")
                 if outcome.is_death:
                     # Sent but no answer: it may have run, and its replica may have died of it.
-                    verdict = await proxy.judge_death(self.fwd, attempt, outcome, self.seen)
+                    verdict = await p.judge.judge_death(self.fwd, attempt, outcome, self.seen)
                     attempt.done()
                     if verdict == "poison":
                         message = f"this request took replica {replica.name} down"
@@ -166,7 +166,7 @@ class Relay:
                     break
                 attempt.done()
                 reason = "connect" if outcome.kind == "not_sent" else outcome.kind
-                if attempt_no < cfg.max_retries and (not budget or proxy.may_retry(reason)):
+                if attempt_no < cfg.max_retries and (not budget or p.retries.may_retry(reason)):
                     continue
                 break
             if resp.status_code != 200:
@@ -182,7 +182,7 @@ class Relay:
                 self.failed.add(replica.name)
                 last = passthrough(resp, data)
                 reason = f"http_{resp.status_code}"
-                if attempt_no < cfg.max_retries and (not budget or proxy.may_retry(reason)):
+                if attempt_no < cfg.max_retries and (not budget or p.retries.may_retry(reason)):
                     continue
                 break
             self.ids_complete &= with_ids
@@ -228,7 +228,7 @@ class Relay:
                             self.first_event = False
                             ttft = time.monotonic() - self.fwd.started
                             self.metrics.ttft.observe(ttft)
-                            self.proxy.demand.observe_ttft(self.fwd.route.model, ttft)
+                            self.p.demand.observe_ttft(self.fwd.route.model, ttft)
                         yield sse(out)
                     continue
                 self.pumps.pop(up, None)
@@ -284,11 +284,11 @@ class Relay:
         if outcome.kind == "internal_error":
             # The engine failed this request alone and went on: it would fail anywhere.
             await self.finish(up, True)
-            self.proxy.guard.strike(await self.proxy.fingerprint(self.fwd))
+            await self.p.judge.strike(self.fwd)
             raise StopRelay(500, f"the request failed in the engine: {outcome.message}", "internal_error")
         await self.finish(up, None if outcome.kind == "timeout" else False, f"mid-stream: {outcome.message}")
         if outcome.is_death:
-            verdict = await self.proxy.judge_death(self.fwd, up.attempt, outcome, self.seen)
+            verdict = await self.p.judge.judge_death(self.fwd, up.attempt, outcome, self.seen)
             if verdict == "poison":
                 raise StopRelay(500, f"this request took replica {r.name} down", "poison_request")
         up.attempt.done()
@@ -315,7 +315,7 @@ class Relay:
         if prompt_ids is None:
             raise StopRelay(502, "the replica failed mid-stream before its prompt was known")
         body, tag = state.resume_body(index, prompt_ids)
-        hashes = hash_blocks(prompt_ids + c.ids, self.table.block_size, root=self.proxy.kv_root)
+        hashes = self.p.keys.hash_ids(prompt_ids + c.ids)
         r = self.fwd.route
         route = RouteRequest(
             hashes, r.session, model=r.model, tenant=r.tenant, priority=r.priority, charged=True
@@ -333,10 +333,10 @@ class Relay:
         text = self.state.prompt_text_for(index)
         if text is None:
             return None
-        for r in self.table.replicas.values():
+        for r in self.p.table.replicas.values():
             if r.state == ReplicaState.READY and r.name not in self.failed:
                 try:
-                    resp = await self.proxy.client.post(
+                    resp = await self.p.client.http.post(
                         r.url + "/tokenize",
                         json={"model": self.fwd.body.get("model"), "prompt": text},
                         timeout=self.cfg.first_byte_timeout_s,

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 import httpx
 
+from shoal.fleet.config import GatewayConfig
 from shoal.fleet.replicas.replica import Replica
 from shoal.protocol.errors import RANK_LOST_CODE
+
+ENCODE_INLINE_BYTES = 64 * 1024  # larger bodies are serialized on a thread
 
 # Errors that prove the request never reached the replica's application: safe to send elsewhere.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError, httpx.WriteTimeout)
@@ -127,3 +130,45 @@ async def sse_events(
             raise InBandError(error_outcome(obj))
         timeout = idle_timeout
         yield obj
+
+
+class UpstreamClient:
+    """The gateway's connections to replicas: requests are sent streamed, and each attempt keeps
+    its own deadline (see Attempt.deadline); httpx only bounds connecting."""
+
+    def __init__(self, config: GatewayConfig):
+        key = config.replica_key
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=config.connect_timeout_s, pool=config.queue_timeout_s),
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500),
+            headers={"authorization": f"Bearer {key}"} if key else None,
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @staticmethod
+    async def encode(body: dict, size: int) -> bytes:
+        if size > ENCODE_INLINE_BYTES:
+            return await asyncio.to_thread(lambda: json.dumps(body, ensure_ascii=False).encode())
+        return json.dumps(body, ensure_ascii=False).encode()
+
+    async def send(self, replica: Replica, path: str, content: bytes, headers: dict) -> httpx.Response:
+        req = self.http.build_request(
+            "POST",
+            replica.url + path,
+            content=content,
+            headers={**headers, "content-type": "application/json"},
+        )
+        return await self.http.send(req, stream=True)
+
+    async def exchange(
+        self, attempt: Attempt, path: str, content: bytes, headers: dict, timeout: float
+    ) -> tuple[httpx.Response, bytes]:
+        """One unstreamed request on the attempt's replica, within `timeout`: response and body."""
+        async with attempt.deadline(timeout):
+            resp = await self.send(attempt.replica, path, content, headers)
+            try:
+                return resp, await resp.aread()
+            finally:
+                await resp.aclose()

@@ -1,0 +1,47 @@
+"""`/v1/models`: what the ready replicas serve, every configured model (also one scaled to zero)
+and the tiers models, as far as the tenant may use them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from shoal.fleet.admission.tenants import Tenant
+from shoal.fleet.catalog import ModelCatalog
+from shoal.fleet.proxy.upstream import UpstreamClient
+from shoal.fleet.replicas.table import ReplicaTable
+from shoal.fleet.routing.tiers import TierRouter
+
+
+def card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "shoal"}
+
+
+class ModelListing:
+    def __init__(self, table: ReplicaTable, catalog: ModelCatalog, tiers: TierRouter, client: UpstreamClient):
+        self.table = table
+        self.catalog = catalog
+        self.tiers = tiers
+        self.client = client
+
+    async def list(self, tenant: Tenant, headers: dict[str, str]) -> dict[str, Any]:
+        answers = await asyncio.gather(
+            *(
+                self.client.http.get(r.url + "/v1/models", headers=headers, timeout=5)
+                for r in self.table.ready()
+            ),
+            return_exceptions=True,
+        )
+        cards: dict[str, Any] = {}
+        if self.catalog.multi_model:  # also those scaled to zero
+            for m in self.catalog.models:
+                cards[m.name] = card(m.name)
+        for a in answers:
+            if not isinstance(a, BaseException) and a.status_code == 200:
+                with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
+                    for c in a.json().get("data", []):
+                        cards.setdefault(c["id"], c)
+        for t in self.tiers.routes:
+            cards[t] = card(t)
+        return {"object": "list", "data": [c for c in cards.values() if tenant.may_use(c["id"])]}

@@ -1,0 +1,232 @@
+"""The request pipeline: one client request, top to bottom.
+
+    authenticate (the tenant whose key it carries)
+    -> parse and check the body (the model the tenant may use, the priority the gateway gives it)
+    -> route keys (the prompt's block hashes and token count; a tiers model picks its first tier)
+    -> tenant admission (rate and token limits, charged the tokens it may use)
+    -> send (the proxy: a replica through the fair queue, failover, the relays)
+    -> settle (the tokens it used recorded to its tenant; the ticket closed when it ends)
+
+Route keys come before admission because admission charges the prompt's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from shoal.fleet.admission.dispatch import Dispatcher
+from shoal.fleet.admission.tenants import DEFAULT_COMPLETION_ESTIMATE, Tenant, Tenants, Ticket
+from shoal.fleet.catalog import ModelCatalog
+from shoal.fleet.config import GatewayConfig
+from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.proxy.forward import Forward
+from shoal.fleet.proxy.proxy import Proxy
+from shoal.fleet.routing.policies import RouteRequest
+from shoal.fleet.routing.prompt_keys import PromptKeys
+from shoal.fleet.routing.tiers import TierConfig, TierRouter
+from shoal.protocol.bodies import parse_json_object
+from shoal.protocol.errors import APIError
+
+# Bodies past this are parsed on a worker thread: a 4 MiB JSON body takes tens of milliseconds.
+PARSE_INLINE_BYTES = 64 * 1024
+
+
+def completion_estimate(body: dict) -> int:
+    """Completion tokens charged at admission: what the request may generate, corrected later."""
+    cap = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 0) > 0 else 1
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+        cap = DEFAULT_COMPLETION_ESTIMATE
+    return min(cap, 1 << 20) * min(n, 128)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        catalog: ModelCatalog,
+        tenants: Tenants,
+        keys: PromptKeys,
+        tiers: TierRouter,
+        dispatch: Dispatcher,
+        proxy: Proxy,
+        metrics: GatewayMetrics,
+    ):
+        self.config = config
+        self.catalog = catalog
+        self.tenants = tenants
+        self.keys = keys
+        self.tiers = tiers
+        self.dispatch = dispatch
+        self.proxy = proxy
+        self.metrics = metrics
+        self.priority_base = min([0, *(t.config.priority for t in tenants.all.values())])
+
+    async def forward(self, raw: Request, path: str) -> Response:
+        tenant = priority = None
+        try:
+            tenant = self.authenticate(raw)
+            data = await raw.body()
+            if len(data) > PARSE_INLINE_BYTES:
+                body = await asyncio.to_thread(parse_json_object, data)
+            else:
+                body = parse_json_object(data)
+            if body.pop("kv_transfer_params", None) is not None:
+                raise APIError(
+                    400, "kv_transfer_params is set by the gateway, not by clients", "kv_transfer_params"
+                )
+            self.tenants.check_model(tenant, body.get("model"))
+            priority = self.priority(tenant, body)
+            tier = self.tiers.get(body.get("model"))
+            routed = {**body, "model": tier.cheap} if tier is not None else body
+            route = await self.route_keys(path, routed, raw.headers)
+            ticket = self.tenants.admit(tenant, body.get("model"), route.tokens + completion_estimate(body))
+            self.metrics.tenant_requests.labels(tenant.name, "interactive").inc()
+            over = self.dispatch.shares.over(tenant.name, route.model)
+            if priority != self.priority_base or over or "priority" in body:
+                body["priority"] = self.engine_priority(priority, over)  # others may not know it
+            route.priority = priority
+            headers = self.upstream_headers(raw)
+            if tier is None:
+                resp = await self.send(path, body, headers, route, ticket, len(data), settle=True)
+            else:
+                resp = await self.send_tiered(
+                    tier, path, body, raw.headers, headers, route, ticket, len(data)
+                )
+        except APIError as exc:
+            resp = exc.response()
+        if tenant is not None:
+            resp.headers.update(tenant.rate_headers())
+            if priority is not None:
+                resp.headers["x-shoal-priority"] = str(priority)
+        self.metrics.responses.labels(str(resp.status_code)).inc()
+        return resp
+
+    # --- the steps -----------------------------------------------------------------------
+
+    def authenticate(self, raw: Request) -> Tenant:
+        """The tenant whose key the request carries (401 for none or an unknown one)."""
+        return self.tenants.authenticate(raw.headers.get("authorization", ""))
+
+    def priority(self, tenant: Tenant, body: dict) -> int:
+        """The gateway decides: the tenant's class, or lower when the client asks (a larger value)."""
+        asked = body.get("priority")
+        if self.config.trust_client_priority and isinstance(asked, int) and not isinstance(asked, bool):
+            return asked
+        return tenant.priority_for(asked)
+
+    def engine_priority(self, cls: int, over_share: bool = False) -> int:
+        """What the engine gets. Without tenants, the class as it is. With them, the gateway owns
+        the scale: the class from 0 up (replicas keep clients' priorities at 0 or above), doubled
+        so that a request past its tenant's fair share while another tenant wants some runs just
+        after its class, and a tenant within its share has its prompt steps to itself in the
+        engine (see the scheduler)."""
+        if not self.config.tenants:
+            return cls  # one tenant: no shares, and foreign backends see the client's number
+        return 2 * (cls - self.priority_base) + int(over_share)
+
+    async def route_keys(self, path: str, body: dict, headers) -> RouteRequest:
+        """The model the request goes to (404 for one this fleet does not serve), its session,
+        and its prompt's keys."""
+        session = headers.get(self.config.session_header) or body.get("user")
+        model = None
+        if self.catalog.multi_model:
+            model = body.get("model")
+            if not self.catalog.serves(model):
+                names = ", ".join(m.name for m in self.catalog.models)
+                raise APIError(
+                    404,
+                    f"the model {str(model)[:100]!r} does not exist; this fleet serves {names}",
+                    "model",
+                    "model_not_found",
+                )
+        return await self.keys.route(path, body, session if isinstance(session, str) else None, model)
+
+    def upstream_headers(self, raw: Request | None = None) -> dict[str, str]:
+        """The replica's key when the gateway has one; else the client's own passes through."""
+        headers = {}
+        if raw is not None:
+            headers = {k: v for k in ("x-request-id", "content-type") if (v := raw.headers.get(k))}
+        key = self.config.replica_key
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        elif raw is not None and not self.config.tenants and (auth := raw.headers.get("authorization")):
+            headers["authorization"] = auth  # a tenant's key is the gateway's to know, not a backend's
+        return headers
+
+    async def send(
+        self, path: str, body: dict, headers: dict, route, ticket: Ticket, size: int, settle: bool
+    ) -> Response:
+        """One request to a replica of `route.model`, its tokens recorded on `ticket` (and the ticket
+        settled when it ends, with `settle`: at the end of its stream, for a stream)."""
+        route.tenant = ticket.tenant.name
+        done = self._settle if settle else self._record
+        fwd = Forward(path, body, headers, route, time.monotonic(), size, on_done=lambda f: done(ticket, f))
+        try:
+            return await self.proxy.handle(fwd)
+        except BaseException:
+            fwd.settle()  # the proxy settles every request it answers; this one it could not
+            raise
+
+    async def send_tiered(
+        self, tier: TierConfig, path, body, raw_headers, headers, route, ticket, size
+    ) -> Response:
+        first = True
+
+        async def attempt(p: str, b: dict) -> Response:
+            nonlocal first
+            r = route
+            if not first or b["model"] != tier.cheap:  # routed afresh for the other model
+                r = await self.route_keys(p, b, raw_headers)
+                r.priority = route.priority
+            first = False
+            return await self.send(p, b, headers, r, ticket, size, settle=bool(b.get("stream")))
+
+        try:
+            may = ticket.tenant.may_use(tier.strong)
+            resp = await self.tiers.run(tier, path, body, raw_headers, route.tokens, attempt, may)
+        except BaseException:
+            ticket.settle()
+            raise
+        if not isinstance(resp, StreamingResponse):
+            ticket.settle()  # a stream's ticket is settled when it ends
+        return resp
+
+    def _record(self, ticket: Ticket, fwd: Forward) -> None:
+        prompt, completion = fwd.usage
+        ticket.record(prompt, completion)
+        self.dispatch.charge(ticket.tenant.name, completion)  # the prompt was charged at dispatch
+        name, lane = ticket.tenant.name, ticket.lane
+        self.metrics.tenant_tokens.labels(name, lane, "prompt").inc(prompt)
+        self.metrics.tenant_tokens.labels(name, lane, "completion").inc(completion)
+
+    def _settle(self, ticket: Ticket, fwd: Forward) -> None:
+        self._record(ticket, fwd)
+        ticket.settle()
+
+    # --- the batch lane's requests -------------------------------------------------------
+
+    async def run_internal(self, path: str, body: dict, tenant: Tenant) -> tuple[int, dict]:
+        """One unstreamed request of the batch lane: after every interactive request waiting, and
+        not held to the tenant's interactive limits. (status, JSON body) whatever happens."""
+        cls = self.config.batch_priority
+        body = {**body, "stream": False, "priority": self.engine_priority(cls)}
+        body.pop("kv_transfer_params", None)
+        ticket = self.tenants.batch_ticket(tenant)
+        self.metrics.tenant_requests.labels(tenant.name, "batch").inc()
+        try:
+            self.tenants.check_model(tenant, body.get("model"))
+            route = await self.route_keys(path, body, {})
+            route.priority = cls
+            resp = await self.send(path, body, self.upstream_headers(), route, ticket, 0, settle=True)
+        except APIError as exc:
+            ticket.settle()
+            return exc.status, exc.body()
+        try:
+            return resp.status_code, json.loads(resp.body)
+        except ValueError:
+            return 502, {"error": {"message": "the replica's answer was not JSON", "type": "server_error"}}
