@@ -14,14 +14,14 @@ from shoal.fleet.control.launchers.local import port_in_use
 from shoal.fleet.control.replica_set import ReplicaSet, Slot
 from shoal.fleet.proxy.poison import PoisonGuard, crashed, fingerprint
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState
-from shoal.fleet.replicas.replica import Death, Replica, ReplicaState
+from shoal.fleet.replicas.replica import Death, Health, Replica
 from shoal.fleet.routing.policies import KVAware, RouteRequest, Session
 from shoal.fleet.routing.prefix_index import PrefixIndex
 from shoal.protocol.block_hash import hash_blocks
 
 
 def ready(name: str, inflight: int = 0) -> Replica:
-    r = Replica(name, f"http://{name}", state=ReplicaState.READY)
+    r = Replica(name, f"http://{name}", state=Health.READY)
     r.inflight = inflight
     return r
 
@@ -76,13 +76,13 @@ def test_circuit_breaker_opens_then_half_opens_then_closes():
         assert not r.on_failure("HTTP 500", eject_after=3, eject_for=0.05)
     r.on_dispatch()
     assert r.on_failure("HTTP 500", eject_after=3, eject_for=0.05)
-    assert r.state == ReplicaState.EJECTED and not r.routable(time.monotonic())
+    assert r.state == Health.EJECTED and not r.routable(time.monotonic())
     time.sleep(0.06)
-    assert r.routable(time.monotonic()) and r.state == ReplicaState.HALF_OPEN
+    assert r.routable(time.monotonic()) and r.state == Health.HALF_OPEN
     r.on_dispatch()
     assert not r.routable(time.monotonic())  # one trial at a time
     r.on_success()
-    assert r.state == ReplicaState.READY
+    assert r.state == Health.READY
 
 
 def test_fleet_config_file(tmp_path):

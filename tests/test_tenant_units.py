@@ -253,14 +253,14 @@ def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
     from shoal.fleet.admission.shares import FairShares
     from shoal.fleet.config import GatewayConfig
     from shoal.fleet.metrics import GatewayMetrics
-    from shoal.fleet.replicas.replica import Replica, ReplicaState
+    from shoal.fleet.replicas.replica import Health, Replica
     from shoal.fleet.replicas.table import ReplicaTable
     from shoal.fleet.routing.policies import RouteRequest
     from shoal.fleet.routing.prefix_index import PrefixIndex
 
     cfg = GatewayConfig(max_inflight_per_replica=4)
     table = ReplicaTable(PrefixIndex(), GatewayMetrics(), cfg.block_size)
-    table.replicas["r0"] = Replica("r0", "http://r0", state=ReplicaState.READY)
+    table.replicas["r0"] = Replica("r0", "http://r0", state=Health.READY)
     t = tenants(Clock())
     reg = FairShares(cfg, t, table)
     acme, zen = t.all["acme"], t.all["zen"]

@@ -26,7 +26,7 @@ from shoal.fleet.control.placement import Placement
 from shoal.fleet.control.replica_set import Lifecycle, Pool, ReplicaSet, Slot
 from shoal.fleet.control.rollout import RolloutDriver
 from shoal.fleet.metrics import GatewayMetrics
-from shoal.fleet.replicas.replica import ReplicaState
+from shoal.fleet.replicas.replica import Health
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.secrets import KV_SALT_ENV
 
@@ -136,7 +136,7 @@ class FleetController:
         loaded = [
             s
             for s in pool.in_state(Lifecycle.STARTING)
-            if s.name in reps and reps[s.name].state == ReplicaState.READY
+            if s.name in reps and reps[s.name].state == Health.READY
         ]
         active = pool.in_state(Lifecycle.READY)
         for s in loaded:
@@ -178,7 +178,7 @@ class FleetController:
         busy = rep is not None and rep.inflight > 0
         if busy and now - slot.drain_since < self.config.drain_timeout_s:
             return
-        if keep_warm and rep is not None and rep.state == ReplicaState.READY:
+        if keep_warm and rep is not None and rep.state == Health.READY:
             rs.set_state(slot, Lifecycle.STANDBY, "drained, kept warm")
         else:
             rs.stop_slot(slot, "drained" if not busy else "drain timed out")

@@ -13,13 +13,12 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from shoal.fleet.config import FleetConfig, ModelConfig
 from shoal.fleet.control.autoscaler import Autoscaler
 from shoal.fleet.control.launchers.base import Launcher, ReplicaSpec
 from shoal.fleet.metrics import GatewayMetrics
-from shoal.fleet.replicas.replica import ReplicaState
+from shoal.fleet.replicas.replica import Health, Lifecycle, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.kv_files import shm_sweep
 from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
@@ -29,14 +28,6 @@ log = logging.getLogger(__name__)
 PORT_RECHECK_S = 1.0
 
 
-class Lifecycle(StrEnum):
-    STARTING = "starting"
-    STANDBY = "standby"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
 @dataclass(eq=False)
 class Slot:
     name: str
@@ -44,7 +35,6 @@ class Slot:
     port: int
     log_path: str
     host: str = "127.0.0.1"
-    state: Lifecycle = Lifecycle.STARTING
     proc: object | None = None  # the launcher's handle: pid, poll(), terminate(), kill(), wait()
     restarts: int = 0
     started_at: float = 0.0  # when its current process was started
@@ -54,7 +44,21 @@ class Slot:
     model: ModelConfig | None = None  # the version of the model config it runs
     version: int = 0
     surge: bool = False  # started beside the others by a rolling update
-    attached: bool = False  # its process's address is known and in the registry
+    attached: bool = False  # its process's address is known and in the table
+    # Its record in the replica table (there once registered), which holds its one lifecycle.
+    replica: Replica | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.replica is None:
+            self.replica = Replica(self.name, self.url, lifecycle=Lifecycle.STARTING)
+
+    @property
+    def state(self) -> Lifecycle:
+        return self.replica.lifecycle
+
+    @state.setter
+    def state(self, state: Lifecycle) -> None:
+        self.replica.lifecycle = state
 
     @property
     def url(self) -> str:
@@ -155,16 +159,11 @@ class ReplicaSet:
         env = {KV_SALT_ENV: gw.kv_salt, KV_TRANSFER_KEY_ENV: gw.kv_transfer_key}
         return ReplicaSpec(slot.name, slot.port, slot.log_path, m.model, args, env, m.memory_mb)
 
-    def _publish(self, slot: Slot) -> None:
-        rep = self.table.replicas.get(slot.name)
-        if rep is not None:
-            rep.lifecycle = slot.state.value
-
     def _start(self, slot: Slot) -> bool:
         """Starts `slot` unless its port is taken (then it shows as port_in_use until it is free)."""
         if slot.port and self.launcher.port_in_use(slot.port):
             rep = self.register(slot)  # a slot added by scaling up is not registered yet
-            if rep.state != ReplicaState.PORT_IN_USE:
+            if rep.state != Health.PORT_IN_USE:
                 log.warning("%s: port %d is in use by another process; not starting it", slot.name, slot.port)
             self.table.port_in_use(
                 slot.name,
@@ -186,12 +185,11 @@ class ReplicaSet:
         slot.host, slot.port = slot.proc.address
         self.register(slot, slot.proc).node = slot.proc.node
         slot.attached = True
-        self._publish(slot)
 
     def register(self, slot: Slot, proc=None):
         """The slot's replica in the table (a new life of it, given its process)."""
         pid, poll = (proc.pid, proc.poll) if proc is not None else (None, None)
-        rep = self.table.add(slot.name, slot.url, pid, poll)
+        rep = self.table.add(slot.name, slot.url, pid, poll, slot.replica)
         rep.restarts, rep.role, rep.model, rep.version = (
             slot.restarts,
             slot.pool.role,
@@ -230,7 +228,6 @@ class ReplicaSet:
             delay = self._backoff(slot, now)
             slot.next_start = now + delay
             slot.state = Lifecycle.STARTING
-            self._publish(slot)
             log.warning("%s exited with %s; restarting in %.1f s", slot.name, code, delay)
         elif slot.state != Lifecycle.STOPPED and now >= slot.next_start and not self._start(slot):
             slot.next_start = now + PORT_RECHECK_S
@@ -246,7 +243,6 @@ class ReplicaSet:
                 )
             slot.state = state
             slot.drain_since = time.monotonic() if state == Lifecycle.DRAINING else None
-            self._publish(slot)
             self.notify()
 
     def stop_slot(self, slot: Slot, why: str) -> None:

@@ -17,7 +17,7 @@ from shoal.fleet.proxy.forward import Forward, passthrough, unavailable
 from shoal.fleet.proxy.parts import RelayParts
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
 from shoal.fleet.proxy.upstream import Attempt, Outcome, sse_events
-from shoal.fleet.replicas.replica import ReplicaState
+from shoal.fleet.replicas.replica import Health
 from shoal.fleet.routing.policies import RouteRequest
 from shoal.protocol.errors import APIError, error_body
 
@@ -334,7 +334,7 @@ class StreamRelay:
         if text is None:
             return None
         for r in self.p.table.replicas.values():
-            if r.state == ReplicaState.READY and r.name not in self.failed:
+            if r.state == Health.READY and r.name not in self.failed:
                 try:
                     resp = await self.p.client.http.post(
                         r.url + "/tokenize",

@@ -14,7 +14,7 @@ import httpx
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
-from shoal.fleet.replicas.replica import Death, Replica, ReplicaState
+from shoal.fleet.replicas.replica import Death, Health, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.prefix_index import PrefixIndex
 
@@ -87,7 +87,7 @@ class HealthMonitor:
             await asyncio.gather(*(fn(r) for r in replicas), return_exceptions=True)
             waiting: dict[str, float] = {}
             for r in replicas:
-                up = r.state == ReplicaState.READY
+                up = r.state == Health.READY
                 self.metrics.replica_up.labels(r.name).set(1 if up else 0)
                 waiting[r.role] = waiting.get(r.role, 0) + (r.load.get("waiting", 0) if up else 0)
             for role, n in waiting.items():
@@ -101,10 +101,10 @@ class HealthMonitor:
         of the supervisor, an orphan of the old fleet may still answer on the port, and what
         answers there is not ours to route to."""
         mark_down = self.table.mark_down
-        if r.state == ReplicaState.PORT_IN_USE:
+        if r.state == Health.PORT_IN_USE:
             return
         if not r.process_alive:
-            if r.state != ReplicaState.DOWN:
+            if r.state != Health.DOWN:
                 mark_down(r.name, f"process exited with {r.proc_exit()}", r.proc_exit())
             return
         timeout = self.config.probe_timeout_s
@@ -118,36 +118,36 @@ class HealthMonitor:
         except httpx.TimeoutException as exc:
             # Frozen (SIGSTOP, a stuck event loop) or just slow: down after a few misses in a row.
             r.probe_misses += 1
-            if r.probe_misses >= self.config.probe_misses and r.state != ReplicaState.DOWN:
+            if r.probe_misses >= self.config.probe_misses and r.state != Health.DOWN:
                 mark_down(r.name, f"probe: {type(exc).__name__} {r.probe_misses} times")
             return
         except httpx.HTTPError as exc:  # refused or reset: nothing serves there now
-            if r.state == ReplicaState.LOADING and r.proc_exit is not None:
+            if r.state == Health.LOADING and r.proc_exit is not None:
                 return  # our process, still starting
-            if r.state != ReplicaState.DOWN:
+            if r.state != Health.DOWN:
                 mark_down(r.name, f"probe: {type(exc).__name__}")
             return
         r.probe_misses = 0
         if not r.process_alive:
             return  # it exited while the probe ran: whatever answered is not ours
         if health.status_code != 200:
-            if r.state == ReplicaState.LOADING:
+            if r.state == Health.LOADING:
                 r.note = f"/health {health.status_code}: {health.text[:200]}"  # e.g. the model failed to load
-            elif r.state != ReplicaState.DOWN:
+            elif r.state != Health.DOWN:
                 mark_down(r.name, f"probe: /health {health.status_code}")
             return
         is_ready = ready is not None and ready.status_code in (200, 404)  # 404: a server without /ready
-        if r.state in (ReplicaState.DOWN, ReplicaState.LOADING):
-            r.state = ReplicaState.READY if is_ready else ReplicaState.LOADING
+        if r.state in (Health.DOWN, Health.LOADING):
+            r.state = Health.READY if is_ready else Health.LOADING
             if is_ready:
                 r.consecutive_failures = 0
                 r.death, r.note = None, None  # a new life
                 self.on_ready()
-        elif not is_ready and r.state == ReplicaState.READY:
-            r.state = ReplicaState.LOADING
+        elif not is_ready and r.state == Health.READY:
+            r.state = Health.LOADING
 
     async def _poll_load(self, r: Replica) -> None:
-        if r.state in (ReplicaState.DOWN, ReplicaState.PORT_IN_USE) or r.load.get("unsupported"):
+        if r.state in (Health.DOWN, Health.PORT_IN_USE) or r.load.get("unsupported"):
             return
         try:
             resp = await self.client.get(r.url + "/load", timeout=1.0)
@@ -162,7 +162,7 @@ class HealthMonitor:
                 r.role = role
 
     async def _poll_kv(self, r: Replica) -> None:
-        if r.state in (ReplicaState.DOWN, ReplicaState.PORT_IN_USE):
+        if r.state in (Health.DOWN, Health.PORT_IN_USE):
             return
         try:
             resp = await self.client.get(r.url + "/kv_events", params={"after": r.kv_cursor}, timeout=1.0)

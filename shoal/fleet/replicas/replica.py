@@ -13,7 +13,20 @@ SERVING_ROLES = frozenset({"both", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
 
 
-class ReplicaState(StrEnum):
+class Lifecycle(StrEnum):
+    """The controller's say: only a ready replica takes traffic. One per replica: a slot of the
+    replica set and the replica's record in the table read and write the same one."""
+
+    STARTING = "starting"  # its process loads the model
+    STANDBY = "standby"  # loaded, takes no traffic until promoted
+    READY = "ready"  # takes traffic
+    DRAINING = "draining"  # takes no new traffic, finishes what it has
+    STOPPED = "stopped"
+
+
+class Health(StrEnum):
+    """What probes and the circuit breaker say of a replica (its `state`)."""
+
     LOADING = "loading"  # up but not /ready: never routed to
     READY = "ready"
     EJECTED = "ejected"  # circuit open after consecutive failures
@@ -38,7 +51,7 @@ class Death:
 class Replica:
     name: str
     url: str
-    state: ReplicaState = ReplicaState.LOADING
+    state: Health = Health.LOADING
     inflight: int = 0
     load: dict = field(default_factory=dict)  # last /load answer (shoal replicas only)
     consecutive_failures: int = 0
@@ -61,8 +74,8 @@ class Replica:
     death: Death | None = None
     role: str = "both"  # prefill, decode or both (see shoal serve --role), from /load or the launcher
     model: str | None = None  # the model id it serves, in a fleet of several models
-    # The controller's say (starting, standby, ready, draining, stopped): only "ready" takes traffic.
-    lifecycle: str = "ready"
+    # The controller's say; a replica it does not run (a --backend one) is always ready.
+    lifecycle: Lifecycle = Lifecycle.READY
     version: int = 0  # of its pool's model config (rolling updates)
     node: str | None = None  # where a remote launcher placed it (a Ray node id)
 
@@ -77,24 +90,24 @@ class Replica:
         return max(self.inflight, self.load.get("running", 0) + waiting) + 0.5 * waiting
 
     def routable(self, now: float) -> bool:
-        if self.lifecycle != "ready":
+        if self.lifecycle != Lifecycle.READY:
             return False
-        if self.state == ReplicaState.READY:
+        if self.state == Health.READY:
             return True
-        if self.state == ReplicaState.EJECTED and now >= self.open_until:
-            self.state = ReplicaState.HALF_OPEN
-        return self.state == ReplicaState.HALF_OPEN and not self.trial_inflight
+        if self.state == Health.EJECTED and now >= self.open_until:
+            self.state = Health.HALF_OPEN
+        return self.state == Health.HALF_OPEN and not self.trial_inflight
 
     def on_dispatch(self) -> None:
         self.inflight += 1
         self.requests_total += 1
-        if self.state == ReplicaState.HALF_OPEN:
+        if self.state == Health.HALF_OPEN:
             self.trial_inflight = True
 
     def on_success(self) -> None:
         self.consecutive_failures = 0
-        if self.state == ReplicaState.HALF_OPEN:
-            self.state = ReplicaState.READY
+        if self.state == Health.HALF_OPEN:
+            self.state = Health.READY
         self.trial_inflight = False
 
     def on_failure(self, reason: str, eject_after: int, eject_for: float) -> bool:
@@ -102,10 +115,10 @@ class Replica:
         self.recent_errors.append((time.time(), reason))
         self.consecutive_failures += 1
         self.trial_inflight = False
-        if self.state == ReplicaState.HALF_OPEN or (
-            self.state == ReplicaState.READY and self.consecutive_failures >= eject_after
+        if self.state == Health.HALF_OPEN or (
+            self.state == Health.READY and self.consecutive_failures >= eject_after
         ):
-            self.state = ReplicaState.EJECTED
+            self.state = Health.EJECTED
             self.open_until = time.monotonic() + eject_for
             return True
         return False
@@ -126,7 +139,7 @@ class Replica:
             "note": self.note,
             "role": self.role,
             "model": self.model,
-            "lifecycle": self.lifecycle,
+            "lifecycle": self.lifecycle.value,
             "version": self.version,
             "node": self.node,
         }

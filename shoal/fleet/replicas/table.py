@@ -7,7 +7,7 @@ import contextlib
 import time
 
 from shoal.fleet.metrics import GatewayMetrics
-from shoal.fleet.replicas.replica import SERVING_ROLES, Death, Replica, ReplicaState
+from shoal.fleet.replicas.replica import SERVING_ROLES, Death, Health, Replica
 from shoal.fleet.routing.prefix_index import PrefixIndex
 
 
@@ -18,15 +18,18 @@ class ReplicaTable:
         self.default_block_size = default_block_size
         self.replicas: dict[str, Replica] = {}
 
-    def add(self, name: str, url: str, pid: int | None = None, proc_exit=None) -> Replica:
-        """A replica, or a new life of one (its process restarted): probes decide when it is ready."""
+    def add(
+        self, name: str, url: str, pid: int | None = None, proc_exit=None, replica: Replica | None = None
+    ) -> Replica:
+        """A replica (`replica`, when its slot made its record), or a new life of one (its process
+        restarted): probes decide when it is ready."""
         r = self.replicas.get(name)
         if r is None:
-            r = self.replicas[name] = Replica(name, url.rstrip("/"))
+            r = self.replicas[name] = replica or Replica(name, url.rstrip("/"))
         r.url, r.pid = url.rstrip("/"), pid
         if proc_exit is not None:
             r.proc_exit = proc_exit
-            r.state, r.death, r.note, r.probe_misses = ReplicaState.LOADING, None, None, 0
+            r.state, r.death, r.note, r.probe_misses = Health.LOADING, None, None, 0
         return r
 
     def remove(self, name: str) -> None:
@@ -49,9 +52,9 @@ class ReplicaTable:
     def mark_down(self, name: str, reason: str, exit_code: int | None = None) -> None:
         """Takes a replica out of routing and fails over every request relayed from it at once."""
         r = self.replicas[name]
-        if r.state != ReplicaState.DOWN:
+        if r.state != Health.DOWN:
             r.recent_errors.append((time.time(), reason))
-        r.state = ReplicaState.DOWN
+        r.state = Health.DOWN
         self.witness(r, reason, exit_code)
         self.index.reset(name)
         for attempt in list(r.attempts):
@@ -59,9 +62,9 @@ class ReplicaTable:
 
     def port_in_use(self, name: str, note: str) -> None:
         r = self.replicas[name]
-        if r.state != ReplicaState.PORT_IN_USE:
+        if r.state != Health.PORT_IN_USE:
             r.recent_errors.append((time.time(), note))
-        r.state, r.note, r.pid, r.proc_exit = ReplicaState.PORT_IN_USE, note, None, None
+        r.state, r.note, r.pid, r.proc_exit = Health.PORT_IN_USE, note, None, None
         self.index.reset(name)
 
     @property
@@ -85,4 +88,4 @@ class ReplicaTable:
         return self.routable(model, now, SERVING_ROLES)
 
     def ready(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.state == ReplicaState.READY]
+        return [r for r in self.replicas.values() if r.state == Health.READY]
