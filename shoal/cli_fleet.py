@@ -185,6 +185,8 @@ def cmd_fleet_usage(args) -> int:
 
 
 def add_fleet_parsers(sub) -> None:
+    from shoal.fleet.routing.policies import POLICIES
+
     def gateway_args(p):
         p.add_argument(
             "--config", default=None, help="TOML file: replicas, model, [gateway] policy and limits"
@@ -194,7 +196,7 @@ def add_fleet_parsers(sub) -> None:
         p.add_argument(
             "--policy",
             default=None,
-            choices=["kv_aware", "round_robin", "least_load", "power_of_two", "session"],
+            choices=list(POLICIES),
         )
         p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on probes)")
         p.add_argument(

@@ -3,6 +3,7 @@ restart backoff, stream continuation bookkeeping."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from types import SimpleNamespace
@@ -207,3 +208,23 @@ def test_stream_state_resumes_each_choice_and_merges_the_answers():
     final = st.final_usage()
     assert final["id"] == "cmpl-1" and final["usage"]["prompt_tokens"] == 2
     assert final["usage"]["completion_tokens"] == 5 and final["usage"]["total_tokens"] == 7
+
+
+def test_the_gateway_renders_chat_prompts_with_the_replicas_tool_format():
+    """Tools offered in a chat request are rendered into the prompt in the replicas' tool format
+    (their --tool-call-parser), by the server's own function: the gateway's hashes are theirs."""
+    from shoal.fleet.gateway import Gateway
+    from shoal.models.chat_prompt import chat_token_ids, raw_messages
+    from shoal.models.tool_formats import HERMES, SMOLLM2, offered_tools
+
+    fleet = FleetConfig(replica_args=["--tool-call-parser", "hermes"])
+    gw = Gateway(fleet.gateway, fleet)
+    asyncio.run(gw.keys.start())
+    body = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
+    }
+    ids = gw.keys.prompt_ids("/v1/chat/completions", body)
+    tok, messages, tools = gw.keys.tokenizer, raw_messages(body["messages"]), offered_tools(body)
+    assert ids == chat_token_ids(tok, messages, tools, HERMES)
+    assert ids != chat_token_ids(tok, messages, tools, SMOLLM2)  # what "auto" renders for this model

@@ -10,17 +10,24 @@ from shoal.fleet.config import FleetConfig, ModelConfig
 from shoal.models.checkpoint import resolve_model
 
 
+def replica_flag(model: ModelConfig, flag: str) -> str | None:
+    """The value `model`'s replicas are started with for `flag` (--flag V or --flag=V), if any."""
+    args = model.replica_args
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def served_name(model: ModelConfig) -> str | None:
     """The id a replica of `model` answers to: its name, its --served-model-name, or the
     checkpoint's own name (None when the checkpoint cannot be found here)."""
     if model.name:
         return model.name
-    args = model.replica_args
-    for i, a in enumerate(args):
-        if a == "--served-model-name" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith("--served-model-name="):
-            return a.split("=", 1)[1]
+    if (name := replica_flag(model, "--served-model-name")) is not None:
+        return name
     try:
         return resolve_model(model.model)[0]
     except FileNotFoundError:
@@ -51,6 +58,10 @@ class ModelCatalog:
     def scalable(self) -> bool:
         """Some model may scale to zero and back: the fleet takes requests with no replica up."""
         return any(m.autoscaled for m in self.models)
+
+    def tool_call_parser(self) -> str | None:
+        """The --tool-call-parser of the model whose tokenizer the gateway routes with (the first)."""
+        return replica_flag(self.models[0], "--tool-call-parser") if self.models else None
 
     def listed(self) -> list[str]:
         """The model ids `/v1/models` shows even with no replica up."""

@@ -10,11 +10,10 @@ from typing import Any
 
 from shoal.fleet.admission.tenants import TenantConfig
 from shoal.fleet.control.autoscaler import AutoscaleConfig
+from shoal.fleet.routing.policies import POLICIES
 from shoal.fleet.routing.tiers import TierConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
-
-POLICIES = ("kv_aware", "round_robin", "least_load", "power_of_two", "session")
 
 
 @dataclass
@@ -24,6 +23,9 @@ class GatewayConfig:
     backends: list[str] = field(default_factory=list)  # replicas that already run
     policy: str = "kv_aware"
     tokenizer: str | None = None  # checkpoint whose tokenizer hashes prompts (kv_aware); default bundled
+    # How the replicas offer tools in a prompt (their --tool-call-parser), for the same hashes;
+    # default: as a fleet starts its replicas, else auto.
+    tool_call_parser: str | None = None
     api_key: str | None = None  # clients must send it; /health, /ready and /metrics stay open
     replica_api_key: str | None = None  # what the gateway sends to replicas; default: api_key
     kv_salt: str | None = None  # salt of the prompt block hashes; default: $SHOAL_KV_SALT, else from the key

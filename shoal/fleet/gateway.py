@@ -60,7 +60,8 @@ class Gateway:
         self.index = index = PrefixIndex()
         self.policy = make_policy(config.policy, index, config.load_weight, config.imbalance_limit)
         self.table = table = ReplicaTable(index, metrics, config.block_size)
-        self.keys = PromptKeys(config, table)
+        parser = config.tool_call_parser or self.catalog.tool_call_parser() or "auto"
+        self.keys = PromptKeys(config, table, parser)
         self.tiers = TierRouter(config.tiers, metrics)
         # Admission.
         self.tenants = tenants = Tenants(config.tenants, config.api_key)

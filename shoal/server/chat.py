@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.structured import StructuredOutput
+from shoal.models.chat_prompt import chat_token_ids
 from shoal.models.chat_template import ChatTemplateError
-from shoal.models.tool_formats import conversation
 from shoal.protocol.errors import APIError
+from shoal.protocol.sse import SSE_DONE, sse
 from shoal.server.common import (
-    SSE_DONE,
     ServingContext,
     close_all,
     close_timers,
@@ -27,7 +27,6 @@ from shoal.server.common import (
     request_id,
     resumed_params,
     run_to_end,
-    sse,
     stream_error,
     usage,
 )
@@ -46,11 +45,9 @@ async def chat_prompt(
         + len(json.dumps(tools or [])),
         "messages",
     )
-    template = ctx.tokenizer.chat_template
     try:
-        rendered, kwargs = conversation(flat, tools, ctx.tool_format, template)
         return await ctx.run_off_loop(
-            ctx.tokenizer.encode_chat, rendered, add_generation_prompt=add_generation_prompt, **kwargs
+            chat_token_ids, ctx.tokenizer, flat, tools, ctx.tool_format, add_generation_prompt
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), "messages") from None

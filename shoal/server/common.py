@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,10 +20,11 @@ from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import SMOLLM2, ToolFormat
 from shoal.protocol.errors import RANK_LOST_CODE, APIError, overloaded
+from shoal.protocol.resume import Resume
 from shoal.protocol.seeds import derive_seed
 from shoal.server.kv_connector import KVConnector
 from shoal.server.metrics import RequestTimer, ServerMetrics
-from shoal.server.protocol import KVTransferParams, Resume
+from shoal.server.protocol import KVTransferParams
 
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL_S = 0.05
@@ -252,13 +252,6 @@ def close_timers(timers: list[RequestTimer]) -> None:
     """Counts the requests that ended without finishing (client gone, failed) as aborted."""
     for t in timers:
         t.close()
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shoal.engine.outputs import TokenLogprob
 from shoal.protocol.errors import APIError
+from shoal.protocol.sse import SSE_DONE, sse
 from shoal.server.common import (
-    SSE_DONE,
     ServingContext,
     close_all,
     close_timers,
@@ -23,7 +23,6 @@ from shoal.server.common import (
     request_id,
     resumed_params,
     run_to_end,
-    sse,
     stream_error,
     usage,
 )

@@ -18,10 +18,9 @@ from shoal.engine.structured import StructuredOutput, parse_request_structure
 from shoal.models.chat_template import template_message
 from shoal.models.tool_formats import function_spec
 from shoal.protocol.bodies import STRUCTURED_FIELDS
+from shoal.protocol.resume import Resume, TokenId, TokenIds
 from shoal.protocol.seeds import SEED_MAX, SEED_MIN
 
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # Prompts in one completions request (each is an engine request, times n).
 MAX_PROMPTS = 64
 MAX_TOOLS = 128  # OpenAI's limit on tools in one request
@@ -56,17 +55,6 @@ class _Request(BaseModel):
                 if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None
             }
         return data
-
-
-class Resume(_Request):
-    """shoal's extension for a gateway continuing a stream whose replica died: the prompt as
-    token ids, the tokens already streamed for choice `index`, and how many characters of its
-    text the client already has."""
-
-    prompt_token_ids: TokenIds
-    output_token_ids: list[TokenId] = Field(default_factory=list)
-    index: Annotated[StrictInt, Field(ge=0, le=255)] = 0
-    text_offset: Annotated[StrictInt, Field(ge=0)] = 0
 
 
 class KVTransferParams(_Request):

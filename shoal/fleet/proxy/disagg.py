@@ -29,6 +29,7 @@ from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.bodies import STRUCTURED_FIELDS
 from shoal.protocol.errors import APIError
 from shoal.protocol.metric_names import LATENCY_BUCKETS
+from shoal.protocol.resume import RESUME_FIELD
 from shoal.protocol.secrets import KV_TRANSFER_KEY_HEADER
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class Disaggregator:
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
         if (
-            body.get("resume") is not None
+            body.get(RESUME_FIELD) is not None
             or body.get("echo")  # the prompt's logprobs are computed where the prompt is
             or body.get("max_tokens") == 0
             or several

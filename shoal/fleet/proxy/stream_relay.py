@@ -5,7 +5,6 @@ the client's one stream."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -20,20 +19,16 @@ from shoal.fleet.proxy.upstream import Attempt, Outcome, sse_events
 from shoal.fleet.replicas.replica import Health
 from shoal.fleet.routing.policies import RouteRequest
 from shoal.protocol.errors import APIError, error_body
+from shoal.protocol.sse import SSE_DONE, sse
 
 log = logging.getLogger(__name__)
 
-SSE_DONE = "data: [DONE]\n\n"
 _closing: set[asyncio.Task] = set()  # cleanup tasks outliving their relay (the loop holds tasks weakly)
 
 
 def _keep(task: asyncio.Task) -> None:
     _closing.add(task)
     task.add_done_callback(_closing.discard)
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _with_usage(body: dict) -> dict:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shoal.protocol.resume import RESUME_FIELD, resume_field
+
 
 def prompt_count(path: str, body: dict) -> int:
     """How many prompts a request holds (completions take a list of them)."""
@@ -105,16 +107,8 @@ class StreamState:
             # The echoed prompt's length is unknown: claim all the text, so nothing is sent twice
             # (at worst a held-back partial character at the cut is lost).
             output_text = c.text_len
-        body.update(
-            stream=True,
-            return_token_ids=True,
-            resume={
-                "prompt_token_ids": prompt_ids,
-                "output_token_ids": list(c.ids),
-                "index": index,
-                "text_offset": max(0, output_text),
-            },
-        )
+        body.update(stream=True, return_token_ids=True)
+        body[RESUME_FIELD] = resume_field(prompt_ids, list(c.ids), index, max(0, output_text))
         self.continued = True
         return body, Tag(index, c.text_len)
 

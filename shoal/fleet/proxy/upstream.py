@@ -14,6 +14,7 @@ import httpx
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.replicas.replica import Replica
 from shoal.protocol.errors import RANK_LOST_CODE
+from shoal.protocol.sse import DONE_DATA, event_data
 
 ENCODE_INLINE_BYTES = 64 * 1024  # larger bodies are serialized on a thread
 
@@ -115,10 +116,10 @@ async def sse_events(
             line = await anext(lines, None)
         if line is None:
             raise httpx.RemoteProtocolError("the stream ended without [DONE]")
-        if not line.startswith("data:"):
+        data = event_data(line)
+        if data is None:
             continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+        if data == DONE_DATA:
             return
         try:
             obj = json.loads(data)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from shoal.fleet.replicas.replica import Replica
 from shoal.fleet.routing.prefix_index import PrefixIndex
@@ -24,18 +26,19 @@ class RouteRequest:
     charged: bool = False
 
 
-class Policy:
-    name = "policy"
+class Policy(Protocol):
+    """Picks one replica from the routable candidates (never empty) and says why (a metric label)."""
 
-    def choose(self, candidates: list[Replica], req: RouteRequest) -> tuple[Replica, str]:
-        raise NotImplementedError
+    name: str
+
+    def choose(self, candidates: list[Replica], req: RouteRequest) -> tuple[Replica, str]: ...
 
 
 def least_loaded(candidates: list[Replica]) -> Replica:
     return min(candidates, key=lambda r: (r.outstanding, r.requests_total))
 
 
-class RoundRobin(Policy):
+class RoundRobin:
     name = "round_robin"
 
     def __init__(self):
@@ -47,14 +50,14 @@ class RoundRobin(Policy):
         return r, "round_robin"
 
 
-class LeastLoad(Policy):
+class LeastLoad:
     name = "least_load"
 
     def choose(self, candidates, req):
         return least_loaded(candidates), "least_load"
 
 
-class PowerOfTwo(Policy):
+class PowerOfTwo:
     name = "power_of_two"
 
     def __init__(self, seed: int | None = None):
@@ -71,7 +74,7 @@ def _affinity(session: str, replica: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{session}|{replica}".encode()).digest()[:8], "little")
 
 
-class Session(Policy):
+class Session:
     """Sticky by session key with rendezvous hashing: a session keeps its replica while that one is
     routable, and only the sessions of a lost replica move."""
 
@@ -84,7 +87,7 @@ class Session(Policy):
         return best, "session"
 
 
-class KVAware(Policy):
+class KVAware:
     """Lowest cost = prompt blocks the replica lacks + load_weight x its outstanding requests; when
     load is too uneven, the least loaded replica wins whatever it holds."""
 
@@ -111,15 +114,18 @@ class KVAware(Policy):
         return best, "prefix_hit" if matched[best.name] else "no_prefix"
 
 
+# The one registry of policies: the config check, the flags' choices and the gateway read it.
+# Each entry makes its policy from (index, load_weight, imbalance_limit).
+POLICIES: dict[str, Callable[[PrefixIndex, float, int], Policy]] = {
+    "kv_aware": KVAware,
+    "round_robin": lambda *_: RoundRobin(),
+    "least_load": lambda *_: LeastLoad(),
+    "power_of_two": lambda *_: PowerOfTwo(),
+    "session": lambda *_: Session(),
+}
+
+
 def make_policy(name: str, index: PrefixIndex, load_weight: float = 8.0, imbalance_limit: int = 16) -> Policy:
-    if name == "kv_aware":
-        return KVAware(index, load_weight, imbalance_limit)
-    table = {
-        "round_robin": RoundRobin,
-        "least_load": LeastLoad,
-        "power_of_two": PowerOfTwo,
-        "session": Session,
-    }
-    if name not in table:
-        raise ValueError(f"unknown routing policy {name!r}; choose from kv_aware, {', '.join(table)}")
-    return table[name]()
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
+    return POLICIES[name](index, load_weight, imbalance_limit)

@@ -11,9 +11,9 @@ import logging
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.policies import RouteRequest
-from shoal.models.chat_template import template_message
+from shoal.models.chat_prompt import chat_token_ids, raw_messages
 from shoal.models.tokenizer import Tokenizer
-from shoal.models.tool_formats import conversation, offered_tools, tool_format
+from shoal.models.tool_formats import ToolFormat, offered_tools, tool_format
 from shoal.protocol.block_hash import NONE_HASH, hash_blocks, root_hash
 from shoal.protocol.secrets import kv_salt
 
@@ -43,10 +43,12 @@ def prompt_chars(path: str, body: dict) -> int:
 
 
 class PromptKeys:
-    def __init__(self, config: GatewayConfig, table: ReplicaTable):
+    def __init__(self, config: GatewayConfig, table: ReplicaTable, tool_call_parser: str = "auto"):
         self.config = config
         self.table = table  # the replicas' block size
+        self.tool_call_parser = tool_call_parser  # the replicas' --tool-call-parser
         self.tokenizer: Tokenizer | None = None
+        self.tool_format: ToolFormat | None = None
         self.kv_root = NONE_HASH
 
     async def start(self) -> None:
@@ -56,6 +58,7 @@ class PromptKeys:
             from shoal.models.checkpoint import load_tokenizer
 
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
+            self.tool_format = tool_format(self.tool_call_parser, self.tokenizer.chat_template)
         except Exception as exc:  # a foreign model: route on text blocks instead
             log.warning("no tokenizer for prefix routing (%s); hashing prompt text instead", exc)
 
@@ -72,22 +75,13 @@ class PromptKeys:
             messages = body.get("messages")
             if tok is None or not isinstance(messages, list):
                 return None
-            # Rendered as the replica renders them (developer as system, tools offered in the
-            # template's way), so the hashes agree.
-            flat = [m if isinstance(m, dict) else {} for m in messages]
-            rendered, kwargs = conversation(
-                [
-                    template_message(
-                        m.get("role", "user"), m.get("content"), m.get("tool_calls"), m.get("tool_call_id")
-                    )
-                    for m in flat
-                ],
+            # Rendered by the replica's own function, with its tool format, so the hashes agree.
+            return chat_token_ids(
+                tok,
+                raw_messages(messages),
                 offered_tools(body),
-                tool_format("auto", tok.chat_template),
-                tok.chat_template,
-            )
-            return tok.encode_chat(
-                rendered, add_generation_prompt=body.get("add_generation_prompt") is not False, **kwargs
+                self.tool_format,
+                body.get("add_generation_prompt") is not False,
             )
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
