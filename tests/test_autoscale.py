@@ -14,6 +14,7 @@ import pytest
 
 from shoal.fleet.config import load_fleet_config
 from shoal.fleet.control.autoscaler import AutoscaleConfig, Autoscaler, Signals
+from shoal.models.checkpoint import BUNDLED_NAME
 from tests.fleet_helpers import metric, spawn, wait_until
 
 CFG = AutoscaleConfig(target_inflight=4, target_waiting=4, target_kv_usage=0.8, scale_up_delay_s=1.0)
@@ -230,6 +231,19 @@ def test_an_idle_model_is_unloaded_when_memory_is_short(tmp_path):
         assert metric(gw.url, 'shoal:gateway_model_unloads_total{pool="a"}') == 1
         assert ask(gw, "a").status_code == 200  # and back: now b, idle, makes room
         assert states(gw, "a") == ["ready"] and states(gw, "b") == []
+    finally:
+        gw.stop()
+
+
+def test_a_fleet_from_flags_at_zero_lists_its_model():
+    """`shoal fleet up --min-replicas 0`: no replica runs, and /v1/models still names the model, so
+    that a client can find what to ask for (and its request wakes it)."""
+    gw = spawn(["fleet", "up", "--min-replicas", "0", "--max-replicas", "1", "--base-port", "0"])
+    try:
+        wait_until(gw, lambda: gw.get("/ready").status_code == 200, 60)
+        assert gw.get("/replicas").json()["replicas"] == []
+        ids = [m["id"] for m in gw.get("/v1/models").json()["data"]]
+        assert ids == [BUNDLED_NAME], ids
     finally:
         gw.stop()
 

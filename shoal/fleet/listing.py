@@ -42,6 +42,8 @@ class ModelListing:
                 with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
                     for c in a.json().get("data", []):
                         cards.setdefault(c["id"], c)
+        for name in self.catalog.listed():  # a model at zero replicas is still there to ask for
+            cards.setdefault(name, card(name))
         for t in self.tiers.routes:
             cards[t] = card(t)
         return {"object": "list", "data": [c for c in cards.values() if tenant.may_use(c["id"])]}
