@@ -15,9 +15,9 @@ from shoal.fleet.control.launchers.local import port_in_use
 from shoal.fleet.control.replica_set import ReplicaSet, Slot
 from shoal.fleet.proxy.poison import PoisonGuard, crashed, fingerprint
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Death, Health, Replica
 from shoal.fleet.routing.policies import KVAware, RouteRequest, Session
-from shoal.fleet.routing.prefix_index import PrefixIndex
 from shoal.protocol.block_hash import hash_blocks
 
 

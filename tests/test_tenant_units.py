@@ -253,10 +253,10 @@ def test_shares_decide_who_skips_the_queue_and_who_runs_after_its_class():
     from shoal.fleet.admission.shares import FairShares
     from shoal.fleet.config import GatewayConfig
     from shoal.fleet.metrics import GatewayMetrics
+    from shoal.fleet.replicas.prefix_index import PrefixIndex
     from shoal.fleet.replicas.replica import Health, Replica
     from shoal.fleet.replicas.table import ReplicaTable
     from shoal.fleet.routing.policies import RouteRequest
-    from shoal.fleet.routing.prefix_index import PrefixIndex
 
     cfg = GatewayConfig(max_inflight_per_replica=4)
     table = ReplicaTable(PrefixIndex(), GatewayMetrics(), cfg.block_size)

@@ -37,10 +37,10 @@ from shoal.fleet.proxy.poison import PoisonGuard
 from shoal.fleet.proxy.proxy import Proxy
 from shoal.fleet.proxy.upstream import UpstreamClient
 from shoal.fleet.replicas.health import HealthMonitor
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routes import Edge, build_app
 from shoal.fleet.routing.policies import make_policy
-from shoal.fleet.routing.prefix_index import PrefixIndex
 from shoal.fleet.routing.prompt_keys import PromptKeys
 from shoal.fleet.routing.tiers import TierRouter
 

@@ -18,9 +18,9 @@ from shoal.fleet.control.controller import FleetController
 from shoal.fleet.listing import ModelListing
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.pipeline import Pipeline
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.policies import Policy
-from shoal.fleet.routing.prefix_index import PrefixIndex
 from shoal.fleet.status_page import status_html
 from shoal.protocol.auth import bearer_matches
 from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object

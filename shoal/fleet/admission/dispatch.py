@@ -15,10 +15,10 @@ from shoal.fleet.admission.shares import FairShares
 from shoal.fleet.admission.signals import DemandSignals
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import SERVING_ROLES, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.policies import Policy, RouteRequest
-from shoal.fleet.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""The replica table and health probing: what the gateway knows of each replica."""
+"""The replica table, health probing and the prefix index: what the gateway knows of each replica
+(its state, its load, the blocks it caches)."""

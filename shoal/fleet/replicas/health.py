@@ -14,9 +14,9 @@ import httpx
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Death, Health, Replica
 from shoal.fleet.replicas.table import ReplicaTable
-from shoal.fleet.routing.prefix_index import PrefixIndex
 
 
 class HealthMonitor:

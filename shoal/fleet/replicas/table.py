@@ -7,8 +7,8 @@ import contextlib
 import time
 
 from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import SERVING_ROLES, Death, Health, Replica
-from shoal.fleet.routing.prefix_index import PrefixIndex
 
 
 class ReplicaTable:

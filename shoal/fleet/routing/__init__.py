@@ -1,1 +1,1 @@
-"""Routing: policies behind one protocol and registry, the prefix index, prompt keys, tiers."""
+"""Routing: policies behind one protocol and registry, prompt keys, tiers."""
