@@ -89,7 +89,7 @@ class GatewayConfig:
     # shoal cache directory, per port.
     state_dir: str | None = None
     # The batch lane: its requests run at this priority (after every interactive class) and at
-    # most this many at once, only on spare capacity (see batch_runner.py).
+    # most this many at once, only on spare capacity (see batch/runner.py).
     batch_priority: int = 100
     batch_max_inflight: int = 4
     batch_poll_interval_s: float = 0.2

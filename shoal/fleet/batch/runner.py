@@ -1,5 +1,5 @@
 """The batch lane: batches validated at creation, then run line by line on the fleet's spare
-capacity, durably (see batch_store.py), until done, expired or cancelled."""
+capacity, durably (see store.py), until done, expired or cancelled."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ class Outcome:
     """How an attempt failed.
 
     kind: "not_sent" (connect or write failed), "timeout" (our deadline, the replica still up),
-    "interrupted" (the registry marked the replica down mid-request), "dropped" (the connection
+    "interrupted" (the replica table marked it down mid-request), "dropped" (the connection
     or stream broke), "engine_dead" (the replica says its engine died under the request),
     "internal_error" (the replica says the request itself failed in the engine), "error" (any
     other error the replica sent in-band)."""
@@ -42,7 +42,8 @@ class Outcome:
 
 
 class Attempt:
-    """Registered with its replica while in flight, so that the registry can interrupt it."""
+    """Registered with its replica while in flight, so that marking the replica down
+    (replicas/table.py) interrupts it."""
 
     def __init__(self, replica: Replica):
         self.replica = replica

@@ -16,7 +16,7 @@ from shoal.fleet.replicas.replica import Replica
 class RouteRequest:
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, if known
     session: str | None = None
-    cached_blocks: int = 0  # set by the registry: leading blocks the chosen replica already held
+    cached_blocks: int = 0  # set by dispatch: leading blocks the chosen replica already held
     model: str | None = None  # the model asked for, in a fleet of several (None: the only one)
     # Admission: whose request, at which priority (lower first), about how many prompt tokens
     # (charged to the tenant's fair share once, when it is first dispatched).
