@@ -64,8 +64,11 @@ class Gateway:
         self.keys = PromptKeys(config, table, parser)
         self.tiers = TierRouter(config.tiers, metrics)
         # Admission.
-        self.tenants = tenants = Tenants(config.tenants, config.api_key)
-        tenants.on_limited = lambda t, limit: metrics.tenant_rate_limited.labels(t.name, limit).inc()
+        self.tenants = tenants = Tenants(
+            config.tenants,
+            config.api_key,
+            on_limited=lambda t, limit: metrics.tenant_rate_limited.labels(t.name, limit).inc(),
+        )
         self.demand = DemandSignals()
         self.canary = CanarySplit()
         fair = FairQueue({t.name: t.config.weight for t in tenants.all.values()})

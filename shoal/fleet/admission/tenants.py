@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,7 +222,14 @@ class Ticket:
 class Tenants:
     """Keys to tenants, and admission against each tenant's limits."""
 
-    def __init__(self, configs: list[TenantConfig], operator_key: str | None, clock=time.monotonic):
+    def __init__(
+        self,
+        configs: list[TenantConfig],
+        operator_key: str | None,
+        clock=time.monotonic,
+        on_limited: Callable[[Tenant, str], None] | None = None,
+    ):
+        self.on_limited = on_limited or (lambda tenant, limit: None)  # (tenant, limit): for metrics
         self.by_hash: dict[str, Tenant] = {}
         self.all: dict[str, Tenant] = {}
         for c in configs:
@@ -304,9 +312,6 @@ class Tenants:
         return APIError(
             429, f"{message}; retry after {wait_s:.1f} s", code="rate_limit_exceeded", headers=headers
         )
-
-    def on_limited(self, tenant: Tenant, limit: str) -> None:
-        """Hook for metrics (set by the gateway)."""
 
     def counts(self) -> dict[tuple[str, str], Usage]:
         """This process's usage by (tenant, lane)."""
