@@ -29,10 +29,10 @@ class FleetHistory:
         if now - self._last < SAMPLE_EVERY_S:
             return
         self._last = now
-        pools = {}
+        by_key = {}
         for p in pools:
             s = signals(p, now)
-            pools[p.key] = {
+            by_key[p.key] = {
                 "active": s.active,
                 "desired": p.desired,
                 "standby": len(p.in_state(Lifecycle.STANDBY)),
@@ -43,4 +43,4 @@ class FleetHistory:
                 "kv_usage": round(s.kv_usage, 4),
                 "ttft_p90": s.ttft_p90,
             }
-        self.samples.append({"time": time.time(), "pools": pools})
+        self.samples.append({"time": time.time(), "pools": by_key})
