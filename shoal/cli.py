@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shoal.cli_flags import add_flags, build
 from shoal.cli_fleet import add_fleet_parsers
-from shoal.cli_options import add_engine_args, add_sampling_args, engine_options, parse_size, sampling_params
+from shoal.cli_options import (
+    add_engine_args,
+    add_sampling_args,
+    engine_options,
+    sampling_params,
+    serve_flag_sets,
+)
 
 
 def _make_llm(args):
@@ -63,41 +70,17 @@ def _chat(llm, args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from shoal.engine.async_engine import AsyncEngineConfig
     from shoal.llm import build_engine_config
-    from shoal.server.kv_connector import KVConnectorConfig
-    from shoal.server.launch import ServerConfig, serve
+    from shoal.server.launch import serve
 
-    model = args.model_pos or args.model
+    server_flags, front_flags, kv_flags = serve_flag_sets()
     try:
-        kv = KVConnectorConfig(
-            role=args.role,
-            transport=args.kv_transport,
-            transfer_timeout_s=args.kv_transfer_timeout,
-            hold_timeout_s=args.kv_hold_timeout,
-        )
+        kv = build(args, kv_flags)
     except ValueError as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
-    front = AsyncEngineConfig(
-        max_waiting_requests=args.max_waiting_requests,
-        max_waiting_tokens=args.max_waiting_tokens,
-        stall_timeout_s=args.stall_timeout,
-    )
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        front=front,
-        trust_request_priority=args.trust_request_priority,
-        kv_salt=args.kv_salt,
-        tool_call_parser=args.tool_call_parser,
-        kv=kv,
-    )
-    if args.max_request_bytes:
-        server.max_request_bytes = args.max_request_bytes
+    server = build(args, server_flags, front=build(args, front_flags), kv=kv)
+    model = args.model_pos or args.model
     options = {"enable_kv_events": True, **engine_options(args)}  # a fleet router may subscribe
     return serve(build_engine_config(model, **options), server)
 
@@ -172,60 +155,30 @@ def cmd_bench_multiturn(args) -> int:
     return 0 if run_multiturn(cfg)["completed"] else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with `command` the options of that subcommand only: the engine's and
+    the server's flags come from their config dataclasses, whose modules import torch, and a
+    `shoal fleet` command has no use for either."""
     parser = argparse.ArgumentParser(prog="shoal", description="Serve large language models.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def wanted(name: str) -> bool:
+        return command is None or command == name
 
     p = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     p.add_argument(
         "model_pos", nargs="?", metavar="MODEL", help="GGUF file or HF directory (default: bundled)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: its name)")
-    p.add_argument("--max-waiting-requests", type=int, default=256, help="past this queue, answer 503")
-    p.add_argument("--max-waiting-tokens", type=int, default=262_144, help="prompt tokens queued before 503")
-    p.add_argument("--stall-timeout", type=float, default=60.0, help="a step longer than this is unhealthy")
-    p.add_argument(
-        "--max-request-bytes", type=parse_size, default=None, help="larger bodies get 413 (default 4MiB)"
-    )
-    p.add_argument(
-        "--trust-request-priority",
-        action="store_true",
-        help="take a request's `priority` as given (else a client can only lower its own priority)",
-    )
-    p.add_argument(
-        "--kv-salt",
-        default=None,
-        help="secret salt of the KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        default="auto",
-        choices=["auto", "smollm2", "hermes", "llama3_json"],
-        help="how the model writes tool calls; auto: the format its chat template uses (SmolLM2's "
-        "own where the template has no tools)",
-    )
-    p.add_argument("--log-level", default="warning")
-    g = p.add_argument_group("prefill/decode disaggregation (the K/V key comes from $SHOAL_KV_TRANSFER_KEY)")
-    g.add_argument(
-        "--role",
-        choices=["both", "prefill", "decode"],
-        default="both",
-        help="what a disaggregating gateway sends here: prompts to prefill, or generation",
-    )
-    g.add_argument("--kv-transport", choices=["auto", "shm", "tcp", "nixl"], default="auto")
-    g.add_argument(
-        "--kv-transfer-timeout", type=float, default=10.0, help="seconds before a K/V pull is given up"
-    )
-    g.add_argument(
-        "--kv-hold-timeout", type=float, default=30.0, help="seconds a prefilled K/V waits to be pulled"
-    )
-    add_engine_args(p)
+    if wanted("serve"):
+        server_flags, front_flags, kv_flags = serve_flag_sets()
+        add_flags(p, server_flags)
+        add_flags(p, front_flags)
+        disagg = "prefill/decode disaggregation (the K/V key comes from $SHOAL_KV_TRANSFER_KEY)"
+        add_flags(p.add_argument_group(disagg), kv_flags)
+        add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
-    add_fleet_parsers(sub)
+    add_fleet_parsers(sub, full=wanted("fleet") or wanted("gateway"))
 
     p = sub.add_parser("worker", help="one rank of a tensor/pipeline-parallel engine, on another host")
     p.add_argument("--driver", required=True, help="HOST:PORT of the engine (its --distributed-port)")
@@ -234,14 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
     p.add_argument("prompt", nargs="+")
-    add_engine_args(p)
+    if wanted("generate"):
+        add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the model (one answer with PROMPT, else interactive)")
     p.add_argument("prompt", nargs="?")
     p.add_argument("--system", default=None)
-    add_engine_args(p)
+    if wanted("chat"):
+        add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -258,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--json", default=None, help="write the results here")
-    add_engine_args(p)
+    if wanted("bench"):
+        add_engine_args(p)
     p.set_defaults(func=cmd_bench_offline)
 
     p = bench.add_parser("serve", help="load an OpenAI-compatible endpoint; latency and throughput")
@@ -301,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), "")  # "": none given, build no options
+    args = build_parser(command).parse_args(argv)
     from shoal.models.checkpoint import ModelNotFoundError
 
     try:
