@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shoal.cli_bench import add_bench_parsers
 from shoal.cli_flags import add_flags, build
 from shoal.cli_fleet import add_fleet_parsers
 from shoal.cli_options import (
@@ -91,70 +92,6 @@ def cmd_worker(args) -> int:
     return main(["--driver", args.driver, "--rank", str(args.rank)])
 
 
-def cmd_bench_offline(args) -> int:
-    from shoal.bench.offline import OfflineBenchConfig, run_offline_bench
-
-    cfg = OfflineBenchConfig(
-        num_requests=args.num_requests,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        input_len_range=tuple(args.input_len_range) if args.input_len_range else None,
-        output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
-        seed=args.seed,
-        compare_hf=args.compare_hf,
-        hf_batch_size=args.hf_batch_size,
-        json_path=args.json,
-    )
-    run_offline_bench(cfg, args.model, engine_options(args))
-    return 0
-
-
-def cmd_bench_serve(args) -> int:
-    from shoal.bench.serve import ServeBenchConfig, run_serve_bench
-
-    cfg = ServeBenchConfig(
-        base_url=args.base_url.rstrip("/").removesuffix("/v1"),
-        model=args.model,
-        tokenizer=args.tokenizer,
-        endpoint=args.endpoint,
-        num_requests=args.num_requests,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        dataset=args.dataset,
-        request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency,
-        ignore_eos=not args.respect_eos,
-        seed=args.seed,
-        api_key=args.api_key,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
-        json_path=args.json,
-        plot_path=args.plot,
-    )
-    summary = run_serve_bench(cfg)
-    return 0 if summary["completed"] else 1
-
-
-def cmd_bench_multiturn(args) -> int:
-    from shoal.bench.multiturn import MultiTurnConfig, run_multiturn
-
-    cfg = MultiTurnConfig(
-        base_url=args.base_url.rstrip("/").removesuffix("/v1"),
-        model=args.model,
-        tokenizer=args.tokenizer,
-        conversations=args.conversations,
-        turns=args.turns,
-        system_len=args.system_len,
-        first_len=args.first_len,
-        followup_len=args.followup_len,
-        output_len=args.output_len,
-        seed=args.seed,
-        api_key=args.api_key,
-        json_path=args.json,
-    )
-    return 0 if run_multiturn(cfg)["completed"] else 1
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser, or with `command` the options of that subcommand only: the engine's and
     the server's flags come from their config dataclasses, whose modules import torch, and a
@@ -162,8 +99,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve large language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def wanted(name: str) -> bool:
-        return command is None or command == name
+    def wanted(name: str) -> bool:  # name: a command, or a command and its subcommand
+        return command is None or f"{command} ".startswith(f"{name} ")
 
     p = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     p.add_argument(
@@ -200,65 +137,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("offline", help="offline engine throughput, optionally against HF transformers")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--input-len-range", type=int, nargs=2, metavar=("MIN", "MAX"))
-    p.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--compare-hf", action="store_true", help="also run HF transformers generate, same prompts"
-    )
-    p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--json", default=None, help="write the results here")
-    if wanted("bench"):
-        add_engine_args(p)
-    p.set_defaults(func=cmd_bench_offline)
-
-    p = bench.add_parser("serve", help="load an OpenAI-compatible endpoint; latency and throughput")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model id to request (default: the server's first)")
-    p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer sizes the prompts")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dataset", default=None, help="JSON or JSONL of conversations")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--plot", default=None, help="write a PNG of latency over time and CDFs")
-    p.set_defaults(func=cmd_bench_serve)
-
-    p = bench.add_parser(
-        "multiturn", help="multi-turn chat load: shared system prompt, growing conversations"
-    )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--system-len", type=int, default=200)
-    p.add_argument("--first-len", type=int, default=300, help="tokens in each conversation's opening message")
-    p.add_argument("--followup-len", type=int, default=40)
-    p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--json", default=None)
-    p.set_defaults(func=cmd_bench_multiturn)
+    add_bench_parsers(sub, wanted)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    command = next((a for a in argv if not a.startswith("-")), "")  # "": none given, build no options
+    command = " ".join([a for a in argv if not a.startswith("-")][:2])  # "": none, build no options
     args = build_parser(command).parse_args(argv)
     from shoal.models.checkpoint import ModelNotFoundError
 

@@ -29,7 +29,8 @@ class Flag:
     show: Callable[[Any], str] = str  # how --help shows the default
     # A bool field that defaults to True: the flag turns it off (--no-prefix-caching).
     negate: bool = False
-    metavar: str | None = None
+    metavar: str | tuple[str, ...] | None = None
+    nargs: int | None = None  # a tuple field: this many values, each through `parse`
 
     @property
     def spellings(self) -> tuple[str, ...]:
@@ -89,6 +90,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag_se
                 options["choices"] = list(flag.choices)
             if flag.metavar:
                 options["metavar"] = flag.metavar
+            if flag.nargs:
+                options["nargs"] = flag.nargs
             if default is not None:
                 shown = flag.show(default).replace("%", "%%")
                 text = f"{text} (default: {shown})" if text else f"default: {shown}"
@@ -98,7 +101,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag_se
 def given(args: argparse.Namespace, flag_set: FlagSet) -> dict[str, Any]:
     """Field name -> value, for the set's flags that were given."""
     values = {flag.field: getattr(args, flag.dest, None) for flag in flag_set.flags}
-    return {name: value for name, value in values.items() if value is not None}
+    return {name: tuple(v) if isinstance(v, list) else v for name, v in values.items() if v is not None}
 
 
 def build(args: argparse.Namespace, flag_set: FlagSet, **fixed: Any) -> Any:

@@ -129,3 +129,22 @@ def test_a_flag_takes_its_type_default_and_help_from_its_field():
         add_flags(argparse.ArgumentParser(), FlagSet(Knobs, (Flag("cached"),)))
     with pytest.raises(KeyError):  # a flag for a field the config lacks
         add_flags(argparse.ArgumentParser(), FlagSet(Knobs, (Flag("width"),)))
+
+
+def test_bench_flags_build_their_configs():
+    from shoal.bench.offline import OfflineBenchConfig
+    from shoal.bench.serve import ServeBenchConfig
+    from shoal.cli import build_parser
+    from shoal.cli_bench import _endpoint, offline_flag_set, serve_bench_flag_set
+    from shoal.cli_flags import build
+
+    args = build_parser("bench offline").parse_args(
+        ["bench", "offline", "--input-len-range", "4", "8", "--json", "o"]
+    )
+    assert build(args, offline_flag_set()) == OfflineBenchConfig(input_len_range=(4, 8), json_path="o")
+    args = build_parser("bench serve").parse_args(
+        ["bench", "serve", "--base-url", "http://h:1/v1/", "--respect-eos"]
+    )
+    assert _endpoint(build(args, serve_bench_flag_set())) == ServeBenchConfig(
+        base_url="http://h:1", ignore_eos=False
+    )
