@@ -94,12 +94,9 @@ def _run_gateway(gateway, what: str) -> int:
     return 0
 
 
-def cmd_fleet_up(args) -> int:
+def fleet_config(args):
+    """`shoal fleet up`'s FleetConfig: --config's file (or the defaults), then the flags given."""
     import shlex
-
-    from shoal.fleet.controller import FleetController
-    from shoal.fleet.gateway import Gateway
-    from shoal.fleet.launcher import port_in_use
 
     fleet = _gateway_config(args)
     size, autoscale, disagg = fleet_flag_sets()
@@ -115,6 +112,15 @@ def cmd_fleet_up(args) -> int:
         fleet.base_port = args.base_port
     if args.replica_args:
         fleet.replica_args = shlex.split(args.replica_args)
+    return fleet
+
+
+def cmd_fleet_up(args) -> int:
+    from shoal.fleet.controller import FleetController
+    from shoal.fleet.gateway import Gateway
+    from shoal.fleet.launcher import port_in_use
+
+    fleet = fleet_config(args)
     try:
         fleet.check()
     except ValueError as exc:

@@ -148,3 +148,35 @@ def test_bench_flags_build_their_configs():
     assert _endpoint(build(args, serve_bench_flag_set())) == ServeBenchConfig(
         base_url="http://h:1", ignore_eos=False
     )
+
+
+def test_fleet_flags_override_the_fleet_file(tmp_path):
+    from shoal.cli import build_parser
+    from shoal.cli_fleet import fleet_config
+    from shoal.fleet.config import FleetConfig
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('replicas = 3\nmax_replicas = 5\n[gateway]\npolicy = "session"\nport = 9100\n')
+    argv = ["fleet", "up", "--config", str(path), "--min-replicas", "0", "--scale-to-zero-after", "60"]
+    argv += [
+        "--target-ttft",
+        "1.5",
+        "--max-request-bytes",
+        "1MiB",
+        "--trust-client-priority",
+        "--port",
+        "9200",
+    ]
+    fleet = fleet_config(build_parser("fleet up").parse_args(argv))
+    assert (fleet.replicas, fleet.min_replicas, fleet.max_replicas) == (3, 0, 5)  # the file's, bar the flag's
+    assert (fleet.scale_to_zero_after_s, fleet.autoscale.target_ttft_s) == (60.0, 1.5)
+    gw = fleet.gateway
+    assert (gw.policy, gw.port, gw.max_body_bytes, gw.trust_client_priority) == (
+        "session",
+        9200,
+        1 << 20,
+        True,
+    )
+    defaults = FleetConfig()
+    assert fleet.autoscale.target_inflight == defaults.autoscale.target_inflight  # no flag: the default
+    assert fleet_config(build_parser("fleet up").parse_args(["fleet", "up"])).gateway == defaults.gateway
