@@ -32,13 +32,13 @@ def _pointer(t: torch.Tensor | None) -> int:
 def _projection(linear: Projection) -> ProjectionParams:
     fmt, values, scales, mins = projection_weights(linear)
     return ProjectionParams(
-        fmt,
-        linear.out_features,
-        linear.in_features,
-        values.data_ptr(),
-        _pointer(scales),
-        _pointer(mins),
-        _pointer(linear.bias),
+        format=fmt,
+        n=linear.out_features,
+        k=linear.in_features,
+        qs=values.data_ptr(),
+        d=_pointer(scales),
+        mn=_pointer(mins),
+        bias=_pointer(linear.bias),
     )
 
 
@@ -85,25 +85,28 @@ class CpuFusedDecoder:
             reduce_fn, comm = native
         params = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            projections = {
+                name.removesuffix("_proj"): _projection(getattr(layer, name)) for name in PROJECTIONS
+            }
             params.append(
                 LayerParams(
-                    cfg.hidden_size,
-                    cfg.num_heads,
-                    cfg.num_kv_heads,
-                    cfg.head_dim,
-                    cfg.intermediate_size,
-                    block_size,
-                    cfg.sliding_window or 0,
-                    KV_TYPE_IDS[k_cache.dtype],
-                    cfg.rms_norm_eps,
-                    cfg.head_dim**-0.5,
-                    layer.input_layernorm.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    k_cache.data_ptr(),
-                    v_cache.data_ptr(),
-                    *(_projection(getattr(layer, name)) for name in PROJECTIONS),
-                    reduce_fn,
-                    comm,
+                    hidden=cfg.hidden_size,
+                    heads=cfg.num_heads,
+                    kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    intermediate=cfg.intermediate_size,
+                    block_size=block_size,
+                    window=cfg.sliding_window or 0,
+                    kv_type=KV_TYPE_IDS[k_cache.dtype],
+                    eps=cfg.rms_norm_eps,
+                    scale=cfg.head_dim**-0.5,
+                    input_norm=layer.input_layernorm.weight.data_ptr(),
+                    post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                    k_cache=k_cache.data_ptr(),
+                    v_cache=v_cache.data_ptr(),
+                    allreduce=reduce_fn,
+                    comm=comm,
+                    **projections,  # qkv, o, gate_up, down
                 )
             )
         return cls(kernels, model, params)
