@@ -230,3 +230,26 @@ def test_f32_linear_kernel_matches_torch(rows):
     torch.manual_seed(rows)
     w, x = torch.randn(37, 100), torch.randn(rows, 100)  # K off the kernel's 16-wide step
     torch.testing.assert_close(cpu_kernels().f32_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_bundled_model_passes_the_allow_list_and_matches_its_forward(bundled):
+    """The shipped model (Llama, fp32 here; its int4 default is covered by the formats above) is
+    inside the allow-list, and the C layer computes its forward on a prompt and a decode step."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    model = bundled.model
+    runner = ModelRunner(model, num_blocks=8, block_size=16, eos_token_ids=frozenset())
+    assert fused_refusal(model, runner.kv_caches) is None
+    assert runner.fused_decoder is not None
+    runner.fused_decoder.max_rows = None
+    prompt = [1, 504, 3458, 282, 4649, 314, 2, 9, 17, 230]
+    for scheduled in ([chunk(0, prompt, 0, [0])], [chunk(0, [7], len(prompt), [0])]):
+        ids, pos, md = runner._prepare(scheduled)
+        caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        expected = model(ids, pos, lambda layer, q, k, v, md=md: runner.attention.forward(layer, q, k, v, md))
+        for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, caches):  # the fused path writes its own
+            k.copy_(k_ref)
+            v.copy_(v_ref)
+        got = runner.fused_decoder.forward(ids, pos, md)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
