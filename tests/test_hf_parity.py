@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from shoal import LLM, SamplingParams
+from shoal.engine.cpu_decode_gate import Refusal, fused_refusal
+from shoal.kernels.cpu import cpu_kernels
 from shoal.models.loader import load_model
 from tests.conftest import REF_TOKENS
 from tests.helpers import (
@@ -115,6 +117,13 @@ def test_random_checkpoint_matches_hf(arch, tmp_path):
     loaded = load_model(str(tmp_path))
     assert loaded.config.architecture == arch
     llm = LLM(loaded=loaded, num_blocks=64, max_num_batched_tokens=64)
+    runner = llm.engine.executor.runner
+    if cpu_kernels() is not None:
+        # qwen3's q/k norms are outside the fused C layer's allow-list: its steps take the model's
+        # own forward, and still match HF below; the others run the C layer.
+        refusal = fused_refusal(loaded.model, runner.kv_caches)
+        assert refusal == (Refusal("qk_norm", True) if arch == "qwen3" else None)
+        assert (runner.fused_decoder is None) == (arch == "qwen3")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

@@ -6,42 +6,23 @@ cpu_layer.c) does what `DecoderLayer.forward` does, in the same order, and match
 rounding (tests/test_cpu_decode.py). It takes prompt rows too, each as one query over its own
 context, so a token's computation is the same whichever step, chunk or replica computes it; steps
 larger than the measured crossover (float32 and int8 layers only) keep the model's forward. A
-change to the layer's maths must be made in both."""
+change to the layer's maths must be made in both; which models it takes at all is the allow-list
+in cpu_decode_gate.py."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
-from torch import nn
 
 from shoal.engine.attention import AttentionMetadata
+from shoal.engine.cpu_decode_gate import Projection, fused_refusal, projection_weights
 from shoal.engine.parallel.comm import CommError
-from shoal.kernels.cpu import (
-    BLOCK_FORMAT_IDS,
-    F32_ROWS_FORMAT_ID,
-    INT8_ROWS_FORMAT_ID,
-    KV_TYPE_IDS,
-    QK,
-    CpuKernels,
-    LayerParams,
-    ProjectionParams,
-)
-from shoal.models.llama import PROJECTIONS, DecoderLayer, LlamaForCausalLM
-from shoal.models.quant import BlockQuantLinear, Int8Linear
+from shoal.kernels.abi import LayerParams, ProjectionParams
+from shoal.kernels.cpu import F32_ROWS_FORMAT_ID, INT8_ROWS_FORMAT_ID, KV_TYPE_IDS, CpuKernels
+from shoal.models.llama import PROJECTIONS, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-
-Projection = nn.Linear | BlockQuantLinear | Int8Linear
-
-
-def _weights(linear: Projection) -> tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(format id, weight values, scales, minimums) as cpu_layer.c reads them."""
-    if isinstance(linear, nn.Linear):
-        return F32_ROWS_FORMAT_ID, linear.weight, None, None
-    if isinstance(linear, Int8Linear):
-        return INT8_ROWS_FORMAT_ID, linear.weight, linear.scale, None
-    return BLOCK_FORMAT_IDS[linear.format], linear.qs, linear.d, linear.mn
 
 
 def _pointer(t: torch.Tensor | None) -> int:
@@ -49,28 +30,15 @@ def _pointer(t: torch.Tensor | None) -> int:
 
 
 def _projection(linear: Projection) -> ProjectionParams:
-    fmt, values, scales, mins = _weights(linear)
+    fmt, values, scales, mins = projection_weights(linear)
     return ProjectionParams(
-        fmt,
-        linear.out_features,
-        linear.in_features,
-        values.data_ptr(),
-        _pointer(scales),
-        _pointer(mins),
-        _pointer(linear.bias),
-    )
-
-
-def _fusable(layer: DecoderLayer) -> bool:
-    linears = [getattr(layer, name) for name in PROJECTIONS]
-    for m in linears:
-        quantized = isinstance(m, BlockQuantLinear | Int8Linear)
-        if not (quantized or isinstance(m, nn.Linear)) or (quantized and m.in_features % QK):
-            return False
-    tensors = [t for m in linears for t in (*_weights(m)[1:], m.bias) if t is not None]
-    tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and all(
-        t.dtype == torch.float32 for t in tensors if t.is_floating_point()
+        format=fmt,
+        n=linear.out_features,
+        k=linear.in_features,
+        qs=values.data_ptr(),
+        d=_pointer(scales),
+        mn=_pointer(mins),
+        bias=_pointer(linear.bias),
     )
 
 
@@ -101,11 +69,13 @@ class CpuFusedDecoder:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
     ) -> CpuFusedDecoder | None:
-        """The fused decoder, or None when some layer is not one it runs (qk-norm, non-fp32 floats,
-        or tensor-parallel collectives that C cannot call: the reason is logged)."""
-        cfg = model.cfg
-        if cfg.qk_norm or not all(_fusable(layer) for layer in model.layers):
+        """The fused decoder, or None when the model has a feature outside the allow-list or its
+        tensor-parallel collectives are not ones C can call (the reason is logged, once per build)."""
+        refusal = fused_refusal(model, kv_caches)
+        if refusal is not None:
+            log.info("fused CPU decode off, the model's forward runs instead: %s", refusal)
             return None
+        cfg = model.cfg
         reduce_fn = comm = 0
         if model.shard.tp_size > 1:
             native = model.comm.native()
@@ -115,25 +85,28 @@ class CpuFusedDecoder:
             reduce_fn, comm = native
         params = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            projections = {
+                name.removesuffix("_proj"): _projection(getattr(layer, name)) for name in PROJECTIONS
+            }
             params.append(
                 LayerParams(
-                    cfg.hidden_size,
-                    cfg.num_heads,
-                    cfg.num_kv_heads,
-                    cfg.head_dim,
-                    cfg.intermediate_size,
-                    block_size,
-                    cfg.sliding_window or 0,
-                    KV_TYPE_IDS[k_cache.dtype],
-                    cfg.rms_norm_eps,
-                    cfg.head_dim**-0.5,
-                    layer.input_layernorm.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    k_cache.data_ptr(),
-                    v_cache.data_ptr(),
-                    *(_projection(getattr(layer, name)) for name in PROJECTIONS),
-                    reduce_fn,
-                    comm,
+                    hidden=cfg.hidden_size,
+                    heads=cfg.num_heads,
+                    kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    intermediate=cfg.intermediate_size,
+                    block_size=block_size,
+                    window=cfg.sliding_window or 0,
+                    kv_type=KV_TYPE_IDS[k_cache.dtype],
+                    eps=cfg.rms_norm_eps,
+                    scale=cfg.head_dim**-0.5,
+                    input_norm=layer.input_layernorm.weight.data_ptr(),
+                    post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                    k_cache=k_cache.data_ptr(),
+                    v_cache=v_cache.data_ptr(),
+                    allreduce=reduce_fn,
+                    comm=comm,
+                    **projections,  # qkv, o, gate_up, down
                 )
             )
         return cls(kernels, model, params)
@@ -152,6 +125,10 @@ class CpuFusedDecoder:
         return self.max_rows is None or rows <= self.max_rows
 
     def handles(self, md: AttentionMetadata) -> bool:
+        """Whether this step is one the C layer runs: every row as one query over its own context
+        (the token batch the runner builds for steps within `takes_rows`). What a request asks of
+        its tokens (sampling, grammar, logprobs, penalties) acts on the hidden states afterwards,
+        so no request feature reaches the layer."""
         return md.token_batch is not None
 
     def forward(

@@ -21,14 +21,16 @@ import tempfile
 from pathlib import Path
 
 from shoal.cache_dir import cache_root
+from shoal.kernels.abi import CPU_CONSTANTS, CPU_STRUCTS, SHM_STRUCTS, open_checked
 
 log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("cpu_quant.c", "cpu_x8.c", "cpu_int8.c", "cpu_f32.c", "cpu_ops.c", "cpu_layer.c")
+    for n in ("cpu_quant.c", "cpu_x8.c", "cpu_int8.c", "cpu_f32.c", "cpu_ops.c", "cpu_layer.c", "abi.c")
 ]
-HEADERS = [Path(__file__).with_name("simd.h")]
+ABI_HEADER = Path(__file__).with_name("shoal_abi.h")  # what both libraries share with Python
+HEADERS = [Path(__file__).with_name("simd.h"), ABI_HEADER]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Where the CPU has them, byte dot products run on AVX-512 VNNI (vpdpbusd) instead of two AVX2 ops.
 VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -99,24 +101,31 @@ def kernel_library_key() -> str | None:
     return hashlib.sha256(source + " ".join([cc, *compile_flags(), version]).encode()).hexdigest()[:16]
 
 
-@functools.cache
-def load_cpu_library() -> ctypes.CDLL | None:
-    """The compiled CPU kernels, or None where they cannot run here (the reason is logged)."""
+def cpu_library_path() -> Path | None:
+    """Where the CPU kernels are built (compiled on first call), or None where they cannot be."""
     reason = _unavailable_reason()
     if reason is not None:
         log.log(logging.WARNING if "compiler" in reason else logging.INFO, "CPU kernels off: %s", reason)
         return None
     target = kernels_cache_dir() / f"libshoal_cpu-{kernel_library_key()}.so"
-    if not _compile(target, compile_flags(), SOURCES):
+    return target if _compile(target, compile_flags(), SOURCES) else None
+
+
+@functools.cache
+def load_cpu_library() -> ctypes.CDLL | None:
+    """The compiled CPU kernels, or None where they cannot run here or their ABI is not the one
+    Python builds (the reason is logged)."""
+    target = cpu_library_path()
+    if target is None:
         return None
     # torch is imported first, so the library's libgomp resolves to torch's OpenMP runtime and the
     # two share one thread pool.
     import torch  # noqa: F401
 
-    return ctypes.CDLL(str(target))
+    return open_checked(str(target), CPU_STRUCTS, CPU_CONSTANTS)
 
 
-SHM_SOURCE = Path(__file__).with_name("shm_comm.c")
+SHM_SOURCES = [Path(__file__).with_name(n) for n in ("shm_comm.c", "abi.c")]
 SHM_FLAGS = ["-O3", "-shared", "-fPIC"]
 
 
@@ -126,9 +135,10 @@ def load_shm_library() -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None or os.environ.get("SHOAL_NO_KERNELS"):
         return None
-    key = hashlib.sha256(SHM_SOURCE.read_bytes() + " ".join([cc, *SHM_FLAGS]).encode()).hexdigest()[:16]
+    source = b"".join(p.read_bytes() for p in [*SHM_SOURCES, ABI_HEADER])
+    key = hashlib.sha256(source + " ".join([cc, *SHM_FLAGS]).encode()).hexdigest()[:16]
     target = kernels_cache_dir() / f"libshoal_shm-{key}.so"
-    return ctypes.CDLL(str(target)) if _compile(target, SHM_FLAGS, [SHM_SOURCE]) else None
+    return open_checked(str(target), SHM_STRUCTS) if _compile(target, SHM_FLAGS, SHM_SOURCES) else None
 
 
 def _compile(target: Path, flags: list[str], sources: list[Path]) -> bool:

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.kernels.abi import (
+    FORMAT_F32_ROWS,
+    FORMAT_INT8_ROWS,
+    FORMAT_Q4_1,
+    FORMAT_Q4_1X8,
+    FORMAT_Q8_0,
+    FORMAT_Q8_0X8,
+    KV_BF16,
+    KV_F16,
+    KV_F32,
+    LayerParams,
+)
 from shoal.kernels.build import load_cpu_library
-
-if TYPE_CHECKING:
-    from shoal.kernels.tuning import KernelChoices
+from shoal.kernels.tuning import KernelChoices, KernelTuner
 
 QK = 32  # values per quantized block
 
@@ -22,41 +31,20 @@ def decode_attention_supports(head_dim: int) -> bool:
 
 
 # q4_1x8, q8_0x8: the same blocks repacked 8 rows at a time (cpu_x8.c)
-BLOCK_FORMAT_IDS = {"q4_1": 0, "q8_0": 1, "q4_1x8": 4, "q8_0x8": 5}
-# Element types of the KV cache the C attention reads and the fused layer writes (simd.h's KV_*).
-KV_TYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-INT8_ROWS_FORMAT_ID = 2  # int8 weights with one scale per output row (cpu_int8.c)
-F32_ROWS_FORMAT_ID = 3  # float32 weights (cpu_f32.c)
+BLOCK_FORMAT_IDS = {
+    "q4_1": FORMAT_Q4_1,
+    "q8_0": FORMAT_Q8_0,
+    "q4_1x8": FORMAT_Q4_1X8,
+    "q8_0x8": FORMAT_Q8_0X8,
+}
+# Element types of the KV cache the C attention reads and the fused layer writes.
+KV_TYPE_IDS = {torch.float32: KV_F32, torch.float16: KV_F16, torch.bfloat16: KV_BF16}
+INT8_ROWS_FORMAT_ID = FORMAT_INT8_ROWS  # int8 weights with one scale per output row (cpu_int8.c)
+F32_ROWS_FORMAT_ID = FORMAT_F32_ROWS  # float32 weights (cpu_f32.c)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
-
-
-class ProjectionParams(ctypes.Structure):
-    """A projection's weights (a format id from above, shapes, pointers), as cpu_layer.c reads it."""
-
-    _fields_ = [("format", _I), ("n", _I), ("k", _I), ("qs", _P), ("d", _P), ("mn", _P), ("bias", _P)]
-
-
-class LayerParams(ctypes.Structure):
-    """One decoder layer's shapes, weights and KV cache, as cpu_layer.c reads it. The pointers borrow
-    the tensors' storage: whoever builds this keeps those tensors alive."""
-
-    _fields_ = [
-        *((name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")),
-        ("window", _I),
-        ("kv_type", _I),
-        ("eps", _F),
-        ("scale", _F),
-        *((name, _P) for name in ("input_norm", "post_norm", "k_cache", "v_cache")),
-        *((name, ProjectionParams) for name in ("qkv", "o", "gate_up", "down")),
-        # Tensor parallel: the all-reduce (shm_comm.c's) applied to o_proj's and down_proj's partial
-        # outputs, and its group; both 0 when the layer is whole.
-        ("allreduce", _P),
-        ("comm", _P),
-    ]
-
 
 _SIGNATURES = {
     "shoal_block_linear": [ctypes.c_int, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P],
@@ -90,9 +78,7 @@ class CpuKernels:
         self._add_rms_norm = lib.shoal_add_rms_norm
         self._silu_mul = lib.shoal_silu_mul
         self._decode_attention = lib.shoal_paged_decode_attention
-        from shoal.kernels.tuning import KernelTuner  # it times these kernels
-
-        self.tuner = KernelTuner(self)
+        self.tuner = KernelTuner(self)  # it times these kernels
 
     @property
     def choices(self) -> KernelChoices:

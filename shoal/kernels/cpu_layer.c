@@ -10,42 +10,6 @@
 
 #include "simd.h"
 
-void shoal_add_rms_norm(float *x, const float *delta, const float *w, int64_t M, int64_t H, float eps,
-                        float *out);
-void shoal_silu_mul(const float *gu, int64_t M, int64_t I, float *out);
-void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
-                        const void *qs, const float *d, const float *mn, int64_t N, float *y);
-void shoal_int8_linear(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, const int8_t *w,
-                       const float *scale, int64_t N, float *y);
-void shoal_f32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y);
-void shoal_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                                  const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
-                                  int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
-                                  int64_t kv, float *out);
-
-/* A projection's weights: format 0 = Q4_1 blocks (mn used), 1 = Q8_0 blocks (cpu_quant.c), 4 = Q4_1
- * repacked 8 rows at a time (cpu_x8.c; 5 = Q8_0 repacked likewise), 2 = int8
- * rows with one scale each in d (cpu_int8.c), 3 = float32 rows in qs (cpu_f32.c). */
-typedef struct {
-    int64_t format, n, k;
-    const void *qs;
-    const float *d, *mn, *bias;
-} ProjectionParams;
-
-/* Must match shoal/kernels/cpu.py's LayerParams field for field. */
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, window;
-    int64_t kv_type; /* the caches' element type: KV_F32, KV_F16 or KV_BF16 (simd.h) */
-    float eps, scale;
-    const float *input_norm, *post_norm;
-    void *k_cache, *v_cache; /* [slots, kv_heads, head_dim] */
-    ProjectionParams qkv, o, gate_up, down;
-    /* Tensor parallel: sums a partial output across the ranks in place (shm_comm.c), or NULL when
-     * the layer is whole. A failure is recorded in `comm` and read by the caller after the step. */
-    int (*allreduce)(void *comm, float *buf, int64_t n);
-    void *comm;
-} LayerParams;
-
 /* n floats (n % 8 == 0) into the cache's element type, rounded to nearest even as torch's casts do. */
 static void store_kv(void *dst, const float *src, int64_t n, int64_t kv) {
     if (kv == KV_F32) {
@@ -70,9 +34,9 @@ static void store_kv(void *dst, const float *src, int64_t n, int64_t kv) {
 
 static void project(const ProjectionParams *p, const float *x, int64_t M, int8_t *xq, float *dx, float *sx,
                     float *y) {
-    if (p->format == 3)
+    if (p->format == FORMAT_F32_ROWS)
         shoal_f32_linear(x, M, p->k, (const float *)p->qs, p->n, y);
-    else if (p->format == 2)
+    else if (p->format == FORMAT_INT8_ROWS)
         shoal_int8_linear(x, M, p->k, xq, dx, (const int8_t *)p->qs, p->d, p->n, y);
     else
         shoal_block_linear((int)p->format, x, M, p->k, xq, dx, sx, p->qs, p->d, p->mn, p->n, y);

@@ -68,7 +68,6 @@ static inline __m256 dot_u8s8(__m256i w, __m256i x) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
 
 /* Sum over blocks of a[g] * b[g]: Q4_1's minimum term, m * (sum of the block's activations). */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
@@ -88,14 +87,14 @@ static inline __attribute__((always_inline)) void block_tile(int fmt, int MT, in
                                                              const uint8_t *qs, const float *d, const float *mn,
                                                              float *y, int64_t ldy) {
     const int64_t G = K / QK;
-    const int64_t wstride = fmt == FMT_Q4_1 ? G * 16 : K; /* bytes per weight row */
+    const int64_t wstride = fmt == FORMAT_Q4_1 ? G * 16 : K; /* bytes per weight row */
     __m256 acc[4][4];
     for (int r = 0; r < MT; r++)
         for (int c = 0; c < NT; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m256i w[4];
         for (int c = 0; c < NT; c++) {
-            if (fmt == FMT_Q4_1) {
+            if (fmt == FORMAT_Q4_1) {
                 w[c] = unpack_q4(qs + c * wstride + g * 16);
             } else {
                 w[c] = _mm256_loadu_si256((const __m256i *)(qs + c * wstride + g * QK));
@@ -106,7 +105,7 @@ static inline __attribute__((always_inline)) void block_tile(int fmt, int MT, in
             const __m256 xd = _mm256_broadcast_ss(dx + r * G + g);
             for (int c = 0; c < NT; c++) {
                 __m256 p;
-                if (fmt == FMT_Q4_1)
+                if (fmt == FORMAT_Q4_1)
                     p = dot_u8s8(w[c], x);
                 else /* |w| as unsigned; the sign moves onto x */
                     p = dot_u8s8(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c]));
@@ -117,7 +116,7 @@ static inline __attribute__((always_inline)) void block_tile(int fmt, int MT, in
     for (int r = 0; r < MT; r++)
         for (int c = 0; c < NT; c++) {
             float v = hsum(acc[r][c]);
-            if (fmt == FMT_Q4_1) v += dot_f32(mn + c * G, sx + r * G, G);
+            if (fmt == FORMAT_Q4_1) v += dot_f32(mn + c * G, sx + r * G, G);
             y[r * ldy + c] = v;
         }
 }
@@ -133,14 +132,14 @@ static inline __attribute__((always_inline)) void block_tile(int fmt, int MT, in
 static void tile_q4_1(int mt, int nt, const int8_t *xq, const float *dx, const float *sx, int64_t K,
                       const uint8_t *qs, const float *d, const float *mn, float *y, int64_t ldy) {
     switch (mt * 8 + nt) {
-        TILES_NT1(FMT_Q4_1)
-        TILE_CASE(FMT_Q4_1, 4, 2) TILE_CASE(FMT_Q4_1, 3, 2) TILE_CASE(FMT_Q4_1, 2, 4) TILE_CASE(FMT_Q4_1, 1, 4)
+        TILES_NT1(FORMAT_Q4_1)
+        TILE_CASE(FORMAT_Q4_1, 4, 2) TILE_CASE(FORMAT_Q4_1, 3, 2) TILE_CASE(FORMAT_Q4_1, 2, 4) TILE_CASE(FORMAT_Q4_1, 1, 4)
     }
 }
 
 static void tile_q8_0(int mt, int nt, const int8_t *xq, const float *dx, const float *sx, int64_t K,
                       const uint8_t *qs, const float *d, const float *mn, float *y, int64_t ldy) {
-    switch (mt * 8 + nt) { TILES_NT1(FMT_Q8_0) }
+    switch (mt * 8 + nt) { TILES_NT1(FORMAT_Q8_0) }
 }
 
 /* y [M, N] = x @ W^T for W [N, K] in blocks: Q4_1 qs [N, K/32, 16] with d and mn [N, K/32], or Q8_0
@@ -148,7 +147,7 @@ static void tile_q8_0(int mt, int nt, const int8_t *xq, const float *dx, const f
 void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
                         const void *qs, const float *d, const float *mn, int64_t N, float *y) {
     const int64_t G = K / QK;
-    const int64_t wstride = fmt == FMT_Q4_1 ? G * 16 : K;
+    const int64_t wstride = fmt == FORMAT_Q4_1 ? G * 16 : K;
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += N_CHUNK) {
         const int64_t n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
@@ -156,12 +155,12 @@ void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float 
             const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
             /* Measured on Zen 4: Q4_1 gains from sharing activation loads across weight rows; Q8_0,
              * whose blocks are twice the bytes, runs fastest one weight row at a time. */
-            const int nt = fmt == FMT_Q8_0 ? 1 : mt <= 2 ? 4 : 2;
+            const int nt = fmt == FORMAT_Q8_0 ? 1 : mt <= 2 ? 4 : 2;
             for (int64_t n = n0; n < n1;) {
                 const int t = n + nt <= n1 ? nt : 1;
                 const uint8_t *w = (const uint8_t *)qs + n * wstride;
                 const float *mnn = mn ? mn + n * G : 0;
-                if (fmt == FMT_Q4_1)
+                if (fmt == FORMAT_Q4_1)
                     tile_q4_1(mt, t, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, w, d + n * G, mnn, y + m0 * N + n, N);
                 else
                     tile_q8_0(mt, t, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, w, d + n * G, mnn, y + m0 * N + n, N);
@@ -171,16 +170,13 @@ void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float 
     }
 }
 
-void shoal_x8_matmul(int q8, const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
-                     const uint8_t *qs, const float *d, const float *mn, int64_t N, float *y);
-
 /* One call per quantized linear layer: block-quantize x into the caller's scratch, then multiply.
  * format 0: Q4_1 (mn used), 1: Q8_0; 4 and 5: Q4_1 and Q8_0 repacked 8 rows at a time (cpu_q4x8.c). */
 void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         const void *qs, const float *d, const float *mn, int64_t N, float *y) {
     shoal_quantize_blocks(x, M, K, xq, dx, sx);
-    if (format == 4 || format == 5)
-        shoal_x8_matmul(format == 5, xq, dx, sx, M, K, (const uint8_t *)qs, d, mn, N, y);
+    if (format == FORMAT_Q4_1X8 || format == FORMAT_Q8_0X8)
+        shoal_x8_matmul(format == FORMAT_Q8_0X8, xq, dx, sx, M, K, (const uint8_t *)qs, d, mn, N, y);
     else
         shoal_block_matmul(format, xq, dx, sx, M, K, qs, d, mn, N, y);
 }

@@ -14,16 +14,7 @@
 #include <string.h>
 #include <time.h>
 
-typedef struct {
-    int64_t rank, world;
-    char *base;         /* the shared mapping */
-    int64_t slot_bytes; /* bytes of one rank's slot in one buffer */
-    uint64_t seq;       /* calls made so far by this rank */
-    double timeout_s;   /* a peer silent this long is taken as dead */
-    int64_t failed;     /* set once a wait timed out: the group is unusable */
-    int64_t busy_ns;    /* time spent in calls (copies and waits), for the profile */
-    int64_t calls;
-} ShmComm;
+#include "shoal_abi.h" /* ShmComm, mirrored by Python (abi.py) */
 
 static volatile uint64_t *flag(const ShmComm *c, int64_t r) { return (volatile uint64_t *)(c->base + 64 * r); }
 

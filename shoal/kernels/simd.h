@@ -5,11 +5,10 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "shoal_abi.h" /* the structs, ids and prototypes every kernel file shares */
+
 #define N_CHUNK 16 /* output rows per unit of parallel work: their weights stay in L1/L2 */
 #define M_TILE 4   /* activation rows that share one load of a weight row */
-
-/* Element types of the KV cache (shoal/kernels/cpu.py's KV_TYPE_IDS). */
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -18,12 +18,12 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from shoal.kernels.build import cpu_model_name, kernel_library_key, kernels_cache_dir
-from shoal.kernels.cpu import CpuKernels
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,19 @@ ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
 # A layer-sized product: hidden 576 into 1536 outputs (the bundled model's shapes are 576 to 3072).
 K, N = 576, 1536
 TUNING_VERSION = 1
+
+
+class TimedKernels(Protocol):
+    """The kernels whose speed is measured here (shoal.kernels.cpu.CpuKernels, which holds a tuner:
+    so this module names what it times instead of importing that class)."""
+
+    def int8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def int8_rescale(self, acc: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
+
+    def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ def _crossover(c_us: dict[int, float], torch_us: dict[int, float]) -> int | None
     return start
 
 
-def measure(kernels: CpuKernels) -> KernelChoices:
+def measure(kernels: TimedKernels) -> KernelChoices:
     gen = torch.Generator().manual_seed(0)
     w8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
     w8_t = w8.t()  # torch._int_mm reads the transposed view fastest, as Int8Linear stores it
@@ -146,7 +159,7 @@ class KernelTuner:
     """Loads this CPU's choices from the cache, or measures and caches them. One per process is
     enough; `choices()` is cheap after the first call."""
 
-    def __init__(self, kernels: CpuKernels):
+    def __init__(self, kernels: TimedKernels):
         self.kernels = kernels
         self._choices: dict[int, KernelChoices] = {}
 

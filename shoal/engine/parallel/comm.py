@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shoal.kernels.abi import ShmCommState
 from shoal.kernels.build import load_shm_library
 
 log = logging.getLogger(__name__)
@@ -27,20 +28,6 @@ SLOT_BYTES = 1 << 20  # per rank and buffer; larger tensors go through in slices
 
 class CommError(RuntimeError):
     """A collective failed (a peer died or hung): this rank's group can no longer be used."""
-
-
-class _ShmState(ctypes.Structure):
-    _fields_ = [
-        ("rank", ctypes.c_int64),
-        ("world", ctypes.c_int64),
-        ("base", ctypes.c_void_p),
-        ("slot_bytes", ctypes.c_int64),
-        ("seq", ctypes.c_uint64),
-        ("timeout_s", ctypes.c_double),
-        ("failed", ctypes.c_int64),
-        ("busy_ns", ctypes.c_int64),
-        ("calls", ctypes.c_int64),
-    ]
 
 
 class TorchCommunicator:
@@ -113,7 +100,7 @@ class ShmCommunicator(TorchCommunicator):
         if rank == 0:
             path.unlink()
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self.state = _ShmState(rank, world_size, base, SLOT_BYTES, 0, timeout_s, 0, 0, 0)
+        self.state = ShmCommState(rank, world_size, base, SLOT_BYTES, 0, timeout_s, 0, 0, 0)
         self._fn = ctypes.cast(lib.shoal_shm_allreduce, ctypes.c_void_p).value
 
     @property
