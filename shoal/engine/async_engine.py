@@ -24,9 +24,10 @@ from typing import Any
 from shoal.engine.core import EngineCore
 from shoal.engine.kv_event_log import KVEventLog
 from shoal.engine.output_processor import OutputProcessor
-from shoal.engine.outputs import EngineCoreOutput, EngineStats, RequestOutput, StepResult
+from shoal.engine.outputs import EngineCoreOutput, RequestOutput
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.step_result import EngineStats, StepResult
 
 log = logging.getLogger(__name__)
 

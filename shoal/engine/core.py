@@ -22,7 +22,7 @@ from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_connector.packing import PackedKV, checked
 from shoal.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from shoal.engine.model_runner import kv_bytes_per_block
-from shoal.engine.outputs import EngineCoreOutput, EngineStats, StepResult
+from shoal.engine.outputs import EngineCoreOutput
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.request import Request
 from shoal.engine.runner_setup import DTYPES, kv_dtype_of
@@ -31,6 +31,7 @@ from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import SpecDecodeStats
 from shoal.engine.step_pipeline import StepPipeline
+from shoal.engine.step_result import EngineStats, StepResult
 from shoal.models.loader import LoadedModel, describe_model, load_model
 from shoal.models.parallel import all_shards
 from shoal.protocol.block_hash import root_hash

@@ -10,9 +10,10 @@ from __future__ import annotations
 from shoal.engine.config import EngineConfig
 from shoal.engine.core import EngineBrokenError, EngineCore, RequestRejectedError
 from shoal.engine.output_processor import OutputProcessor
-from shoal.engine.outputs import EngineStats, RequestOutput
+from shoal.engine.outputs import RequestOutput
 from shoal.engine.request import Request
 from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.step_result import EngineStats
 from shoal.models.loader import LoadedModel
 
 # Where they were before the core moved out; callers import them from here.

@@ -1,14 +1,8 @@
-"""What the engine hands back: per-token logprobs, per-request outputs, step results and stats."""
+"""What the engine hands back: per-token logprobs and per-request outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from shoal.engine.block_pool import KVEvent
-    from shoal.engine.parallel.messages import RankStats
-    from shoal.engine.speculative import SpecDecodeStats
 
 
 @dataclass
@@ -67,33 +61,3 @@ class EngineCoreOutput:
     prompt_logprobs: tuple[int, list[TokenLogprob]] | None = None  # (first position, entries)
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_queries: int
-    prefix_hits: int
-    num_evictions: int
-    spec: SpecDecodeStats | None = None  # with speculative decoding on
-    ranks: list[RankStats] | None = None  # with tensor or pipeline parallelism
-    num_waiting_tokens: int = 0  # tokens of the waiting requests (the front's admission bound)
-    num_kv_held: int = 0  # finished requests whose K/V waits for another engine to take it
-    num_steps: int = 0
-
-
-@dataclass
-class StepResult:
-    """What one step of the engine core hands its front: the choices' token deltas, the groups
-    none of whose choices is left running (their streams end), the KV-cache events since the last
-    step, and the engine's state after it."""
-
-    outputs: list[EngineCoreOutput]
-    finished_groups: set[str]
-    kv_events: list[KVEvent]
-    stats: EngineStats

@@ -11,7 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from shoal.protocol.metric_names import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from shoal.engine.outputs import EngineStats, RequestOutput
+    from shoal.engine.outputs import RequestOutput
+    from shoal.engine.step_result import EngineStats
 
 
 class _EngineCollector:
