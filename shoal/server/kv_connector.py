@@ -1,9 +1,9 @@
 """The HTTP glue of the KV connector (shoal.engine.kv_connector) for prefill/decode
-disaggregation: a prefill worker keeps a finished
-prompt's K/V (`do_remote_decode`) and hands it out on `/kv/pull`; a decode worker pulls it before
-admitting the request and loads it instead of computing the prompt, then acknowledges, and only
-then does the prefill worker free the blocks. A pull that fails or stalls past
-`transfer_timeout_s` leaves the decode worker to compute the prompt itself: slower, never wrong.
+disaggregation: a prefill worker keeps a finished prompt's K/V (`do_remote_decode`) and hands it
+out on `/kv/pull`; a decode worker pulls it before admitting the request and loads it instead of
+computing the prompt, then acknowledges, and only then does the prefill worker free the blocks.
+A pull that fails or stalls past `transfer_timeout_s` leaves the decode worker to compute the
+prompt itself: slower, never wrong.
 
 Every request carrying `kv_transfer_params` and every `/kv/*` call must bear the fleet's transfer
 key: with it a caller can hold blocks and make a worker open connections to a URL it names."""
