@@ -28,7 +28,7 @@ import time
 import httpx
 from fleet_process import FleetProcess, metric  # this script's folder is on sys.path
 
-from shoal.engine import kv_transport
+from shoal.engine.kv_connector.transports import transport_named
 from shoal.kernels.build import cpu_model_name
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 
@@ -156,12 +156,8 @@ def transfer_table(prefill_url: str, lengths: list[int], reps: int = 3) -> list[
                 for transport in ("shm", "tcp"):
                     t0 = time.perf_counter()
                     resp = c.post(prefill_url + "/kv/pull", json={"handle": handle, "transport": transport})
-                    if transport == "shm":
-                        name = resp.json()["name"]
-                        packed = kv_transport.shm_read(name)
-                        kv_transport.shm_unlink(name)
-                    else:
-                        packed = kv_transport.decode(bytearray(resp.content))
+                    way = transport_named(transport)
+                    packed = way.take(resp.json() if way.reply_is_json else bytearray(resp.content))
                     row[f"{transport}_ms"].append(1000 * (time.perf_counter() - t0))
                     row["mib"] = packed.nbytes / 2**20
                 c.post(prefill_url + "/kv/release", json={"handle": handle})

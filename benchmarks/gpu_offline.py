@@ -118,13 +118,13 @@ def run(ckpt: Path, batches: list[int], dtypes: list[str]) -> None:
             )
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
             llm.generate(work.prompts[:batch], params[:batch])  # warm-up: allocator, kernels
-            steps0 = llm.engine.num_steps
+            steps0 = llm.engine.core.num_steps
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             llm.generate(work.prompts, params)
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
-            steps = llm.engine.num_steps - steps0
+            steps = llm.engine.core.num_steps - steps0
             # A decode step at full batch reads every weight once and each sequence's KV (mean
             # context: prompt + half the output).
             mean_ctx = cfg.input_len + cfg.output_len / 2

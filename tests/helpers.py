@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.engine.core import EngineCore
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.sampling_params import SamplingParams
 
@@ -23,10 +24,11 @@ PROMPTS = [
 ]
 
 
-def assert_pool_whole(engine: LLMEngine) -> None:
+def assert_pool_whole(engine: LLMEngine | EngineCore) -> None:
     """No request holds a block, every ref count is zero, and the free list holds every block once."""
-    pool = engine.kv.pool
-    assert not engine.kv.tables, f"block tables left: {list(engine.kv.tables)}"
+    kv = engine.core.kv if isinstance(engine, LLMEngine) else engine.kv
+    pool = kv.pool
+    assert not kv.tables, f"block tables left: {list(kv.tables)}"
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     free = list(pool.free_queue)
     assert len(free) == pool.num_free_blocks == pool.num_blocks

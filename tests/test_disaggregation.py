@@ -15,8 +15,9 @@ import httpx
 import pytest
 import torch
 
-from shoal.engine import kv_transport
-from shoal.engine.kv_transfer import PackedKV
+from shoal.engine.kv_connector import frames
+from shoal.engine.kv_connector.packing import PackedKV
+from shoal.engine.kv_connector.transports import ShmTransport, TcpTransport
 from shoal.protocol import kv_files
 from shoal.protocol.block_hash import hash_blocks, root_hash
 from shoal.protocol.secrets import KV_TRANSFER_KEY_HEADER, kv_salt
@@ -227,8 +228,8 @@ def _pull(prefill_url: str, handle: str, transport: str) -> PackedKV:
     )
     assert r.status_code == 200, r.text
     if transport == "shm":
-        return kv_transport.shm_read(r.json()["name"])
-    return kv_transport.decode(bytearray(r.content))
+        return ShmTransport().receive(r.json())
+    return TcpTransport().receive(bytearray(r.content))
 
 
 def test_the_kv_that_arrives_is_what_prefill_computed_per_block(fleet, bundled):
@@ -253,7 +254,7 @@ def test_the_kv_that_arrives_is_what_prefill_computed_per_block(fleet, bundled):
     engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=1), hold_kv=True)
     while engine.has_unfinished_requests():
         engine.step()
-    local = engine.export_kv("r")
+    local = engine.core.export_kv("r")
     for b in range(0, len(ids), block):
         got, want = shm.data[:, :, b : b + block], local.data[:, :, b : b + block]
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"block {b // block}"
@@ -270,19 +271,19 @@ def test_the_kv_that_arrives_is_what_prefill_computed_per_block(fleet, bundled):
 
 def test_frames_that_do_not_parse_are_refused():
     packed = PackedKV(3, [5], torch.arange(2 * 2 * 3 * 1 * 4, dtype=torch.float32).reshape(2, 2, 3, 1, 4))
-    frame = kv_transport.encode(packed)
-    assert torch.equal(kv_transport.decode(bytearray(frame)).data, packed.data)
+    frame = frames.encode(packed)
+    assert torch.equal(frames.decode(bytearray(frame)).data, packed.data)
     for bad in (frame[:-4], frame[:3], b"\xff\xff\xff\x7f" + frame[4:], frame + b"x"):
-        with pytest.raises(kv_transport.TransferError):
-            kv_transport.decode(bytearray(bad))
+        with pytest.raises(frames.TransferError):
+            frames.decode(bytearray(bad))
     for name in (
         "../etc/passwd",
         "shoal-kv-1-zz",
         "shoal-kv-1-" + "0" * 31,
         "/dev/shm/shoal-kv-1-" + "0" * 32,
     ):
-        with pytest.raises(kv_transport.TransferError):
-            kv_transport.shm_read(name)
+        with pytest.raises(frames.TransferError):
+            ShmTransport().receive({"name": name})
 
 
 # --- kill -9 under load ------------------------------------------------------------------

@@ -33,7 +33,8 @@ def test_chunked_prefill_with_a_16_token_budget(bundled, reference):
         engine.add_request(str(i), reference[p][0], GREEDY)
     done = run_to_completion(engine)
     check_outputs(done, reference, {str(i): p for i, p in enumerate(PROMPTS)})
-    assert engine.num_steps > sum(len(reference[p][0]) for p in PROMPTS) // 16  # prompts really were chunked
+    # The prompts really were chunked.
+    assert engine.core.num_steps > sum(len(reference[p][0]) for p in PROMPTS) // 16
     assert_pool_whole(engine)
 
 
@@ -103,7 +104,7 @@ def test_abort_mid_flight_frees_everything(bundled, reference):
     for _ in range(6):  # some requests mid-prefill, some decoding
         for out in engine.step():
             done[out.request_id] = out
-    assert engine.kv.pool.usage > 0
+    assert engine.core.kv.pool.usage > 0
     for i in (0, 3, 6):
         assert engine.abort_request(str(i))
     assert not engine.abort_request("no-such-request")
@@ -122,7 +123,7 @@ def test_n_greater_than_one_shares_prompt_blocks(bundled, reference):
     assert [o.index for o in outs] == [0, 1, 2]
     assert all(o.token_ids == reference[prompt][1] for o in outs)
     # The two forked children computed only the prompt's last partial block, not the whole prompt.
-    assert engine.kv.prefix_queries == len(ids)
+    assert engine.core.kv.prefix_queries == len(ids)
     assert_pool_whole(engine)
 
 
@@ -155,7 +156,7 @@ def test_higher_priority_request_preempts_lower(bundled, reference):
     engine = make_engine(bundled, num_blocks=8)
     low = reference[PROMPTS[6]][0]
     engine.add_request("low", low, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True), priority=5)
-    while engine.kv.pool.num_free_blocks > 1:  # let the low-priority request fill the pool
+    while engine.core.kv.pool.num_free_blocks > 1:  # let the low-priority request fill the pool
         engine.step()
     high = reference[PROMPTS[1]][0]
     engine.add_request("high", high, GREEDY, priority=0)
@@ -203,12 +204,12 @@ def test_kv_events_report_stores_and_evictions(bundled, reference):
     engine = make_engine(bundled, num_blocks=12, enable_kv_events=True)
     engine.add_request("a", reference[PROMPTS[6]][0], GREEDY)
     run_to_completion(engine)
-    stored = [e for e in engine.take_kv_events() if e.kind == "stored"]
+    stored = [e for e in engine.core.take_kv_events() if e.kind == "stored"]
     assert len(stored) == (len(reference[PROMPTS[6]][0]) + REF_TOKENS - 1) // 16
     assert stored[0].parent_hash is None and stored[1].parent_hash == stored[0].block_hash
     engine.add_request("b", reference[PROMPTS[1]][0], SamplingParams(temperature=0, max_tokens=120))
     run_to_completion(engine)
-    removed = {e.block_hash for e in engine.take_kv_events() if e.kind == "removed"}
+    removed = {e.block_hash for e in engine.core.take_kv_events() if e.kind == "removed"}
     assert removed & {e.block_hash for e in stored}  # the pool was small: old blocks were evicted
     assert_pool_whole(engine)
 

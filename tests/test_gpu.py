@@ -87,7 +87,7 @@ def test_cuda_graph_decode_matches_eager(window, kv_dtype, tmp_path):
             kv_cache_dtype=kv_dtype,
         )
         runs.append(llm.generate(prompts, params))
-        graphs = llm.engine.executor.runner.graph_decoder
+        graphs = llm.engine.core.executor.runner.graph_decoder
         assert (graphs is None) == eager
         assert_pool_whole(llm.engine)
     assert graphs.replays > 0

@@ -44,7 +44,7 @@ def test_bfloat16_stays_close_to_hf_fp32(reference):
     """bfloat16 takes the portable torch paths (SDPA paged attention, torch matmuls) that a GPU runs;
     on the CPU they can be checked against HF here."""
     llm = LLM(loaded=load_model(dtype=torch.bfloat16, quantization="none"), num_blocks=512)
-    assert llm.engine.executor.runner.fused_decoder is None
+    assert llm.engine.core.executor.runner.fused_decoder is None
     c = closeness_to_reference(llm, reference, REF_TOKENS)
     print("\n" + describe_closeness("bfloat16", c, REF_TOKENS))
     # Measured 0.990 / 0.027 / 19.0 of 24.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shoal import LLM, SamplingParams
-from shoal.engine.kv_transfer import token_slots
+from shoal.engine.kv_connector.packing import token_slots
 from shoal.engine.llm_engine import RequestRejectedError
 from tests.conftest import REF_TOKENS
 from tests.helpers import PROMPTS, assert_pool_whole, run_to_completion
@@ -32,11 +32,11 @@ def engines(bundled):
 def _prefill(engine, rid: str, ids: list[int]):
     engine.add_request(rid, ids, SamplingParams(max_tokens=1, **GREEDY), hold_kv=True)
     first = run_to_completion(engine)[rid].outputs[0].token_ids
-    return first, engine.export_kv(rid)
+    return first, engine.core.export_kv(rid)
 
 
 def _kv_at(engine, rid_blocks: list[int], n: int) -> torch.Tensor:
-    runner = engine.executor.runner
+    runner = engine.core.executor.runner
     slots = token_slots(rid_blocks, n, runner.block_size, runner.device)
     return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in runner.kv_caches])
 
@@ -49,14 +49,14 @@ def test_kv_moves_bit_for_bit_and_decode_goes_on_as_one_engine(engines, bundled,
     first, packed = _prefill(prefill, "p", ids)
     assert packed.num_tokens == len(ids) and len(packed.block_hashes) == len(ids) // 16
     assert packed.data.shape == (30, 2, len(ids), 3, 64)
-    computed = _kv_at(prefill, prefill.kv.block_ids("p"), len(ids))
+    computed = _kv_at(prefill, prefill.core.kv.block_ids("p"), len(ids))
 
     decode.add_request(
         "d", ids, SamplingParams(max_tokens=REF_TOKENS, **GREEDY), prior_output_ids=first, external_kv=packed
     )
     decode.step()  # loads the K/V, then decodes the first token after it
-    arrived = _kv_at(decode, decode.kv.block_ids("d"), len(ids))
-    assert decode.kv.block_ids("d")[0] != prefill.kv.block_ids("p")[0] or len(ids) < 16
+    arrived = _kv_at(decode, decode.core.kv.block_ids("d"), len(ids))
+    assert decode.core.kv.block_ids("d")[0] != prefill.core.kv.block_ids("p")[0] or len(ids) < 16
     for b in range(0, len(ids), 16):  # per block: exactly the bytes prefill computed
         assert torch.equal(arrived[:, :, b : b + 16], computed[:, :, b : b + 16]), b
     # The output counts the prefill's first token as its own (prior output), then what came after.
@@ -66,7 +66,7 @@ def test_kv_moves_bit_for_bit_and_decode_goes_on_as_one_engine(engines, bundled,
     # The blocks that arrived feed the decode engine's prefix cache.
     decode.add_request("again", ids, SamplingParams(max_tokens=1, **GREEDY))
     assert run_to_completion(decode)["again"].num_cached_tokens == len(ids) // 16 * 16
-    assert prefill.release_kv("p") and not prefill.release_kv("p")
+    assert prefill.core.release_kv("p") and not prefill.core.release_kv("p")
     assert_pool_whole(prefill)
     assert_pool_whole(decode)
 
@@ -89,7 +89,7 @@ def test_kv_that_does_not_fit_the_request_is_refused_and_changes_nothing(engines
                 "bad", prompt, SamplingParams(max_tokens=4), prior_output_ids=[1], external_kv=kv
             )
         assert err.value.param == "kv_transfer_params", why
-    prefill.release_kv("p2")
+    prefill.core.release_kv("p2")
     assert_pool_whole(prefill)
     assert_pool_whole(decode)
 
@@ -99,10 +99,10 @@ def test_async_engines_hand_kv_over_and_kv_nobody_takes_is_freed(bundled):
     and held K/V that no decode engine takes is freed after kv_hold_timeout_s."""
     from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
     from shoal.engine.config import CacheConfig, EngineConfig
-    from shoal.engine.llm_engine import LLMEngine
+    from shoal.engine.core import EngineCore
 
     def front():
-        engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=96)), loaded=bundled)
+        engine = EngineCore(EngineConfig(cache=CacheConfig(num_blocks=96)), loaded=bundled)
         return engine, AsyncEngine(engine, AsyncEngineConfig(kv_hold_timeout_s=1.0)).start()
 
     (p_engine, prefill), (d_engine, decode) = front(), front()

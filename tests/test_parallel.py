@@ -134,13 +134,13 @@ def test_fp32_output_equals_one_process(tp, pp, spec, single, reference):
 def test_quantized_under_tp_stays_as_close_to_fp32(method, tp, reference):
     budget = 40 * 737_280  # 40 blocks of the whole model's KV (30 layers x 3 heads x 64 x 16 x 2 x 4 B)
     one = LLM(quantization=method, kv_cache_memory=budget)
-    assert one.engine.kv.pool.num_blocks == 40
+    assert one.engine.core.kv.pool.num_blocks == 40
     base = closeness_to_reference(one, reference, 8)
     with LLM(quantization=method, kv_cache_memory=budget, tensor_parallel_size=tp) as llm:
         split = closeness_to_reference(llm, reference, 8)
         # The budget is per rank, and a rank holds only its KV heads: 3 ranks of one head each hold
         # 3 times the blocks; 2 ranks (2 heads and 1) 1.5 times.
-        assert llm.engine.kv.pool.num_blocks == {2: 60, 3: 120}[tp]
+        assert llm.engine.core.kv.pool.num_blocks == {2: 60, 3: 120}[tp]
     print(f"\n{method}: TP=1 {base}\n{method}: TP={tp} {split}")
     assert split["agreement"] >= base["agreement"] - 0.02
     assert split["mean_error"] <= base["mean_error"] * 1.25 + 1e-3
@@ -199,8 +199,8 @@ def test_pipeline_keeps_a_step_per_stage_in_flight_and_isolates_a_failing_reques
     with LLM(quantization="none", num_blocks=512, pipeline_parallel_size=2) as llm:
         prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
         outs = llm.generate([*prompts, "ZZBADZZ and more"], params)
-        assert llm.engine.num_steps >= 2 * REF_TOKENS
-        assert llm.engine.scheduler.in_flight == set()
+        assert llm.engine.core.num_steps >= 2 * REF_TOKENS
+        assert llm.engine.core.scheduler.in_flight == set()
         assert_pool_whole(llm.engine)
     _assert_same([o.outputs[0] for o in outs[:-1]], single)
     assert outs[-1].outputs[0].finish_reason == "error"

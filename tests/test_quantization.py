@@ -179,8 +179,8 @@ def test_a_16_bit_kv_cache_holds_twice_the_tokens_and_stays_close_to_hf(kv_dtype
     budget = 64 << 20
     full = LLM(loaded=bundled, kv_cache_memory=budget)
     half = LLM(loaded=bundled, kv_cache_memory=budget, kv_cache_dtype=kv_dtype)
-    assert half.engine.kv.pool.num_blocks == 2 * full.engine.kv.pool.num_blocks
-    assert half.engine.executor.runner.kv_caches[0][0].dtype == getattr(torch, kv_dtype)
+    assert half.engine.core.kv.pool.num_blocks == 2 * full.engine.core.kv.pool.num_blocks
+    assert half.engine.core.executor.runner.kv_caches[0][0].dtype == getattr(torch, kv_dtype)
     c = closeness_to_reference(half, reference, REF_TOKENS)
     print("\n" + describe_closeness(f"fp32 weights, {kv_dtype} KV cache", c, REF_TOKENS))
     assert c["agreement"] >= 0.95

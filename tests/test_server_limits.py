@@ -13,7 +13,7 @@ import uvicorn
 
 from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from shoal.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.core import EngineCore
 from shoal.server.app import ServerState, build_app
 from shoal.server.common import ServingContext
 from shoal.server.metrics import ServerMetrics
@@ -74,7 +74,7 @@ class _InProcessServer:
 
     def __init__(self, bundled):
         cfg = EngineConfig(cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=4))
-        self.engine = LLMEngine(cfg, loaded=bundled)
+        self.engine = EngineCore(cfg, loaded=bundled)
         front = AsyncEngine(self.engine, AsyncEngineConfig(stall_timeout_s=1.0)).start()
         ctx = ServingContext(
             front, self.engine.tokenizer, "m", self.engine.max_model_len, ServerMetrics("m", front.stats)
@@ -100,14 +100,14 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
     srv = _InProcessServer(bundled)
     try:
         assert httpx.get(srv.url + "/health").status_code == 200
-        real_step = srv.engine.step_core
+        real_step = srv.engine.step
         release = threading.Event()
 
         def stalled_step():
             release.wait(10)
             raise RuntimeError("injected engine failure")
 
-        srv.engine.step_core = stalled_step
+        srv.engine.step = stalled_step
 
         async def run():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
@@ -139,6 +139,6 @@ def test_a_stalled_then_dead_engine_is_unhealthy(bundled):
         assert dead.status_code == 503 and "injected engine failure" in dead.json()["reason"]
         assert ready.status_code == 503
         assert after.status_code == 503
-        srv.engine.step_core = real_step
+        srv.engine.step = real_step
     finally:
         srv.stop()

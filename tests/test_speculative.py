@@ -51,16 +51,16 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(bundled, referenc
             assert float(top2[0] - top2[1]) < 1e-4, (p, diff)
         for i, lp in enumerate(out.outputs[0].logprobs[: diff if diff is not None else REF_TOKENS]):
             assert abs(lp.logprob - float(ref_logprobs[i, lp.token_id])) < 2e-3
-    stats = llm.engine.spec_stats
+    stats = llm.engine.core.spec_stats
     assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     if method == "draft":  # int4 against fp32 of the same weights: they mostly agree
         assert stats.acceptance_rate > 0.6
         llm.engine.step()  # the runners hear of finished requests at the next step
-        draft = llm.engine.executor.runner.proposer
+        draft = llm.engine.core.executor.runner.proposer
         assert not draft.tables and len(draft.free_blocks) == draft.runner.num_blocks  # all given back
         capped = LLM(loaded=bundled, num_blocks=512, speculative=method, num_speculative_tokens=4)
         outs = capped.generate([reference[p][0] for p in PROMPTS[:5]], params)
-        assert capped.engine.spec_stats.num_drafts == 0  # 5 at a time: past the default cap
+        assert capped.engine.core.spec_stats.num_drafts == 0  # 5 at a time: past the default cap
         assert [o.outputs[0].token_ids for o in outs] == [reference[p][1] for p in PROMPTS[:5]]
     assert_pool_whole(llm.engine)
 
@@ -80,10 +80,10 @@ def test_speculation_saves_forward_passes_where_text_repeats(bundled):
     b = spec.generate(ids, params)[0].outputs[0]
     assert a.token_ids == b.token_ids and a.text == b.text and "lighthouse keeper" in b.text
     # Far fewer forward passes than tokens: most guesses were right.
-    assert plain.engine.num_steps == len(a.token_ids)  # one a step (the prefill samples the first)
-    assert spec.engine.num_steps < plain.engine.num_steps * 0.5
-    assert spec.engine.spec_stats.acceptance_rate > 0.5
-    per_pos = spec.engine.spec_stats.accepted_per_position
+    assert plain.engine.core.num_steps == len(a.token_ids)  # one a step (the prefill samples the first)
+    assert spec.engine.core.num_steps < plain.engine.core.num_steps * 0.5
+    assert spec.engine.core.spec_stats.acceptance_rate > 0.5
+    per_pos = spec.engine.core.spec_stats.accepted_per_position
     assert per_pos[0] >= per_pos[-1] > 0
 
 
@@ -99,7 +99,7 @@ def test_speculation_keeps_every_engine_feature(bundled, method):
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
     got = spec.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in got] == want
-    assert spec.engine.scheduler.num_preemptions > 0  # the pool was too small for all at once
+    assert spec.engine.core.scheduler.num_preemptions > 0  # the pool was too small for all at once
     assert_pool_whole(spec.engine)
 
     big = LLM(loaded=bundled, num_blocks=256, speculative=method, num_speculative_tokens=4)

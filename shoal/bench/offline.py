@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from shoal.engine.llm_engine import DTYPES
+from shoal.engine.runner_setup import DTYPES
 from shoal.engine.sampling_params import SamplingParams
 from shoal.llm import LLM
 from shoal.models.loader import load_model, resolve_model
@@ -74,7 +74,7 @@ def run_shoal(llm: LLM, work: Workload, ignore_eos: bool = True) -> dict:
     while engine.has_unfinished_requests():
         outs = engine.step()
         generated += sum(len(c.delta_token_ids) for o in outs for c in o.outputs)
-        used, alloc = engine.last_kv_occupancy
+        used, alloc = engine.core.last_kv_occupancy
         if alloc:
             waste = (alloc - used) / alloc
             waste_sum += waste
@@ -90,7 +90,7 @@ def run_shoal(llm: LLM, work: Workload, ignore_eos: bool = True) -> dict:
         "output_tokens": generated,
         "output_tok_s": generated / elapsed,
         "total_tok_s": (generated + work.total_input) / elapsed,
-        "steps": engine.num_steps,
+        "steps": engine.core.num_steps,
         "peak_rss_mib": peak_rss_mib(),
         "kv_peak_allocated_slots": peak_alloc,
         "kv_waste_at_peak": sum(samples_at_peak) / max(1, len(samples_at_peak)),

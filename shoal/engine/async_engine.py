@@ -13,22 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import queue
 import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.engine.llm_engine import EngineStats, LLMEngine
+from shoal.engine.core import EngineCore
+from shoal.engine.kv_event_log import KVEventLog
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import EngineCoreOutput, RequestOutput
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.step_result import EngineStats, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,10 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, config: AsyncEngineConfig | None = None):
+    """Drives an EngineCore on its own thread; talks to it only through the core's narrow
+    interface (add, abort, stop, step results, stats, K/V handoff calls)."""
+
+    def __init__(self, engine: EngineCore, config: AsyncEngineConfig | None = None):
         self.engine = engine
         self.config = config or AsyncEngineConfig()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -163,10 +165,7 @@ class AsyncEngine:
         self._step_started: float | None = None
         self._last_step_end = time.monotonic()
         self._stop = threading.Event()
-        # (sequence number, event): the fleet router polls this to learn which blocks are cached here.
-        self._kv_log: deque = deque(maxlen=self.config.kv_event_log_size)
-        self._kv_seq = 0
-        self.instance_id = uuid.uuid4().hex  # a restarted replica has a new one: routers drop its old index
+        self.kv_log = KVEventLog(self.config.kv_event_log_size, engine.block_size)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
 
@@ -206,7 +205,8 @@ class AsyncEngine:
         **options,
     ) -> RequestStream:
         """Admits a request and returns its output stream once the engine has accepted it.
-        `options` go to LLMEngine.add_request (a resumed request's prior output).
+        `options` go to EngineCore.add_request (a resumed request's prior output, K/V handoff);
+        `prior_text_sent` stays here, with the stream's text.
 
         Raises the engine's RequestRejectedError for a bad request, EngineOverloadedError when the
         waiting queue is full, EngineDeadError when the loop has stopped.
@@ -229,6 +229,7 @@ class AsyncEngine:
             options.get("prior_text_sent"),
         )
         stream = RequestStream(self, request_id, loop.create_future(), processor)
+        options.pop("prior_text_sent", None)
         self._commands.put(_Add(request_id, list(prompt), params, priority, tokens, stream, options))
         try:
             await stream.accepted
@@ -287,8 +288,8 @@ class AsyncEngine:
             "kv_usage": s.kv_usage,
             "free_blocks": s.num_free_blocks,
             "num_blocks": s.num_blocks,
-            "num_steps": self.engine.num_steps,
-            "kv_held": len(self.engine.scheduler.held),
+            "num_steps": s.num_steps,
+            "kv_held": s.num_kv_held,
         }
 
     # --- the engine thread ---------------------------------------------------------------
@@ -300,17 +301,18 @@ class AsyncEngine:
                 self._drain(block=idle)
                 if idle:
                     self.engine.check_health()  # a rank of a parallel engine may die between steps
-                if self.engine.scheduler.expire_held(self.config.kv_hold_timeout_s):
-                    self._publish_stats()  # the freed blocks show in /load and /metrics now
+                if self.engine.expire_held_kv(self.config.kv_hold_timeout_s):
+                    # The freed blocks show in /load and /metrics now.
+                    self._publish_stats(self.engine.stats())
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 self._step_started = time.monotonic()
-                outputs = self.engine.step_core()
+                result = self.engine.step()
                 self._last_step_end = time.monotonic()
                 self._step_started = None
-                self._publish_stats()
-                self._log_kv_events()
-                self._deliver(outputs)
+                self._publish_stats(result.stats)
+                self.kv_log.extend(result.kv_events)
+                self._deliver(result)
         except BaseException as exc:  # the loop is dead: every waiter must hear of it
             log.exception("engine loop failed")
             self.error = exc
@@ -336,14 +338,15 @@ class AsyncEngine:
                     result, error = None, exc
                 cmd.future.get_loop().call_soon_threadsafe(_resolve, cmd.future, result, error)
             elif isinstance(cmd, _Stop):
-                group = self.engine.stop_request(cmd.request_id, cmd.stop)
-                if group is not None and group not in self.engine.scheduler.groups:
-                    self._streams.pop(group, None)  # no step will report it again
+                finished = self.engine.stop_request(cmd.request_id, cmd.stop)
+                if finished is not None:
+                    self._streams.pop(finished, None)  # no step will report it again
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 cmd = None
-        self._publish_stats()
+        self._publish_stats(self.engine.stats())
+        self.kv_log.extend(self.engine.take_kv_events())  # an abort's freed blocks
         for fut, exc in accepted:
             fut.get_loop().call_soon_threadsafe(_settle, fut, exc)
 
@@ -357,7 +360,6 @@ class AsyncEngine:
                 cmd.prompt_ids,
                 cmd.params,
                 priority=cmd.priority,
-                track_output=False,
                 **cmd.options,
             )
         except Exception as exc:  # a rejected request: tell its caller, keep serving
@@ -366,52 +368,30 @@ class AsyncEngine:
         self._streams[cmd.request_id] = (cmd.stream.accepted.get_loop(), cmd.stream)
         accepted.append((cmd.stream.accepted, None))
 
-    def _log_kv_events(self) -> None:
-        events = self.engine.take_kv_events()
-        if not events:
-            return
-        with self._lock:
-            for ev in events:
-                self._kv_seq += 1
-                self._kv_log.append((self._kv_seq, ev))
+    @property
+    def instance_id(self) -> str:
+        return self.kv_log.instance_id
 
     def kv_events(self, after: int, limit: int = 20_000) -> dict:
-        """Events with sequence numbers above `after`; `reset` when some were already dropped."""
-        with self._lock:
-            oldest = self._kv_log[0][0] if self._kv_log else self._kv_seq + 1
-            reset = after < oldest - 1
-            skip = min(max(0, after + 1 - oldest), len(self._kv_log))
-            picked = list(itertools.islice(self._kv_log, skip, skip + limit))
-            last = picked[-1][0] if picked else max(after, self._kv_seq)
-        return {
-            "instance": self.instance_id,
-            "block_size": self.engine.kv.block_size,
-            "reset": reset,
-            "next": last,
-            "events": [
-                {"kind": ev.kind, "block_hash": ev.block_hash, "parent_hash": ev.parent_hash}
-                for _, ev in picked
-            ],
-        }
+        """KV events with sequence numbers above `after` (see engine.kv_event_log)."""
+        return self.kv_log.since(after, limit)
 
-    def _publish_stats(self) -> None:
-        stats = self.engine.stats()
-        waiting_tokens = sum(r.num_tokens for r in self.engine.scheduler.waiting)
+    def _publish_stats(self, stats: EngineStats) -> None:
         with self._lock:
             self._stats = stats
             self._waiting_requests = stats.num_waiting
-            self._waiting_tokens = waiting_tokens
+            self._waiting_tokens = stats.num_waiting_tokens
 
-    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+    def _deliver(self, result: StepResult) -> None:
         by_stream: dict[str, list[EngineCoreOutput]] = {}
-        for co in outputs:
+        for co in result.outputs:
             by_stream.setdefault(co.group_id, []).append(co)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for gid, batch in by_stream.items():
             target = self._streams.get(gid)
             if target is None:
                 continue
-            if gid not in self.engine.scheduler.groups:  # every choice of it has finished
+            if gid in result.finished_groups:  # every choice of it has finished
                 del self._streams[gid]
             by_loop.setdefault(target[0], []).append((target[1], batch))
         for loop, items in by_loop.items():

@@ -1,142 +1,39 @@
-"""The synchronous engine: validate and add requests, step, abort."""
+"""The synchronous text front over the engine core, for callers on one thread (`LLM`, the offline
+benchmarks): prompts in as text or token ids, steps out as RequestOutputs with text.
+
+It tokenizes, keeps an OutputProcessor that turns the core's token deltas into text, and tells the
+core of the stop strings it finds. The server's front (AsyncEngine) does the same on its event
+loop; the core itself never sees text."""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import random
-from dataclasses import dataclass
-
-import torch
-
-from shoal.engine.block_pool import BlockPool, KVEvent
 from shoal.engine.config import EngineConfig
-from shoal.engine.executor import UniprocExecutor
-from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
-from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.kv_transfer import PackedKV, checked
-from shoal.engine.model_runner import kv_bytes_per_block
+from shoal.engine.core import EngineBrokenError, EngineCore, RequestRejectedError
 from shoal.engine.output_processor import OutputProcessor
-from shoal.engine.outputs import EngineCoreOutput, RequestOutput
-from shoal.engine.parallel.executor import ExecutorDeadError, MultiprocExecutor
-from shoal.engine.parallel.messages import RankStats
+from shoal.engine.outputs import RequestOutput
 from shoal.engine.request import Request
-from shoal.engine.runner_setup import DTYPES, build_runner, kv_dtype_of
-from shoal.engine.sampling_params import InvalidParamError, SamplingParams
-from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from shoal.engine.speculative import SpecDecodeStats
-from shoal.engine.step_pipeline import StepPipeline
-from shoal.models.loader import LoadedModel, describe_model, load_model
-from shoal.models.parallel import all_shards
-from shoal.protocol.block_hash import root_hash
+from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.step_result import EngineStats
+from shoal.models.loader import LoadedModel
 
-log = logging.getLogger(__name__)
-
-# Steps in a row in which every request failed: the fault is the engine's, not a request's.
-MAX_FAILED_STEPS = 3
-
-
-class EngineBrokenError(RuntimeError):
-    """Every request of several steps in a row failed: the process should be restarted."""
-
-
-class RequestRejectedError(InvalidParamError):
-    """A request that can never be served (too long, bad tokens, duplicate id)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message, param)
-        self.code = code
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_queries: int
-    prefix_hits: int
-    num_evictions: int
-    spec: SpecDecodeStats | None = None  # with speculative decoding on
-    ranks: list[RankStats] | None = None  # with tensor or pipeline parallelism
+# Where they were before the core moved out; callers import them from here.
+__all__ = ["EngineBrokenError", "EngineStats", "LLMEngine", "RequestRejectedError"]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.core = EngineCore(config, loaded)
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        dtype = DTYPES[config.dtype]
-        cache = config.cache
-        parallel = config.parallel
-        if parallel.world_size > 1 and config.speculative.speculative == "draft":
-            raise ValueError(
-                "a draft model does not run under tensor or pipeline parallelism; use --speculative ngram"
-            )
-        if loaded is None and parallel.world_size > 1:
-            # The ranks load the weights, each its own slices; this process needs the rest.
-            loaded = describe_model(config.model, dtype=dtype, quantization=config.quantization)
-        elif loaded is None:
-            loaded = load_model(
-                config.model, dtype=dtype, device=config.device, quantization=config.quantization
-            )
-        self.loaded = loaded
-        log.info(
-            "%s: weights %s (--quantization %s)",
-            loaded.name,
-            loaded.quantization or f"unquantized {config.dtype}",
-            config.quantization or "none",
-        )
-        self.tokenizer = loaded.tokenizer
-        mcfg = loaded.config
-        # Under tensor parallelism each rank's pool holds only its KV heads (and under pipeline
-        # parallelism only its layers): the budget is per rank, and the largest rank sets the count.
-        block_bytes = max(
-            kv_bytes_per_block(shard.local_config(), cache.block_size, kv_dtype_of(config))
-            for shard in all_shards(mcfg, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-        )
-        num_blocks = cache.num_blocks or cache.kv_cache_memory // block_bytes
-        if num_blocks < 2:
-            raise ValueError("the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory")
-        model_len = config.scheduler.max_model_len or mcfg.max_position_embeddings
-        self.max_model_len = min(model_len, num_blocks * cache.block_size, mcfg.max_position_embeddings)
-        if self.max_model_len < model_len:
-            log.warning("max_model_len lowered to %d: the KV pool holds no more", self.max_model_len)
-        pool = BlockPool(num_blocks, cache.enable_prefix_caching, cache.enable_kv_events)
-        self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt))
-        eos = self.tokenizer.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos)
-        self.pipeline = None
-        if config.parallel.world_size > 1:
-            self.executor = MultiprocExecutor(config, loaded, num_blocks, self.max_model_len)
-            if parallel.pipeline_parallel_size > 1:
-                self.pipeline = StepPipeline(
-                    self.scheduler,
-                    self.executor,
-                    parallel.pipeline_parallel_size,
-                    self._check_faults,
-                    self._execute_parts,
-                )
-        else:
-            self.executor = UniprocExecutor(build_runner(config, loaded, num_blocks, self.max_model_len))
-        self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
+        self.tokenizer = self.core.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._seeds = random.Random(config.seed)
-        self.faults = FaultConfig.from_env()
-        self._marked: dict[str, str] = {}  # request id -> the fault its prompt triggers
-        self._failed_steps = 0
-        self.num_failed_requests = 0
-        self.num_steps = 0
-        self.last_kv_occupancy = (0, 0)
 
     @property
     def model_name(self) -> str:
-        return self.loaded.name
+        return self.core.model_name
 
-    # --- requests ------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
 
     def add_request(
         self,
@@ -144,308 +41,40 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         *,
-        priority: int = 0,
-        arrival_time: float | None = None,
         prior_output_ids: list[int] | None = None,
         prior_text_sent: int | None = None,
-        track_output: bool = True,
-        hold_kv: bool = False,
-        external_kv: PackedKV | None = None,
+        **options,
     ) -> Request:
-        """`prior_output_ids` resumes a request: tokens it already produced (on another replica)
-        after `prompt`. They count as output for limits, penalties, stop strings and the seeded
-        draw of each position, so the rest comes out as it would have; only new tokens stream,
-        with any text of the prior tokens past `prior_text_sent` characters first.
-
-        `track_output=False` leaves text to the caller: `step_core` reports its tokens, and the
-        caller's own OutputProcessor (the async front's, on its event loop) turns them into text.
-
-        Disaggregation: `hold_kv` keeps the request's blocks after it finishes, for `export_kv`
-        (until `release_kv`); `external_kv` is the prompt's K/V computed by another engine, loaded
-        instead of computed here."""
+        """A resumed request (`prior_output_ids`) streams only its new tokens, with any text of the
+        prior ones past `prior_text_sent` characters first. `options` go to EngineCore.add_request
+        (priority, arrival time, K/V handoff)."""
         params = params or SamplingParams()
-        prior = list(prior_output_ids or [])
-        if request_id in self.scheduler.groups or request_id in self.output_processor.groups:
+        if request_id in self.output_processor.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        self._check_token_ids(ids, prior, params)
-        if not ids:
-            raise RequestRejectedError("the prompt is empty", "prompt")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise RequestRejectedError(
-                f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} tokens "
-                "including at least one generated token",
-                "prompt",
-                "context_length_exceeded",
-            )
-        if len(ids) + len(prior) >= limit:
-            raise RequestRejectedError(
-                f"the prompt and prior output have {len(ids) + len(prior)} tokens; this model's maximum "
-                f"context length is {limit} tokens",
-                "prompt",
-                "context_length_exceeded",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if params.min_tokens > max_tokens:
-            raise RequestRejectedError(
-                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this request may generate",
-                "min_tokens",
-            )
-        if len(ids) + max_tokens > limit:
-            raise RequestRejectedError(
-                f"this model's maximum context length is {limit} tokens; you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion)",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = Request(
-            request_id,
-            ids + prior,
-            params,
-            max_tokens=max_tokens,
-            seed=seed,
-            priority=priority,
-            arrival_time=arrival_time,
-            num_prompt_tokens=len(ids),
-        )
-        if external_kv is not None:
-            req.external_kv = self._check_external_kv(req, external_kv)
-        if hold_kv and self.config.parallel.world_size > 1:
-            raise RequestRejectedError(
-                "a parallel engine cannot hand its K/V to another yet", "kv_transfer_params"
-            )
-        req.hold_kv = hold_kv
-        if self.faults.active:
-            self._mark_faults(request_id, ids)
-        self.scheduler.add_request(req)
-        if track_output:
-            self.output_processor.add(request_id, text, ids, params, prior, prior_text_sent)
+        req = self.core.add_request(request_id, ids, params, prior_output_ids=prior_output_ids, **options)
+        self.output_processor.add(request_id, text, ids, params, prior_output_ids, prior_text_sent)
         return req
 
-    def _check_external_kv(self, req: Request, packed: PackedKV) -> PackedKV:
-        if self.config.parallel.world_size > 1:
-            raise RequestRejectedError("K/V from another engine does not load into a parallel engine yet")
-        runner = self.executor.runner
-        cfg = runner.cfg
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
-        num = getattr(packed, "num_tokens", 0)
-        hashes = self.kv.block_hashes(req, min(num, req.num_tokens)) if isinstance(num, int) else []
-        try:
-            return checked(
-                packed, req.num_tokens, hashes, shape, runner.kv_caches[0][0].dtype, self.kv.block_size
-            )
-        except (ValueError, AttributeError) as exc:
-            raise RequestRejectedError(str(exc), "kv_transfer_params") from None
-
-    def export_kv(self, request_id: str) -> PackedKV:
-        """The K/V of a finished request held with `hold_kv`: its computed tokens, packed."""
-        req = self.scheduler.held.get(request_id)
-        if req is None:
-            raise KeyError(f"no K/V is held for request {request_id!r}")
-        n = min(req.num_computed_tokens, req.num_prompt_tokens)
-        data = self.executor.export_kv(self.kv.block_ids(request_id), n)
-        return PackedKV(n, self.kv.block_hashes(req, n), data)
-
-    def release_kv(self, request_id: str) -> bool:
-        return self.scheduler.release_kv(request_id)
-
-    def _check_token_ids(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
-        vocab = self.loaded.config.vocab_size
-        named = {
-            "prompt": ids,
-            "prior_output_ids": prior,
-            "stop_token_ids": params.stop_token_ids,
-            "logit_bias": params.logit_bias,
-            "allowed_token_ids": params.allowed_token_ids or (),
-        }
-        for name, tokens in named.items():
-            bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestRejectedError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", name)
-
-    def _mark_faults(self, request_id: str, ids: list[int]) -> None:
-        """Test hook (see shoal.engine.faults): crash now, or fail this request's steps."""
-        text = self.tokenizer.decode(ids)
-        if self.faults.crash_on and self.faults.crash_on in text:
-            self._marked[request_id] = "crash"
-        elif self.faults.step_error_on and self.faults.step_error_on in text:
-            self._marked[request_id] = "step_error"
-
     def abort_request(self, request_id: str) -> bool:
-        self._marked.pop(request_id, None)
-        aborted = self.scheduler.abort(request_id)
         self.output_processor.drop(request_id)
-        return bool(aborted)
-
-    def stop_request(self, request_id: str, stop: str) -> str | None:
-        """The front found stop string `stop` in this choice's text: it is finished. Returns the
-        request's group id, if it was still running."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return None
-        self.scheduler.finish_by_stop_string(req, stop)
-        return req.group_id
+        return self.core.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        # Steps still in flight count: their results must be taken back.
-        return self.scheduler.num_unfinished > 0 or (self.pipeline is not None and self.pipeline.busy)
-
-    # --- stepping ------------------------------------------------------------------------
+        return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One step, with text: for callers on this thread (LLM, benchmarks)."""
-        outputs, stops = self.output_processor.process(self.step_core())
+        """One step of the core, with text."""
+        outputs, stops = self.output_processor.process(self.core.step().outputs)
         for request_id, stop in stops:
-            self.stop_request(request_id, stop)
+            self.core.stop_request(request_id, stop)
         return outputs
 
-    def step_core(self) -> list[EngineCoreOutput]:
-        """One step, as token deltas per choice that moved or finished."""
-        if self.pipeline is not None:
-            so, result, failures = self.pipeline.step()
-            if so is None or so.empty:
-                return []
-            if not failures:
-                self._failed_steps = 0
-        else:
-            so = self.scheduler.schedule()
-            result, failures = self._execute(so)
-            if so.empty:
-                return []
-        self.num_steps += 1
-        self.last_kv_occupancy = self._occupancy(so)
-        for rid in failures:
-            self._marked.pop(rid, None)
-        failed = [r for rid, err in failures.items() if (r := self.scheduler.fail(rid, err)) is not None]
-        for req in failed:
-            self.scheduler.abort(req.group_id)  # its sibling choices end with it
-        self.num_failed_requests += len(failed)
-        self.spec_stats.observe(result.spec_results)
-        changed = self.scheduler.update_from_output(so, result)
-        return self._core_outputs(changed + failed, result)
-
-    def _core_outputs(self, reqs: list[Request], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outs: dict[str, EngineCoreOutput] = {}
-        for req in reqs:
-            new = req.output_token_ids[req.num_emitted :]
-            req.num_emitted += len(new)
-            outs[req.request_id] = EngineCoreOutput(
-                req.request_id,
-                req.group_id,
-                req.index,
-                new,
-                result.logprobs.get(req.request_id, [])[: len(new)],
-                finish_reason=req.status.value if req.is_finished else None,
-                stop_reason=req.stop_reason,
-                num_cached_tokens=max(0, req.num_cached_tokens),
-                error=req.error,
-                arrival_time=req.arrival_time,
-                first_scheduled_time=req.first_scheduled_time,
-            )
-        for rid, found in result.prompt_logprobs.items():
-            co = outs.get(rid)
-            if co is None:
-                co = outs[rid] = EngineCoreOutput(rid, rid, 0)
-            co.prompt_logprobs = found
-        return list(outs.values())
-
-    def _check_faults(self, so: SchedulerOutput) -> None:
-        faults = {self._marked.get(c.request_id) for c in so.scheduled} if self._marked else ()
-        if "crash" in faults:
-            raise InjectedCrash("injected crash")
-        if "step_error" in faults:
-            raise InjectedStepError("injected step error")
-
-    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._check_faults(so)
-        return self.executor.execute_model(so)
-
-    def _execute(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
-        """Runs the step. When it raises, runs each request's part alone, so that the requests
-        whose part fails are failed and every other one goes on as if nothing happened (a part
-        is safe to run again: K/V slots are rewritten with the same values, and a draw depends
-        on the seed and position only)."""
-        try:
-            result = self._run(so)
-            self._failed_steps = 0
-            return result, {}
-        except ExecutorDeadError:
-            raise  # no request's fault: the ranks are gone
-        except Exception as exc:
-            if not so.scheduled:
-                raise
-            return self._execute_parts(so, exc)
-
-    def _execute_parts(self, so: SchedulerOutput, exc: Exception) -> tuple[ModelRunnerOutput, dict[str, str]]:
-        """After the whole step raised `exc`: each request's part alone."""
-        log.error("a step of %d requests failed", len(so.scheduled), exc_info=exc)
-        if len(so.scheduled) == 1:  # nothing to tell apart: the one request is the culprit
-            only = so.scheduled[0].request_id
-            return ModelRunnerOutput(), self._after_failures(1, {only: _describe(exc)})
-        merged, failures = ModelRunnerOutput(), {}
-        for c in so.scheduled:
-            part = SchedulerOutput(
-                step_id=so.step_id,
-                scheduled=[c],
-                new_requests=[n for n in so.new_requests if n.request_id == c.request_id],
-                finished_ids=list(so.finished_ids),
-            )
-            try:
-                r = self._run(part)
-            except ExecutorDeadError:
-                raise
-            except Exception as exc:
-                log.warning("request %s failed in its step: %r", c.request_id, exc)
-                failures[c.request_id] = _describe(exc)
-                continue
-            merged.merge(r)
-        return merged, self._after_failures(len(so.scheduled), failures)
-
-    def _after_failures(self, num_chunks: int, failures: dict[str, str]) -> dict[str, str]:
-        """Counts steps in which every request failed; enough in a row is the engine's fault."""
-        self._failed_steps = self._failed_steps + 1 if len(failures) == num_chunks else 0
-        if self._failed_steps >= MAX_FAILED_STEPS:
-            raise EngineBrokenError(f"every request failed in {self._failed_steps} steps in a row")
-        return failures
-
-    def _occupancy(self, so) -> tuple[int, int]:
-        """(slots holding K/V, slots allocated) right after the forward, before anything is freed."""
-        step_tokens = {c.request_id: c.num_tokens for c in so.scheduled}
-        return self.kv.occupancy(self.scheduler.running, step_tokens)
-
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_usage=pool.usage,
-            num_free_blocks=pool.num_free_blocks,
-            num_blocks=pool.num_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_queries=self.kv.prefix_queries,
-            prefix_hits=self.kv.prefix_hits,
-            num_evictions=pool.num_evictions,
-            spec=self.spec_stats.snapshot() if self.config.speculative.speculative else None,
-            ranks=[dataclasses.replace(s) for s in getattr(self.executor, "rank_stats", None) or []] or None,
-        )
-
-    def take_kv_events(self) -> list[KVEvent]:
-        return self.kv.pool.take_events()
-
-    def check_health(self) -> None:
-        """Raises when the executor can no longer run steps (a rank died between steps)."""
-        check = getattr(self.executor, "check_health", None)
-        if check is not None:
-            check()
+        return self.core.stats()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+        self.core.shutdown()

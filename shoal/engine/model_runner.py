@@ -11,26 +11,21 @@ import torch
 
 from shoal.engine.attention import (
     AttentionMetadata,
-    CpuPagedAttention,
     DecodeBatch,
     DecodeGroup,
     PrefillSpan,
-    TorchPagedAttention,
     decode_mask,
     group_by_length,
     prefill_mask,
 )
-from shoal.engine.cpu_decode import CpuFusedDecoder
-from shoal.engine.cuda_graphs import CudaGraphDecoder
-from shoal.engine.kv_transfer import pack, token_slots, unpack
+from shoal.engine.forward_paths import ForwardPath, GraphOptions, build_forward_paths
+from shoal.engine.kv_connector.worker_side import KVConnectorWorker
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.parallel.comm import StageLink
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import Proposer
 from shoal.engine.structured import GrammarBackend
-from shoal.kernels.cpu import cpu_kernels, decode_attention_supports
-from shoal.kernels.triton_attention import triton_available
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 
@@ -69,19 +64,6 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-@dataclass
-class GraphOptions:
-    """CUDA graphs for decode steps of up to `max_rows` rows and contexts of `max_model_len`."""
-
-    max_rows: int
-    max_model_len: int
-
-    def usable(self, device: torch.device, block_size: int) -> bool:
-        # The Triton kernel takes power-of-two blocks; off CUDA there is nothing to capture.
-        pow2 = block_size & (block_size - 1) == 0
-        return device.type == "cuda" and pow2 and self.max_rows > 0 and triton_available()
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -118,20 +100,12 @@ class ModelRunner:
             (zeroed(shape, kv_dtype, self.device), zeroed(shape, kv_dtype, self.device))
             for _ in range(self.cfg.num_layers)
         ]
-        args = (self.kv_caches, block_size, self.cfg.head_dim**-0.5, self.cfg.sliding_window, dtype)
-        kernels = cpu_kernels() if self.device.type == "cpu" and dtype == torch.float32 else None
-        self.fused_decoder = None
-        if kernels is not None and decode_attention_supports(self.cfg.head_dim):
-            self.attention = CpuPagedAttention(kernels, *args)
-            self.fused_decoder = CpuFusedDecoder.build(kernels, model, self.kv_caches, block_size)
-        else:
-            self.attention = TorchPagedAttention(*args)
-        self.graph_decoder = None
-        if use_graphs:
-            max_blocks = -(-graphs.max_model_len // block_size)
-            self.graph_decoder = CudaGraphDecoder(
-                model, self.kv_caches, block_size, graphs.max_rows, max_blocks, num_blocks * block_size
-            )
+        self.kv_connector = KVConnectorWorker(block_size, self.device)
+        self.kv_connector.register(self.kv_caches)
+        self.forward_paths = build_forward_paths(
+            model, self.kv_caches, block_size, self.device, graphs if use_graphs else None, num_blocks
+        )
+        self.attention = self.forward_paths.attention
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size, grammars)
         self.states: dict[str, SamplingState] = {}
         self.block_tables: dict[str, list[int]] = {}
@@ -171,12 +145,11 @@ class ModelRunner:
                 self._applied_step[sr.request_id] = so.step_id
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """The K/V of a request's first num_tokens tokens, packed (see engine.kv_transfer)."""
-        return pack(self.kv_caches, token_slots(block_ids, num_tokens, self.block_size, self.device))
+        """The K/V of a request's first num_tokens tokens, packed (see engine.kv_connector)."""
+        return self.kv_connector.save(block_ids, num_tokens)
 
     def import_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
-        slots = token_slots(block_ids, data.shape[2], self.block_size, self.device)
-        unpack(self.kv_caches, slots, data)
+        self.kv_connector.load(block_ids, data)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -205,17 +178,7 @@ class ModelRunner:
         received = None
         if self.stage is not None and self.stage.prev_rank is not None:
             received = self.stage.recv(len(input_ids))
-        if self.fused_decoder is not None and self.fused_decoder.handles(md):
-            hidden = self.fused_decoder.forward(input_ids, positions, md, received)
-        elif self.graph_decoder is not None and self.graph_decoder.handles(md):
-            hidden = self.graph_decoder.forward(input_ids, positions, md)
-        else:
-            hidden = self.model(
-                input_ids,
-                positions,
-                lambda layer, q, k, v: self.attention.forward(layer, q, k, v, md),
-                received,
-            )
+        hidden = self.forward_paths.pick(md).forward(input_ids, positions, md, received)
         if not self.samples:
             self.stage.send(hidden)
             return ModelRunnerOutput()
@@ -328,14 +291,9 @@ class ModelRunner:
             prefills.append(PrefillSpan(row, row + n, context, table, prefill_mask(n, context, window, dev)))
             row += n
         md = AttentionMetadata(torch.tensor(slots, device=dev), groups, prefills, batch)
-        if self._wants_token_batch(len(ids), bool(prefills)):
+        if self.forward_paths.wants_token_batch(len(ids), bool(prefills)):
             md.token_batch = self._token_batch(chunks, pos)
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md
-
-    def _wants_token_batch(self, rows: int, has_prefills: bool) -> bool:
-        if self.fused_decoder is not None:
-            return self.fused_decoder.takes_rows(rows)
-        return self.graph_decoder is not None and self.graph_decoder.takes_step(rows, has_prefills)
 
     def _token_batch(self, chunks: list[ScheduledChunk], pos: list[int]) -> DecodeBatch:
         """Each row's block table (its chunk's, padded) and context length (its position + 1)."""
@@ -345,3 +303,17 @@ class ModelRunner:
             ids = c.block_ids[:width]
             tables.append(torch.tensor(ids + [0] * (width - len(ids))).expand(len(c.token_ids), width))
         return DecodeBatch(len(pos), torch.cat(tables), torch.tensor(pos) + 1)
+
+    @property
+    def fused_decoder(self):
+        """The fused C decoder (engine.cpu_decode), when its path is on."""
+        return _decoder(self.forward_paths.named("cpu_fused"))
+
+    @property
+    def graph_decoder(self):
+        """The CUDA graph decoder (engine.cuda_graphs), when its path is on."""
+        return _decoder(self.forward_paths.named("cuda_graphs"))
+
+
+def _decoder(path: ForwardPath | None):
+    return None if path is None else path.decoder

@@ -9,7 +9,8 @@ import torch
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.draft_proposer import DraftProposer
-from shoal.engine.model_runner import GraphOptions, ModelRunner
+from shoal.engine.forward_paths import GraphOptions
+from shoal.engine.model_runner import ModelRunner
 from shoal.engine.parallel.comm import StageLink
 from shoal.engine.speculative import NgramProposer, Proposer
 from shoal.engine.structured import GrammarBackend

@@ -21,6 +21,7 @@ import time
 
 from shoal.engine.config import SchedulerConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler_output import (
     ModelRunnerOutput,
@@ -40,7 +41,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        connector: KVConnectorScheduler | None = None,
     ):
+        """`connector`: the KV connector's scheduler side (K/V that arrives from outside, and
+        blocks held for a handoff)."""
         self.cfg = cfg
         self.kv = kv
         self.max_model_len = max_model_len
@@ -56,10 +60,7 @@ class Scheduler:
         # Requests in a step whose results have not come back (pipeline parallel keeps several
         # steps in flight): they sit out later steps, and are never preempted mid-flight.
         self.in_flight: set[str] = set()
-        # Finished requests whose blocks are kept until another engine has taken their K/V, and
-        # when each was finished.
-        self.held: dict[str, Request] = {}
-        self._held_since: dict[str, float] = {}
+        self.connector = connector or KVConnectorScheduler()
         self.num_preemptions = 0
         self._held_back: dict[str, int] = {}  # request id -> steps sat out in a row
         self._reserve = int(cfg.admission_watermark * kv.pool.num_blocks)
@@ -94,16 +95,14 @@ class Scheduler:
 
     def release_kv(self, request_id: str) -> bool:
         """Frees a finished request's held blocks (its K/V was taken, or is no longer wanted)."""
-        req = self.held.pop(request_id, None)
-        self._held_since.pop(request_id, None)
+        req = self.connector.release(request_id)
         if req is not None:
             self.kv.free(req)
         return req is not None
 
     def expire_held(self, timeout_s: float) -> list[str]:
         """Frees held K/V that nobody took within timeout_s (its taker died, or never came)."""
-        now = time.monotonic()
-        late = [rid for rid, since in self._held_since.items() if now - since > timeout_s]
+        late = self.connector.expired(timeout_s)
         for rid in late:
             self.release_kv(rid)
         return late
@@ -117,10 +116,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        if req.hold_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            self.held[req.request_id] = req  # its K/V is wanted elsewhere: freed on release_kv
-            self._held_since[req.request_id] = time.monotonic()
-        else:
+        if not self.connector.request_finished(req):  # else its K/V is wanted elsewhere
             self.kv.free(req)
         self.requests.pop(req.request_id, None)
         group = self.groups.get(req.group_id)
@@ -256,7 +252,7 @@ class Scheduler:
         ):
             req = self.waiting[0]
             wants_prompt_logprobs = req.params.prompt_logprobs is not None
-            external = req.external_kv.num_tokens if req.external_kv is not None else 0
+            external = self.connector.num_external_tokens(req)
             cached = [] if wants_prompt_logprobs or external else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached - external, budget)
@@ -292,9 +288,7 @@ class Scheduler:
             req = self.requests[rid]
             if rid in self._unseen:
                 self._unseen.discard(rid)
-                external = req.external_kv.data if req.external_kv is not None else None
-                # Loaded once: a request preempted later computes its prompt like any other.
-                req.external_kv = None
+                external = self.connector.take_external(req)
                 out.new_requests.append(
                     NewRequestData(
                         rid,

@@ -22,7 +22,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)  # produced before (resumed, preempted)
     block_ids: list[int] = field(default_factory=list)
     # The packed K/V of its first tokens, computed by another engine: loaded into its blocks before
-    # the step runs (see engine.kv_transfer).
+    # the step runs (see engine.kv_connector).
     external_kv: Any = None
 
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from shoal.engine.parallel.executor import ExecutorDeadError, MultiprocExecutor
+from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from shoal.engine.executor import Executor
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +27,7 @@ class StepPipeline:
     def __init__(
         self,
         scheduler: Scheduler,
-        executor: MultiprocExecutor,
+        executor: Executor,
         depth: int,
         check_faults: Callable[[SchedulerOutput], None],
         run_parts: Callable[[SchedulerOutput, Exception], tuple[ModelRunnerOutput, dict[str, str]]],

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from shoal.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from shoal.engine.llm_engine import RequestRejectedError
+from shoal.engine.core import RequestRejectedError
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer

@@ -1,8 +1,9 @@
-"""The replica's side of prefill/decode disaggregation: a prefill worker keeps a finished
-prompt's K/V (`do_remote_decode`) and hands it out on `/kv/pull`; a decode worker pulls it before
-admitting the request and loads it instead of computing the prompt, then acknowledges, and only
-then does the prefill worker free the blocks. A pull that fails or stalls past
-`transfer_timeout_s` leaves the decode worker to compute the prompt itself: slower, never wrong.
+"""The HTTP glue of the KV connector (shoal.engine.kv_connector) for prefill/decode
+disaggregation: a prefill worker keeps a finished prompt's K/V (`do_remote_decode`) and hands it
+out on `/kv/pull`; a decode worker pulls it before admitting the request and loads it instead of
+computing the prompt, then acknowledges, and only then does the prefill worker free the blocks.
+A pull that fails or stalls past `transfer_timeout_s` leaves the decode worker to compute the
+prompt itself: slower, never wrong.
 
 Every request carrying `kv_transfer_params` and every `/kv/*` call must bear the fleet's transfer
 key: with it a caller can hold blocks and make a worker open connections to a URL it names."""
@@ -23,19 +24,17 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter, Histogram
 
 from shoal.engine.async_engine import AsyncEngine
-from shoal.engine.kv_transfer import PackedKV
-from shoal.engine.kv_transport import (
-    TransferError,
+from shoal.engine.kv_connector.frames import TransferError
+from shoal.engine.kv_connector.packing import PackedKV
+from shoal.engine.kv_connector.transports import (
+    KVTransport,
     check_transport,
     choose,
-    decode,
-    encode,
     host_id,
-    shm_read,
-    shm_write,
+    transport_named,
 )
 from shoal.protocol.errors import APIError
-from shoal.protocol.kv_files import shm_sweep, shm_unlink
+from shoal.protocol.kv_files import shm_sweep
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 from shoal.server.protocol import KVTransferParams
 
@@ -51,7 +50,7 @@ TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class KVConnectorConfig:
     role: str = "both"  # what the gateway uses this worker for; every role can serve whole requests
     transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_TRANSFER_KEY_ENV) or None)
-    transport: str = "auto"  # shm on one host, tcp between hosts (see engine.kv_transport)
+    transport: str = "auto"  # shm on one host, tcp between hosts (see engine.kv_connector)
     transfer_timeout_s: float = 10.0  # a pull past this is given up and the prompt computed here
     hold_timeout_s: float = 30.0  # held K/V nobody pulls is freed after this (the engine's own bound)
 
@@ -64,7 +63,7 @@ class KVConnectorConfig:
 @dataclass
 class _Handoff:
     since: float  # when the prefill finished and its K/V began to wait
-    shm_name: str | None = None
+    sent: tuple[KVTransport, str] | None = None  # a copy sent that its puller may not take
 
 
 class KVConnector:
@@ -163,24 +162,20 @@ class KVConnector:
             return self._fell_back("timeout", kv, f"no K/V within {self.config.transfer_timeout_s:.1f} s")
         except (httpx.HTTPError, TransferError, ValueError, KeyError) as exc:
             return self._fell_back("error", kv, f"{type(exc).__name__}: {exc}")
-        self.duration.labels(transport).observe(time.monotonic() - t0)
-        self.bytes.labels("received", transport).observe(packed.nbytes)
+        self.duration.labels(transport.name).observe(time.monotonic() - t0)
+        self.bytes.labels("received", transport.name).observe(packed.nbytes)
         task = asyncio.get_running_loop().create_task(self._acknowledge(kv))
         self._acks.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self._acks.discard)
         return packed
 
-    async def _fetch(self, kv: KVTransferParams, transport: str) -> PackedKV:
+    async def _fetch(self, kv: KVTransferParams, transport: KVTransport) -> PackedKV:
         url = kv.source.rstrip("/") + "/kv/pull"
-        body = {"handle": kv.handle, "transport": transport}
-        if transport == "shm":
+        body = {"handle": kv.handle, "transport": transport.name}
+        if transport.reply_is_json:
             resp = await self.client.post(url, json=body)
             resp.raise_for_status()
-            name = resp.json()["name"]
-            try:
-                return await asyncio.to_thread(shm_read, name)
-            finally:
-                shm_unlink(name)  # ours now: gone even if its writer dies before our acknowledgement
+            return await asyncio.to_thread(transport.take, resp.json())
         async with self.client.stream("POST", url, json=body) as resp:
             resp.raise_for_status()
             size = int(resp.headers.get("content-length", "-1"))
@@ -194,7 +189,7 @@ class KVConnector:
                 at += len(chunk)
             if at != size:
                 raise TransferError(f"the K/V response ended after {at} of {size} bytes")
-        return decode(buf)
+        return transport.take(buf)
 
     def _fell_back(self, reason: str, kv: KVTransferParams, detail: str) -> None:
         self.fallbacks.labels(reason).inc()
@@ -211,9 +206,10 @@ class KVConnector:
 
     async def serve_pull(self, raw: Request, body: dict) -> Response:
         self.authorize(raw)
-        handle, transport = body.get("handle"), body.get("transport", "tcp")
-        if not isinstance(handle, str) or transport not in ("shm", "tcp"):
+        handle, name = body.get("handle"), body.get("transport", "tcp")
+        if not isinstance(handle, str) or name not in ("shm", "tcp"):
             raise APIError(400, "give a handle and a transport (shm or tcp)", "handle")
+        transport = transport_named(name)
         try:
             packed = await self.engine.export_kv(handle)
         except KeyError:
@@ -221,17 +217,17 @@ class KVConnector:
         h = self.handoffs.get(handle)
         if h is not None:
             self.queue_time.observe(time.monotonic() - h.since)
-        self.bytes.labels("sent", transport).observe(packed.nbytes)
-        if transport == "shm":
-            name = await asyncio.to_thread(shm_write, packed)
+        self.bytes.labels("sent", name).observe(packed.nbytes)
+        reply, ref = await asyncio.to_thread(transport.send, packed)
+        if ref is not None:
             h = self.handoffs.setdefault(handle, _Handoff(time.monotonic()))
-            if h.shm_name is not None:  # pulled before, by a decode worker that did not take it
-                shm_unlink(h.shm_name)
-            h.shm_name = name
+            if h.sent is not None:  # pulled before, by a decode worker that did not take it
+                h.sent[0].discard(h.sent[1])
+            h.sent = (transport, ref)
             self._start_sweeper()
-            return JSONResponse({"name": name, "num_tokens": packed.num_tokens})
-        frame = await asyncio.to_thread(encode, packed)
-        return Response(frame, media_type="application/octet-stream")
+        if isinstance(reply, dict):
+            return JSONResponse(reply)
+        return Response(reply, media_type="application/octet-stream")
 
     async def release(self, raw: Request, body: dict) -> dict:
         self.authorize(raw)
@@ -244,8 +240,8 @@ class KVConnector:
 
     def _forget(self, handle: str) -> None:
         h = self.handoffs.pop(handle, None)
-        if h is not None and h.shm_name is not None:
-            shm_unlink(h.shm_name)
+        if h is not None and h.sent is not None:
+            h.sent[0].discard(h.sent[1])
 
     def _start_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():

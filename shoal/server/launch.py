@@ -15,7 +15,7 @@ import uvicorn
 
 from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from shoal.engine.config import EngineConfig
-from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.core import EngineCore
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.models.tool_formats import tool_format
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
@@ -50,7 +50,7 @@ class ServerConfig:
 
 def load_serving_context(engine_config: EngineConfig, server_config: ServerConfig) -> ServingContext:
     salt = kv_salt(server_config.kv_salt, server_config.api_key)
-    engine = LLMEngine(replace(engine_config, cache=replace(engine_config.cache, hash_salt=salt)))
+    engine = EngineCore(replace(engine_config, cache=replace(engine_config.cache, hash_salt=salt)))
     kv = server_config.kv
     front_config = replace(server_config.front or AsyncEngineConfig(), kv_hold_timeout_s=kv.hold_timeout_s)
     front = AsyncEngine(engine, front_config).start()

@@ -11,8 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from shoal.protocol.metric_names import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from shoal.engine.llm_engine import EngineStats
     from shoal.engine.outputs import RequestOutput
+    from shoal.engine.step_result import EngineStats
 
 
 class _EngineCollector:

@@ -53,11 +53,15 @@ def _free_port(host: str) -> int:
 
 
 class MultiprocExecutor:
+    # A rank's K/V is only its slice (heads, layers): nothing hands a whole request's over yet.
+    moves_kv = False
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_model_len: int):
         par = config.parallel
         check_parallel_sizes(loaded.config, par.tensor_parallel_size, par.pipeline_parallel_size)
         self.config = config
         self.world_size = par.world_size
+        self.max_in_flight = par.pipeline_parallel_size  # one step per stage
         self.timeout = par.step_timeout_s
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
@@ -225,6 +229,9 @@ class MultiprocExecutor:
             raise RankStepError(errors[0][1])
         out = next((m[1] for m in replies.values() if m[1] is not None), None)
         return out if out is not None else ModelRunnerOutput()
+
+    def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        raise NotImplementedError("a parallel engine cannot hand its K/V to another yet")
 
     # --- health and shutdown -------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """A request's K/V packed to move between engines: computed by a prefill worker, loaded into a
-decode worker's own blocks (prefill/decode disaggregation).
+decode worker's own blocks (prefill/decode disaggregation) by the KV connector.
 
 The K/V moves as one tensor per request, not block by block, with the hashes of its full blocks:
 the receiver checks them against its own hash of the prompt (same model, tokenizer and salt, or

@@ -1,0 +1,40 @@
+"""What one step of the engine core hands its front, and the engine's state after it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.engine.block_pool import KVEvent
+from shoal.engine.outputs import EngineCoreOutput
+from shoal.engine.parallel.messages import RankStats
+from shoal.engine.speculative import SpecDecodeStats
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    num_evictions: int
+    spec: SpecDecodeStats | None = None  # with speculative decoding on
+    ranks: list[RankStats] | None = None  # with tensor or pipeline parallelism
+    num_waiting_tokens: int = 0  # tokens of the waiting requests (the front's admission bound)
+    num_kv_held: int = 0  # finished requests whose K/V waits for another engine to take it
+    num_steps: int = 0
+
+
+@dataclass
+class StepResult:
+    """What one step of the engine core hands its front: the choices' token deltas, the groups
+    none of whose choices is left running (their streams end), the KV-cache events since the last
+    step, and the engine's state after it."""
+
+    outputs: list[EngineCoreOutput]
+    finished_groups: set[str]
+    kv_events: list[KVEvent]
+    stats: EngineStats
