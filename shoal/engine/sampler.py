@@ -7,6 +7,7 @@ a failed step is retried, and when another replica resumes it from its streamed 
 
 from __future__ import annotations
 
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,43 @@ class SamplingState:
     def generator_for_next(self) -> torch.Generator:
         position = len(self.prompt_token_ids) + len(self.output_token_ids)
         return self.generator.manual_seed(derive_seed(self.seed, position))
+
+    def follow(self, start_pos: int, token_ids: list[int]) -> None:
+        """Takes the scheduler's word for the context: it ends with `token_ids` at `start_pos`.
+        Output that an attempt of this step already added (a step that failed after sampling and
+        now runs again) is rolled back, grammar included, so that the retry samples from the state
+        the scheduler has, not from one a token or more ahead."""
+        prompt = len(self.prompt_token_ids)
+        lo = max(start_pos - prompt, 0)  # the first output index the fed tokens cover
+        fed = token_ids[max(prompt - start_pos, 0) :]
+        out = self.output_token_ids
+        if lo > len(out):
+            raise RuntimeError(f"the runner lost output: it has {len(out)} tokens, the step starts at {lo}")
+        keep = lo
+        while keep - lo < len(fed) and keep < len(out) and out[keep] == fed[keep - lo]:
+            keep += 1
+        if keep == len(out) == lo + len(fed):
+            return  # the usual case: nothing was added since the scheduler last heard
+        self._rewind(keep)
+        self._extend(fed[keep - lo :])
+
+    def advance(self, tokens: list[int]) -> None:
+        """Appends tokens the step sampled (the scheduler will feed them back in the next step)."""
+        self._extend(tokens)
+
+    def _extend(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        if self.matcher is not None and tokens:
+            self.matcher.consume_tokens(tokens)
+
+    def _rewind(self, num_output: int) -> None:
+        drop = len(self.output_token_ids) - num_output
+        pending, self.next_mask = self.next_mask, None  # a mask of the state being undone
+        if pending is not None and not pending.cancel():
+            wait([pending])  # the grammar thread is reading the matcher: let it finish first
+        del self.output_token_ids[num_output:]
+        if self.matcher is not None and drop and not self.matcher.rollback(drop):
+            raise RuntimeError(f"the grammar could not roll back {drop} tokens")
 
     def ahead(self, tokens: list[int]) -> SamplingState:
         """This state as it will be once `tokens` are output (penalties, min_tokens and the draw
