@@ -91,3 +91,32 @@ def test_a_step_that_fails_after_sampling_runs_again_exactly(bundled, monkeypatc
     assert engine.spec_stats.num_drafts > 0
     engine.step()  # the runner hears of the last finished requests
     assert_pool_whole(engine)
+
+
+def test_seeded_speculation_draws_as_alone_as_resumed_and_as_without_proposals(bundled):
+    """Temperature 0.8, ngram proposals: the request alone; among requests of other lengths in a
+    64-token budget (proposals cut by the budget, and off while more than 2 requests sample);
+    resumed from its first k tokens the way the gateway resumes a stream; and with speculation off."""
+    params = SamplingParams(temperature=0.8, seed=21, max_tokens=32, ignore_eos=True)
+    spec = dict(speculative="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=2)
+    alone = LLM(loaded=bundled, num_blocks=256, **spec)
+    want = alone.generate(REPEAT, params)[0].outputs[0].token_ids
+    assert alone.engine.spec_stats.num_accepted_tokens > 0  # verify passes decided tokens
+
+    crowded = LLM(loaded=bundled, num_blocks=256, max_num_batched_tokens=64, **spec)
+    engine = crowded.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"other-{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=8 + 3 * i))
+    engine.add_request("x", REPEAT, params)
+    assert run_to_completion(engine)["x"].outputs[0].token_ids == want
+
+    for k in (5, 14):
+        engine.add_request(f"resumed-{k}", REPEAT, params, prior_output_ids=want[:k])
+        engine.add_request(f"beside-{k}", PROMPTS[6], SamplingParams(temperature=1.0, max_tokens=12))
+        resumed = run_to_completion(engine)[f"resumed-{k}"].outputs[0]
+        assert resumed.token_ids == want  # the prior tokens, then the rest as the original drew it
+    assert_pool_whole(engine)
+
+    # Exactly the tokens of plain decoding, not only the same distribution.
+    plain = LLM(loaded=bundled, num_blocks=256)
+    assert plain.generate(REPEAT, params)[0].outputs[0].token_ids == want
