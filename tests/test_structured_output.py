@@ -210,3 +210,63 @@ def test_a_resumed_request_grammar_picks_up_after_its_tokens():
     assert set(allowed_ids) <= set(eos) and allowed_ids  # the answer is complete: only EOS is left
     with pytest.raises(InvalidParamError):
         backend.matcher(choice, tok.backend.encode("maybe", add_special_tokens=False).ids)
+
+
+def _outside_strings(text: str) -> str:
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+def test_json_has_no_whitespace_between_tokens_unless_asked(server):
+    """By default JSON comes out as OpenAI's strict mode writes it, with no whitespace outside
+    strings; vLLM's guided_whitespace_pattern (or structured_outputs.whitespace_pattern) opts in."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    ask = [{"role": "user", "content": "Describe a person as JSON, nicely indented."}]
+    compact = chat(server, messages=ask, response_format=fmt, n=2, temperature=0.7)
+    for c in compact:
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
+    compact += chat(server, messages=ask, response_format={"type": "json_object"}, max_tokens=40)
+    for c in compact:
+        assert not re.search(r"\s", _outside_strings(c["message"]["content"])), c
+    spaced = chat(
+        server, messages=ask, response_format=fmt, n=2, max_tokens=60, guided_whitespace_pattern="[ \n]+"
+    )
+    spaced += chat(server, messages=ask, guided_json=PERSON, structured_outputs={"whitespace_pattern": "[ ]"})
+    assert any(re.search(r"\s", _outside_strings(c["message"]["content"])) for c in spaced)
+    for c in spaced:
+        assert not re.search(r"[\t\r]", _outside_strings(c["message"]["content"]))  # only what was allowed
+        if c["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
+    r = server.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ask, "guided_regex": "[a-z]+", "guided_whitespace_pattern": " "},
+    )
+    assert r.status_code == 400 and "JSON output only" in r.text
+
+
+def test_a_json_grammar_admits_whitespace_only_as_asked():
+    """The grammar itself, token by token: compact JSON that fits the schema passes, whitespace
+    between tokens does not (unless the pattern allows it), and the schema still binds."""
+    from shoal.engine.structured import FREE_WHITESPACE, GrammarBackend, StructuredOutput
+    from shoal.models.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    backend = GrammarBackend(tok.backend, tok.backend.get_vocab_size(), sorted(tok.eos_token_ids))
+
+    def accepts(structured: StructuredOutput, text: str) -> bool:
+        m = backend.matcher(structured, [])
+        ids = tok.backend.encode(text, add_special_tokens=False).ids
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    compact = '{"name":"Al Bo","age":30,"tags":["a","c"]}'
+    spaced = '{\n  "name": "Al Bo",\n  "age": 30,\n  "tags": ["a", "c"]\n}'
+    for kind, spec in (("json_schema", json.dumps(PERSON)), ("json_object", "")):
+        assert accepts(StructuredOutput(kind, spec), compact)
+        assert not accepts(StructuredOutput(kind, spec), spaced)
+        assert accepts(StructuredOutput(kind, spec, whitespace=FREE_WHITESPACE), spaced)
+        assert not accepts(StructuredOutput(kind, spec, whitespace="[ ]"), spaced)  # no newlines
+    strict = StructuredOutput("json_schema", json.dumps(PERSON))
+    assert not accepts(strict, '{"name":"Al","age":"30","tags":[]}')  # age must be an integer
+    assert not accepts(strict, '{"name":"Al","tags":[]}')  # age is required
+    flexible = StructuredOutput("json_schema", json.dumps(PERSON), whitespace=FREE_WHITESPACE)
+    assert not accepts(flexible, '{"name": "Al", "tags": ["d"]}')

@@ -252,6 +252,8 @@ class EngineCore:
             self._marked[request_id] = "crash"
         elif self.faults.step_error_on and self.faults.step_error_on in text:
             self._marked[request_id] = "step_error"
+        elif self.faults.sampled_error_on and self.faults.sampled_error_on in text:
+            self._marked[request_id] = "sampled_error"
 
     def abort_request(self, request_id: str) -> bool:
         self._marked.pop(request_id, None)
@@ -337,13 +339,16 @@ class EngineCore:
 
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._check_faults(so)
-        return self.executor.execute_model(so)
+        result = self.executor.execute_model(so)
+        if self._marked and any(self._marked.get(c.request_id) == "sampled_error" for c in so.scheduled):
+            raise InjectedStepError("injected step error after sampling")
+        return result
 
     def _execute(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
         """Runs the step. When it raises, runs each request's part alone, so that the requests
         whose part fails are failed and every other one goes on as if nothing happened (a part
-        is safe to run again: K/V slots are rewritten with the same values, and a draw depends
-        on the seed and position only)."""
+        is safe to run again: K/V slots are rewritten with the same values, the runner rolls back
+        what the failed attempt sampled, and a draw depends on the seed and position only)."""
         try:
             result = self._run(so)
             self._failed_steps = 0

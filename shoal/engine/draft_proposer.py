@@ -27,7 +27,9 @@ class DraftProposer(Proposer):
         self.block_size = runner.block_size
         self.free_blocks = list(range(runner.num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}  # positions whose draft K/V is written
+        # The context whose draft K/V is written, per request. Kept as tokens, not a count: a
+        # step that failed after proposing runs again, and only what still matches is reused.
+        self.computed: dict[str, list[int]] = {}
         self._dropped: list[str] = []
         self._step = 0
 
@@ -62,13 +64,13 @@ class DraftProposer(Proposer):
             if added is None:
                 self.drop(rid)
                 continue
-            done = 0 if fresh else self.computed[rid]
+            done = 0 if fresh else _common_prefix(self.computed[rid], context, len(context) - 1)
             if fresh:
                 first.new_requests.append(NewRequestData(rid, [], _GREEDY, 0, [], list(self.tables[rid])))
             first.scheduled.append(
                 ScheduledRequest(rid, context[done:], done, new_block_ids=[] if fresh else added)
             )
-            self.computed[rid] = len(context)
+            self.computed[rid] = context
             contexts[rid] = context
         if not first.scheduled:
             if first.finished_ids:  # let the draft runner forget them now
@@ -91,3 +93,16 @@ class DraftProposer(Proposer):
         so.step_id = self._step
         so.num_batched_tokens = sum(sr.num_tokens for sr in so.scheduled)
         return self.runner.execute(so).sampled
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens a and b share, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    limit, n = n, 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -19,14 +19,17 @@ class InjectedStepError(RuntimeError):
 class FaultConfig:
     crash_on: str | None = None  # a prompt containing this kills the engine loop
     step_error_on: str | None = None  # a step running a prompt containing this raises
+    # ... raises after the model ran and sampled: the runner has taken the step's tokens
+    sampled_error_on: str | None = None
 
     @classmethod
     def from_env(cls) -> FaultConfig:
         return cls(
             os.environ.get("SHOAL_FAULT_CRASH_ON") or None,
             os.environ.get("SHOAL_FAULT_STEP_ERROR_ON") or None,
+            os.environ.get("SHOAL_FAULT_SAMPLED_ERROR_ON") or None,
         )
 
     @property
     def active(self) -> bool:
-        return bool(self.crash_on or self.step_error_on)
+        return bool(self.crash_on or self.step_error_on or self.sampled_error_on)

@@ -113,7 +113,7 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Takes the step's changes to request state. Safe to repeat: a failed step is run again
-        request by request with the same SchedulerOutput."""
+        request by request with the same SchedulerOutput, and its sampled tokens are rolled back."""
         for rid in so.finished_ids:
             self.states.pop(rid, None)
             self.block_tables.pop(rid, None)
@@ -143,6 +143,10 @@ class ModelRunner:
             if sr.new_block_ids and self._applied_step.get(sr.request_id) != so.step_id:
                 self.block_tables[sr.request_id].extend(sr.new_block_ids)
                 self._applied_step[sr.request_id] = so.step_id
+            if sr.sample and self.samples:
+                # What an earlier attempt at this step sampled is undone here, whatever failed
+                # after it: the sampling state is always the scheduler's.
+                self.states[sr.request_id].follow(sr.start_pos, sr.token_ids)
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """The K/V of a request's first num_tokens tokens, packed (see engine.kv_connector)."""
@@ -226,10 +230,7 @@ class ModelRunner:
         self._record(out, c.request_id, tokens, lps)
 
     def _record(self, out: ModelRunnerOutput, rid: str, tokens: list[int], lps: list[TokenLogprob]) -> None:
-        state = self.states[rid]
-        state.output_token_ids.extend(tokens)
-        if state.matcher is not None:
-            state.matcher.consume_tokens(tokens)
+        self.states[rid].advance(tokens)
         out.sampled[rid] = tokens
         if lps:
             out.logprobs[rid] = lps

@@ -7,6 +7,7 @@ a failed step is retried, and when another replica resumes it from its streamed 
 
 from __future__ import annotations
 
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +15,8 @@ import torch
 
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.seeded_draws import exponential_race, position_generator
 from shoal.engine.structured import GrammarBackend
-from shoal.protocol.seeds import derive_seed
 
 
 @dataclass
@@ -32,7 +33,44 @@ class SamplingState:
 
     def generator_for_next(self) -> torch.Generator:
         position = len(self.prompt_token_ids) + len(self.output_token_ids)
-        return self.generator.manual_seed(derive_seed(self.seed, position))
+        return position_generator(self.seed, position, self.generator)
+
+    def follow(self, start_pos: int, token_ids: list[int]) -> None:
+        """Takes the scheduler's word for the context: it ends with `token_ids` at `start_pos`.
+        Output that an attempt of this step already added (a step that failed after sampling and
+        now runs again) is rolled back, grammar included, so that the retry samples from the state
+        the scheduler has, not from one a token or more ahead."""
+        prompt = len(self.prompt_token_ids)
+        lo = max(start_pos - prompt, 0)  # the first output index the fed tokens cover
+        fed = token_ids[max(prompt - start_pos, 0) :]
+        out = self.output_token_ids
+        if lo > len(out):
+            raise RuntimeError(f"the runner lost output: it has {len(out)} tokens, the step starts at {lo}")
+        keep = lo
+        while keep - lo < len(fed) and keep < len(out) and out[keep] == fed[keep - lo]:
+            keep += 1
+        if keep == len(out) == lo + len(fed):
+            return  # the usual case: nothing was added since the scheduler last heard
+        self._rewind(keep)
+        self._extend(fed[keep - lo :])
+
+    def advance(self, tokens: list[int]) -> None:
+        """Appends tokens the step sampled (the scheduler will feed them back in the next step)."""
+        self._extend(tokens)
+
+    def _extend(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        if self.matcher is not None and tokens:
+            self.matcher.consume_tokens(tokens)
+
+    def _rewind(self, num_output: int) -> None:
+        drop = len(self.output_token_ids) - num_output
+        pending, self.next_mask = self.next_mask, None  # a mask of the state being undone
+        if pending is not None and not pending.cancel():
+            wait([pending])  # the grammar thread is reading the matcher: let it finish first
+        del self.output_token_ids[num_output:]
+        if self.matcher is not None and drop and not self.matcher.rollback(drop):
+            raise RuntimeError(f"the grammar could not roll back {drop} tokens")
 
     def ahead(self, tokens: list[int]) -> SamplingState:
         """This state as it will be once `tokens` are output (penalties, min_tokens and the draw
@@ -69,44 +107,26 @@ class Sampler:
             rows = torch.tensor(random_rows)
             probs = self._filtered_probs(logits[rows], [states[i].params for i in random_rows])
             for j, i in enumerate(random_rows):
-                tokens[i] = _draw(probs[j], states[i].generator_for_next())
+                tokens[i] = exponential_race(probs[j], states[i].generator_for_next())
         return tokens.tolist()
 
     def verify(self, logits: torch.Tensor, state: SamplingState, drafts: list[int]) -> list[int]:
         """Checks proposed tokens against the model: `logits` has a row for each draft position and
         one past them. Returns the accepted drafts and one token of the model's own after them.
 
-        Greedy keeps drafts while they are the model's argmax. Sampling accepts draft d where the
-        model's distribution p gives it probability p(d) and otherwise draws from p without d
-        (rejection sampling against a proposer that gives d probability 1), so the tokens follow
-        p exactly; each position's draws come from its own seeded generator.
+        Every row is sampled as plain decoding samples it (same shaping, the same seeded noise
+        for its position), and a draft is kept while it equals the token its row picked. This is
+        rejection sampling for a proposer that gives its guess probability 1, coupled to the plain
+        draw: a guess d is kept with probability p(d), a rejected one is replaced by a token drawn
+        from p without d, so the tokens follow p exactly, and they are the very tokens decoding
+        without proposals gives for the same seed, in whatever batch the rows were computed.
         """
         k = len(drafts)
-        views = [state.ahead(drafts[:j]) for j in range(k + 1)]
-        p = state.params
-        logits = logits.float()
-        if not (p.greedy and not p.shapes_logits and p.min_tokens == 0):
-            logits = logits.clone() if logits.device.type == "cpu" else logits.cpu()
-            self._mask_early_stop(logits, views)
-            self._apply_penalties(logits, views)
-            self._apply_bias(logits, views)
-        if p.greedy:
-            best = logits.argmax(dim=-1).tolist()
-            for j, d in enumerate(drafts):
-                if best[j] != d:
-                    return [*drafts[:j], best[j]]
-            return [*drafts, best[k]]
-        probs = self._filtered_probs(logits, [p] * (k + 1))
+        tokens = self(logits, [state.ahead(drafts[:j]) for j in range(k + 1)])
         for j, d in enumerate(drafts):
-            gen = views[j].generator_for_next()
-            if torch.rand((), generator=gen) < probs[j, d]:
-                continue
-            rest = probs[j].clone()
-            rest[d] = 0.0
-            if rest.sum() <= 0:  # p(d) was 1 within rounding: d it is
-                continue
-            return [*drafts[:j], _draw(rest, gen)]
-        return [*drafts, _draw(probs[k], views[k].generator_for_next())]
+            if tokens[j] != d:
+                return [*drafts[:j], tokens[j]]
+        return [*drafts, tokens[k]]
 
     @staticmethod
     def logprobs(
@@ -206,13 +226,6 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """A token from `probs` (unnormalised is fine) by the exponential race: argmax(p / E) with
-    E ~ Exp(1) samples from p."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], top_n: list[int]) -> list[TokenLogprob]:

@@ -23,6 +23,7 @@ STRUCTURED_FIELDS = (
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
+    "guided_whitespace_pattern",
 )
 
 

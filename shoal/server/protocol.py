@@ -127,6 +127,8 @@ class _SamplingFields(_Request):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: dict[str, Any] | None = None
+    # JSON output has no whitespace between tokens unless this regex allows some (vLLM's name).
+    guided_whitespace_pattern: StrictStr | None = None
 
     def structured(self) -> StructuredOutput | None:
         """The grammar the output must follow, checked (a 400 naming the problem otherwise)."""
