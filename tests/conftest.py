@@ -6,9 +6,51 @@ import pytest
 import torch
 
 from shoal.models.loader import bundled_model_path, load_model
+from tests.fleet_helpers import POISON_MARKER, start_fleet
 from tests.helpers import PROMPTS, hf_greedy
 
 REF_TOKENS = 24
+SHARED_REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
+
+# Servers and fleets shared by several test modules (session scope) are stopped right after the
+# last test that uses them, not at the end of the session: their processes would otherwise idle
+# (and poll each other) beside every test that follows. Fixture name -> its process, and
+# fixture name -> the node id of its last user in this run.
+_STARTED = pytest.StashKey[dict]()
+_LAST_USER = pytest.StashKey[dict]()
+
+
+def pytest_collection_modifyitems(config, items):
+    config.stash[_LAST_USER] = {
+        name: item.nodeid for item in items for name in getattr(item, "fixturenames", ())
+    }
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    started = item.config.stash.get(_STARTED, {})
+    for name, last in item.config.stash.get(_LAST_USER, {}).items():
+        if last == item.nodeid and name in started:
+            started.pop(name).stop()
+    return result
+
+
+def _shared(request, proc):
+    """Registers a session fixture's process to be stopped after its last user."""
+    request.config.stash.setdefault(_STARTED, {})[request.fixturename] = proc
+    return proc
+
+
+@pytest.fixture(scope="session")
+def shared_fleet(request):
+    """Three replicas of the bundled model (int4, 256 MiB of KV, one thread each) behind `fleet
+    up`, with the crash-on-marker hook armed (only a prompt holding POISON_MARKER triggers it):
+    test_fleet's routing and failover tests and test_fleet_crash's crash tests run on it. Tests
+    that kill a replica wait for its restart before they end."""
+    gw = start_fleet(3, "--replica-args", SHARED_REPLICA_ARGS, env={"SHOAL_FAULT_CRASH_ON": POISON_MARKER})
+    yield _shared(request, gw)
+    gw.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,19 +17,18 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from tests.fleet_helpers import metric, replicas, spawn, start_fleet, wait_replicas_ready
+from tests.fleet_helpers import POISON_MARKER, metric, replicas, spawn, start_fleet, wait_replicas_ready
 from tests.server_helpers import free_port
 
 REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
 MODEL = "SmolLM2-135M-Instruct"
-MARKER = "ZZPOISONZZ"
+MARKER = POISON_MARKER
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    gw = start_fleet(3, "--replica-args", REPLICA_ARGS, env={"SHOAL_FAULT_CRASH_ON": MARKER})
-    yield gw
-    gw.stop()
+def fleet(shared_fleet):
+    """Three replicas whose engines crash on MARKER (see conftest), shared with test_fleet."""
+    return shared_fleet
 
 
 async def collect(url: str, path: str, body: dict, kill_after: int | None = None, pids=None):
@@ -154,6 +153,7 @@ def test_a_seeded_n2_chat_stream_survives_kill_9(fleet):
 
 def test_a_poison_request_fails_once_and_takes_down_one_replica(fleet):
     wait_replicas_ready(fleet, 3)
+    poisoned = metric(fleet.url, "shoal:gateway_poison_requests_total")
     pids = pids_of(fleet)
     poison = {"model": MODEL, "messages": [{"role": "user", "content": f"Say {MARKER} please"}]}
     _, _, chunks, _, _ = asyncio.run(collect(fleet.url, "/v1/chat/completions", poison))
@@ -168,9 +168,8 @@ def test_a_poison_request_fails_once_and_takes_down_one_replica(fleet):
         fleet.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60
     )
     assert ok.status_code == 200
-    assert _one_died(pids)
+    _one_died_and_restarted(fleet, pids)
     # A different poison, not streamed: a 500 at once, and again one replica down at most.
-    wait_replicas_ready(fleet, 3)
     pids = pids_of(fleet)
     r = httpx.post(
         fleet.url + "/v1/completions",
@@ -178,18 +177,28 @@ def test_a_poison_request_fails_once_and_takes_down_one_replica(fleet):
         timeout=60,
     )
     assert r.status_code == 500 and r.json()["error"]["code"] == "poison_request", r.text
-    assert _one_died(pids)
-    assert metric(fleet.url, "shoal:gateway_poison_requests_total") == 2
-    wait_replicas_ready(fleet, 3)  # and it restarts the dead one
+    assert metric(fleet.url, "shoal:gateway_poison_requests_total") == poisoned + 2
+    _one_died_and_restarted(fleet, pids)  # and it restarts the dead one
 
 
-def _one_died(pids: dict[str, int]) -> bool:
-    """Waits for one of the replicas to exit, then checks that the others stay up."""
+def _one_died_and_restarted(fleet, pids: dict[str, int]) -> None:
+    """Waits for one of the replicas to exit and for the fleet to restart it; the others stay up
+    all the while (their processes are the ones from before)."""
     deadline = time.monotonic() + 30
     while not any(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(2.0)
-    return sum(_gone(p) for p in pids.values()) == 1
+    dead = [name for name, p in pids.items() if _gone(p)]
+    assert len(dead) == 1, dead
+    deadline = time.monotonic() + 240
+    while True:
+        reps = replicas(fleet)
+        if reps[dead[0]]["pid"] != pids[dead[0]] and all(r["state"] == "ready" for r in reps.values()):
+            break
+        assert time.monotonic() < deadline, reps
+        time.sleep(0.25)
+    survivors = {name: p for name, p in pids.items() if name not in dead}
+    assert not any(_gone(p) for p in survivors.values())
+    assert {name: reps[name]["pid"] for name in survivors} == survivors
 
 
 # --- the supervisor itself ------------------------------------------------------------------
@@ -275,7 +284,7 @@ class Stranger:
         self.thread.join(10)
 
 
-def test_a_busy_port_is_never_started_on_nor_called_ready():
+def test_a_busy_port_is_never_started_on_nor_called_ready(fleet):
     base = _free_run(1)
     stranger = Stranger(base)
     try:  # at startup: fail fast, saying why
@@ -284,30 +293,30 @@ def test_a_busy_port_is_never_started_on_nor_called_ready():
         assert f"port {base} already in use" in gw.log()
     finally:
         stranger.close()
-    gw = start_fleet(1, "--replica-args", REPLICA_ARGS, "--base-port", str(base))
-    try:  # at a restart: the replica waits, marked port_in_use, and the stranger is never "ready"
-        pid = replicas(gw)["replica-0"]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        while _free(base) is False:
-            time.sleep(0.01)
-        stranger = Stranger(base)
-        try:
-            while replicas(gw)["replica-0"]["state"] == "ready":  # until the supervisor saw the death
-                time.sleep(0.02)
-            deadline = time.monotonic() + 6
-            states = set()
-            while time.monotonic() < deadline:
-                rep = replicas(gw)["replica-0"]
-                states.add(rep["state"])
-                time.sleep(0.1)
-            assert rep["state"] == "port_in_use" and "in use" in rep["note"], rep
-            assert "ready" not in states, states
-        finally:
-            stranger.close()
-        reps = wait_replicas_ready(gw, 1, timeout=120)
-        assert reps[0]["pid"] != pid and reps[0]["restarts"] >= 1
+    # At a restart: the replica waits, marked port_in_use, and the stranger is never "ready".
+    wait_replicas_ready(fleet, 3)
+    victim = replicas(fleet)["replica-0"]
+    pid, port = victim["pid"], int(victim["url"].rsplit(":", 1)[1])
+    os.kill(pid, signal.SIGKILL)
+    while _free(port) is False:
+        time.sleep(0.01)
+    stranger = Stranger(port)
+    try:
+        while replicas(fleet)["replica-0"]["state"] == "ready":  # until the supervisor saw the death
+            time.sleep(0.02)
+        deadline = time.monotonic() + 6
+        states = set()
+        while time.monotonic() < deadline:
+            rep = replicas(fleet)["replica-0"]
+            states.add(rep["state"])
+            time.sleep(0.1)
+        assert rep["state"] == "port_in_use" and "in use" in rep["note"], rep
+        assert "ready" not in states, states
     finally:
-        gw.stop()
+        stranger.close()
+    reps = {r["name"]: r for r in wait_replicas_ready(fleet, 3, timeout=120)}
+    assert reps["replica-0"]["pid"] != pid and reps["replica-0"]["restarts"] >= 1
+    assert reps["replica-0"]["url"] == victim["url"]  # back on its own port
 
 
 def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
