@@ -8,6 +8,7 @@ import torch
 from shoal.models.loader import bundled_model_path, load_model
 from tests.fleet_helpers import POISON_MARKER, start_fleet
 from tests.helpers import PROMPTS, hf_greedy
+from tests.server_helpers import start_server
 
 REF_TOKENS = 24
 SHARED_REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
@@ -51,6 +52,15 @@ def shared_fleet(request):
     gw = start_fleet(3, "--replica-args", SHARED_REPLICA_ARGS, env={"SHOAL_FAULT_CRASH_ON": POISON_MARKER})
     yield _shared(request, gw)
     gw.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_server(request):
+    """A plain `shoal serve` of the bundled model (int4, 1024 tokens of context, 256 MiB of KV):
+    test_structured_output and test_tool_calls send it requests that do not depend on each other."""
+    s = start_server("--max-model-len", "1024", "--kv-cache-memory", "256MiB")
+    yield _shared(request, s)
+    s.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)
