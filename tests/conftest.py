@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shoal.models.loader import bundled_model_path, load_model
-from tests.fleet_helpers import POISON_MARKER, start_fleet
+from tests.fleet_helpers import FLEET_KEY, POISON_MARKER, start_fleet
 from tests.helpers import PROMPTS, hf_greedy
 from tests.server_helpers import start_server
 
@@ -21,9 +21,9 @@ _STARTED = pytest.StashKey[dict]()
 _LAST_USER = pytest.StashKey[dict]()
 
 
-def pytest_collection_modifyitems(config, items):
-    config.stash[_LAST_USER] = {
-        name: item.nodeid for item in items for name in getattr(item, "fixturenames", ())
+def pytest_collection_finish(session):
+    session.config.stash[_LAST_USER] = {
+        name: item.nodeid for item in session.items for name in getattr(item, "fixturenames", ())
     }
 
 
@@ -46,10 +46,12 @@ def _shared(request, proc):
 @pytest.fixture(scope="session")
 def shared_fleet(request):
     """Three replicas of the bundled model (int4, 256 MiB of KV, one thread each) behind `fleet
-    up`, with the crash-on-marker hook armed (only a prompt holding POISON_MARKER triggers it):
-    test_fleet's routing and failover tests and test_fleet_crash's crash tests run on it. Tests
-    that kill a replica wait for its restart before they end."""
-    gw = start_fleet(3, "--replica-args", SHARED_REPLICA_ARGS, env={"SHOAL_FAULT_CRASH_ON": POISON_MARKER})
+    up` with an API key (FLEET_KEY), and the crash-on-marker hook armed (only a prompt holding
+    POISON_MARKER triggers it): test_fleet's routing and failover tests, test_fleet_crash's crash
+    tests and test_fleet_hardening's tests run on it, in that order. Tests that kill or freeze a
+    replica wait for it to be ready again before they end."""
+    env = {"SHOAL_FAULT_CRASH_ON": POISON_MARKER}
+    gw = start_fleet(3, "--replica-args", SHARED_REPLICA_ARGS, api_key=FLEET_KEY, env=env)
     yield _shared(request, gw)
     gw.stop()
 

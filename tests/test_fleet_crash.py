@@ -17,7 +17,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from tests.fleet_helpers import POISON_MARKER, metric, replicas, spawn, start_fleet, wait_replicas_ready
+from tests.fleet_helpers import FLEET_KEY as KEY
+from tests.fleet_helpers import POISON_MARKER, auth, metric, replicas, spawn, start_fleet, wait_replicas_ready
 from tests.server_helpers import free_port
 
 REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
@@ -27,7 +28,8 @@ MARKER = POISON_MARKER
 
 @pytest.fixture(scope="module")
 def fleet(shared_fleet):
-    """Three replicas whose engines crash on MARKER (see conftest), shared with test_fleet."""
+    """Three replicas behind a key whose engines crash on MARKER (see conftest), shared with
+    test_fleet and test_fleet_hardening."""
     return shared_fleet
 
 
@@ -37,7 +39,7 @@ async def collect(url: str, path: str, body: dict, kill_after: int | None = None
     choices: dict[int, dict] = {}
     usage, chunks, roles = None, [], []
     async with (
-        httpx.AsyncClient(timeout=300) as c,
+        httpx.AsyncClient(timeout=300, headers=auth(KEY)) as c,
         c.stream("POST", url + path, json={**body, "stream": True}) as r,
     ):
         assert r.status_code == 200, await r.aread()
@@ -88,8 +90,8 @@ def assert_same(got: dict, expected: dict) -> None:
             assert [t["logprob"] for t in alts_a] == pytest.approx([t["logprob"] for t in alts_b], abs=1e-3)
 
 
-def pids_of(gw) -> dict[str, int]:
-    return {name: r["pid"] for name, r in replicas(gw).items()}
+def pids_of(gw, key: str | None = KEY) -> dict[str, int]:
+    return {name: r["pid"] for name, r in replicas(gw, key).items()}
 
 
 def tokens_of(usage: dict) -> tuple:
@@ -121,7 +123,7 @@ def test_a_chat_stream_without_max_tokens_survives_kill_9_with_its_logprobs(flee
     assert tokens_of(usage) == tokens_of(exp_usage)
     assert roles == [0] and len({c["id"] for c in chunks}) == 1  # one stream, one role chunk
     assert metric(fleet.url, "shoal:gateway_failovers_total") == failovers + 1
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
     assert pids_of(fleet)[victim] != pids[victim]  # restarted
 
 
@@ -145,27 +147,30 @@ def test_a_seeded_n2_chat_stream_survives_kill_9(fleet):
     assert_same(got, expected)
     assert tokens_of(usage) == tokens_of(exp_usage)
     assert sorted(roles) == [0, 1] and len({c["id"] for c in chunks}) == 1
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
 
 
 # --- poison requests ------------------------------------------------------------------------
 
 
 def test_a_poison_request_fails_once_and_takes_down_one_replica(fleet):
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
     poisoned = metric(fleet.url, "shoal:gateway_poison_requests_total")
     pids = pids_of(fleet)
     poison = {"model": MODEL, "messages": [{"role": "user", "content": f"Say {MARKER} please"}]}
     _, _, chunks, _, _ = asyncio.run(collect(fleet.url, "/v1/chat/completions", poison))
     assert chunks[-1]["error"]["code"] == "poison_request", chunks[-1]
     # Refused at the door from now on, streamed or not, without touching a replica.
-    sent = sum(r["requests_total"] for r in replicas(fleet).values())
-    r = httpx.post(fleet.url + "/v1/chat/completions", json=poison, timeout=60)
+    sent = sum(r["requests_total"] for r in replicas(fleet, KEY).values())
+    r = httpx.post(fleet.url + "/v1/chat/completions", json=poison, headers=auth(KEY), timeout=60)
     assert r.status_code == 500 and r.json()["error"]["code"] == "poison_request"
-    assert sum(r["requests_total"] for r in replicas(fleet).values()) == sent
+    assert sum(r["requests_total"] for r in replicas(fleet, KEY).values()) == sent
     # The fleet keeps serving while the one victim restarts.
     ok = httpx.post(
-        fleet.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60
+        fleet.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+        headers=auth(KEY),
+        timeout=60,
     )
     assert ok.status_code == 200
     _one_died_and_restarted(fleet, pids)
@@ -174,6 +179,7 @@ def test_a_poison_request_fails_once_and_takes_down_one_replica(fleet):
     r = httpx.post(
         fleet.url + "/v1/completions",
         json={"model": MODEL, "prompt": f"Repeat {MARKER} twice", "max_tokens": 8},
+        headers=auth(KEY),
         timeout=60,
     )
     assert r.status_code == 500 and r.json()["error"]["code"] == "poison_request", r.text
@@ -191,7 +197,7 @@ def _one_died_and_restarted(fleet, pids: dict[str, int]) -> None:
     assert len(dead) == 1, dead
     deadline = time.monotonic() + 240
     while True:
-        reps = replicas(fleet)
+        reps = replicas(fleet, KEY)
         if reps[dead[0]]["pid"] != pids[dead[0]] and all(r["state"] == "ready" for r in reps.values()):
             break
         assert time.monotonic() < deadline, reps
@@ -237,7 +243,7 @@ def test_replicas_die_with_a_killed_fleet_and_a_new_fleet_starts_clean():
     args = ("--replica-args", REPLICA_ARGS, "--base-port", str(base))
     gw = start_fleet(2, *args)
     try:
-        pids = list(pids_of(gw).values())
+        pids = list(pids_of(gw, None).values())
         gw.proc.kill()  # kill -9: no chance to stop its replicas
         gw.proc.wait()
         deadline = time.monotonic() + 5
@@ -294,48 +300,50 @@ def test_a_busy_port_is_never_started_on_nor_called_ready(fleet):
     finally:
         stranger.close()
     # At a restart: the replica waits, marked port_in_use, and the stranger is never "ready".
-    wait_replicas_ready(fleet, 3)
-    victim = replicas(fleet)["replica-0"]
+    wait_replicas_ready(fleet, 3, api_key=KEY)
+    victim = replicas(fleet, KEY)["replica-0"]
     pid, port = victim["pid"], int(victim["url"].rsplit(":", 1)[1])
     os.kill(pid, signal.SIGKILL)
     while _free(port) is False:
         time.sleep(0.01)
     stranger = Stranger(port)
     try:
-        while replicas(fleet)["replica-0"]["state"] == "ready":  # until the supervisor saw the death
+        while replicas(fleet, KEY)["replica-0"]["state"] == "ready":  # until the supervisor saw the death
             time.sleep(0.02)
         deadline = time.monotonic() + 6
         states = set()
         while time.monotonic() < deadline:
-            rep = replicas(fleet)["replica-0"]
+            rep = replicas(fleet, KEY)["replica-0"]
             states.add(rep["state"])
             time.sleep(0.1)
         assert rep["state"] == "port_in_use" and "in use" in rep["note"], rep
         assert "ready" not in states, states
     finally:
         stranger.close()
-    reps = {r["name"]: r for r in wait_replicas_ready(fleet, 3, timeout=120)}
+    reps = {r["name"]: r for r in wait_replicas_ready(fleet, 3, timeout=120, api_key=KEY)}
     assert reps["replica-0"]["pid"] != pid and reps["replica-0"]["restarts"] >= 1
     assert reps["replica-0"]["url"] == victim["url"]  # back on its own port
 
 
 def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
     body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     prompts = [f"Tell me about river number {i}." for i in range(4)]
     expected = {}
     for p in prompts:
-        r = httpx.post(fleet.url + "/v1/completions", json={**body, "prompt": p}, timeout=120)
+        r = httpx.post(
+            fleet.url + "/v1/completions", json={**body, "prompt": p}, headers=auth(KEY), timeout=120
+        )
         expected[p] = r.json()["choices"][0]["text"]
 
     async def run():
-        async with httpx.AsyncClient(timeout=300) as c:
+        async with httpx.AsyncClient(timeout=300, headers=auth(KEY)) as c:
             tasks = [
                 asyncio.create_task(c.post(fleet.url + "/v1/completions", json={**body, "prompt": p}))
                 for p in prompts
             ]
             while True:  # kill the replica holding the most of them, once they run
-                busy = max(replicas(fleet).values(), key=lambda r: r["inflight"])
+                busy = max(replicas(fleet, KEY).values(), key=lambda r: r["inflight"])
                 if busy["load"].get("running", 0) >= 1 and busy["inflight"] >= 1:
                     break
                 await asyncio.sleep(0.05)
@@ -346,4 +354,4 @@ def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
     for p, r in zip(prompts, asyncio.run(run())):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected[p]
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
