@@ -27,7 +27,7 @@ run: setup
 
 test: setup-test
 	$(BIN)/ruff check shoal tests benchmarks
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 bench: setup-test
 	$(BIN)/shoal bench offline --compare-hf

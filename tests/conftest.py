@@ -6,9 +6,63 @@ import pytest
 import torch
 
 from shoal.models.loader import bundled_model_path, load_model
+from tests.fleet_helpers import FLEET_KEY, POISON_MARKER, start_fleet
 from tests.helpers import PROMPTS, hf_greedy
+from tests.server_helpers import start_server
 
 REF_TOKENS = 24
+SHARED_REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
+
+# Servers and fleets shared by several test modules (session scope) are stopped right after the
+# last test that uses them, not at the end of the session: their processes would otherwise idle
+# (and poll each other) beside every test that follows. Fixture name -> its process, and
+# fixture name -> the node id of its last user in this run.
+_STARTED = pytest.StashKey[dict]()
+_LAST_USER = pytest.StashKey[dict]()
+
+
+def pytest_collection_finish(session):
+    session.config.stash[_LAST_USER] = {
+        name: item.nodeid for item in session.items for name in getattr(item, "fixturenames", ())
+    }
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    started = item.config.stash.get(_STARTED, {})
+    for name, last in item.config.stash.get(_LAST_USER, {}).items():
+        if last == item.nodeid and name in started:
+            started.pop(name).stop()
+    return result
+
+
+def _shared(request, proc):
+    """Registers a session fixture's process to be stopped after its last user."""
+    request.config.stash.setdefault(_STARTED, {})[request.fixturename] = proc
+    return proc
+
+
+@pytest.fixture(scope="session")
+def shared_fleet(request):
+    """Three replicas of the bundled model (int4, 256 MiB of KV, one thread each) behind `fleet
+    up` with an API key (FLEET_KEY), and the crash-on-marker hook armed (only a prompt holding
+    POISON_MARKER triggers it): test_fleet's routing and failover tests, test_fleet_crash's crash
+    tests and test_fleet_hardening's tests run on it, in that order. Tests that kill or freeze a
+    replica wait for it to be ready again before they end."""
+    env = {"SHOAL_FAULT_CRASH_ON": POISON_MARKER}
+    gw = start_fleet(3, "--replica-args", SHARED_REPLICA_ARGS, api_key=FLEET_KEY, env=env)
+    yield _shared(request, gw)
+    gw.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_server(request):
+    """A plain `shoal serve` of the bundled model (int4, 1024 tokens of context, 256 MiB of KV):
+    test_structured_output and test_tool_calls send it requests that do not depend on each other."""
+    s = start_server("--max-model-len", "1024", "--kv-cache-memory", "256MiB")
+    yield _shared(request, s)
+    s.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,6 +12,11 @@ import httpx
 
 from tests.server_helpers import ServerProcess, free_port
 
+# A prompt holding this crashes the engine of a replica started with SHOAL_FAULT_CRASH_ON set to
+# it (shoal.engine.faults); the shared fleet's replicas are.
+POISON_MARKER = "ZZPOISONZZ"
+FLEET_KEY = "sk-fleet-test"  # the shared fleet's API key (conftest), which its replicas require too
+
 
 def auth(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}

@@ -249,6 +249,13 @@ def test_the_kv_that_arrives_is_what_prefill_computed_per_block(fleet, bundled):
     assert shm.num_tokens == len(ids) and tcp.data.shape[2] == len(ids)
     block = 16
     assert shm.block_hashes == hash_blocks(ids, block, root=root_hash(kv_salt(SALT)))[: len(ids) // block]
+    # Released before the local prefill below, which on a loaded machine can outlast the hold.
+    r = httpx.post(
+        prefill["url"] + "/kv/release",
+        json={"handle": params["handle"]},
+        headers={KV_TRANSFER_KEY_HEADER: KEY},
+    )
+    assert r.json() == {"released": True}
 
     engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64)), loaded=bundled)
     engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=1), hold_kv=True)
@@ -258,13 +265,6 @@ def test_the_kv_that_arrives_is_what_prefill_computed_per_block(fleet, bundled):
     for b in range(0, len(ids), block):
         got, want = shm.data[:, :, b : b + block], local.data[:, :, b : b + block]
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"block {b // block}"
-
-    r = httpx.post(
-        prefill["url"] + "/kv/release",
-        json={"handle": params["handle"]},
-        headers={KV_TRANSFER_KEY_HEADER: KEY},
-    )
-    assert r.json() == {"released": True}
     wait_idle(prefill["url"])
     assert not shm_left(prefill["pid"])
 

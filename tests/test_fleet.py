@@ -18,44 +18,48 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from tests.fleet_helpers import metric, replicas, start_fleet, start_gateway, wait_replicas_ready
+from tests.fleet_helpers import FLEET_KEY as KEY
+from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
 from tests.server_helpers import free_port
 
-REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
 LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in range(14))
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    gw = start_fleet(3, "--replica-args", REPLICA_ARGS)
-    yield gw
-    gw.stop()
+def fleet(shared_fleet):
+    """Three replicas behind a key (see conftest), shared with test_fleet_crash and
+    test_fleet_hardening."""
+    return shared_fleet
 
 
 @pytest.fixture(scope="module")
 def urls(fleet):
-    return {name: r["url"] for name, r in replicas(fleet).items()}
+    return {name: r["url"] for name, r in replicas(fleet, KEY).items()}
 
 
 @pytest.fixture(scope="module")
 def gateways(urls):
     """One gateway per non-default policy over the fleet's replicas (names backend-0.. in url order)."""
-    made = {p: start_gateway(list(urls.values()), "--policy", p) for p in ("round_robin", "session")}
+    made = {
+        p: start_gateway(list(urls.values()), "--policy", p, api_key=KEY) for p in ("round_robin", "session")
+    }
     yield made
     for g in made.values():
         g.stop()
 
 
-def post(gw, body, path="/v1/completions", **kw):
-    r = httpx.post(gw.url + path, json={"model": MODEL, **body}, timeout=120, **kw)
+def post(gw, body, path="/v1/completions", headers=None, **kw):
+    headers = {**auth(KEY), **(headers or {})}
+    r = httpx.post(gw.url + path, json={"model": MODEL, **body}, timeout=120, headers=headers, **kw)
     assert r.status_code == 200, r.text
     return r
 
 
 def test_openai_api_passes_through(fleet, urls):
-    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+    retries = metric(fleet.url, "shoal:gateway_retries_total")
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     msgs = [{"role": "user", "content": "Name a colour."}]
     via = client.chat.completions.create(
@@ -64,6 +68,7 @@ def test_openai_api_passes_through(fleet, urls):
     direct = httpx.post(
         next(iter(urls.values())) + "/v1/chat/completions",
         json={"model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 0},
+        headers=auth(KEY),
         timeout=60,
     ).json()
     assert via.choices[0].message.content == direct["choices"][0]["message"]["content"]
@@ -78,9 +83,9 @@ def test_openai_api_passes_through(fleet, urls):
     assert text == via.choices[0].message.content
     with pytest.raises(openai.BadRequestError):  # a client error passes through, untouched and not retried
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", max_tokens=-1)
-    reps = fleet.get("/replicas").json()["replicas"]
+    reps = fleet.get("/replicas", headers=auth(KEY)).json()["replicas"]
     assert len(reps) == 3 and all(r["pid"] and r["state"] == "ready" for r in reps)
-    assert metric(fleet.url, "shoal:gateway_retries_total") == 0
+    assert metric(fleet.url, "shoal:gateway_retries_total") == retries
 
 
 def test_round_robin_spreads_and_session_sticks(gateways):
@@ -104,7 +109,9 @@ def test_round_robin_spreads_and_session_sticks(gateways):
 
 
 def test_kv_aware_sends_shared_prefixes_where_they_are_cached(fleet, urls):
-    indexed_before = sum(r["cached_blocks"] for r in replicas(fleet).values())
+    prefix_hits = 'shoal:gateway_routing_decisions_total{policy="kv_aware",reason="prefix_hit"}'
+    routed_before = metric(fleet.url, prefix_hits)
+    indexed_before = sum(r["cached_blocks"] for r in replicas(fleet, KEY).values())
     homes = {}
     for k in range(3):
         prefix = f"Document {k}. {LONG_PREFIX}"
@@ -114,7 +121,7 @@ def test_kv_aware_sends_shared_prefixes_where_they_are_cached(fleet, urls):
     # instead of for a fixed time.
     deadline = time.monotonic() + 15
     while (
-        sum(r["cached_blocks"] for r in replicas(fleet).values()) < indexed_before + 30
+        sum(r["cached_blocks"] for r in replicas(fleet, KEY).values()) < indexed_before + 30
         and time.monotonic() < deadline
     ):
         time.sleep(0.1)
@@ -127,28 +134,27 @@ def test_kv_aware_sends_shared_prefixes_where_they_are_cached(fleet, urls):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(
             r["inflight"] or r["load"].get("running") or r["load"].get("waiting")
-            for r in replicas(fleet).values()
+            for r in replicas(fleet, KEY).values()
         ):
             time.sleep(0.1)
         got = post(fleet, {"prompt": f"Document {k}. {LONG_PREFIX} Another question?", "max_tokens": 1})
-        assert got.headers["x-replica"] == homes[k], (k, homes, replicas(fleet))  # the view it decided on
+        # On a failure, the view it decided on.
+        assert got.headers["x-replica"] == homes[k], (k, homes, replicas(fleet, KEY))
         assert metric(home, "shoal:prefix_cache_hits_total") - hits >= 160  # the shared prefix was reused
-    assert (
-        metric(fleet.url, 'shoal:gateway_routing_decisions_total{policy="kv_aware",reason="prefix_hit"}') >= 3
-    )
+    assert metric(fleet.url, prefix_hits) >= routed_before + 3
 
 
 def test_kv_aware_falls_back_to_least_load_when_load_is_uneven(urls, tmp_path):
     cfg = tmp_path / "gw.toml"
     cfg.write_text('[gateway]\npolicy = "kv_aware"\nimbalance_limit = 2\n')
-    gw = start_gateway(list(urls.values()), "--config", str(cfg))
+    gw = start_gateway(list(urls.values()), "--config", str(cfg), api_key=KEY)
     try:
         prompt = f"Busy doc. {LONG_PREFIX}"
         home = post(gw, {"prompt": prompt + " first", "max_tokens": 1}).headers["x-replica"]
         home_url = dict(zip([f"backend-{i}" for i in range(3)], urls.values()))[home]
 
         async def load_home_and_ask():
-            async with httpx.AsyncClient(timeout=120) as c:
+            async with httpx.AsyncClient(timeout=120, headers=auth(KEY)) as c:
                 busy = [
                     asyncio.create_task(
                         c.post(
@@ -163,7 +169,7 @@ def test_kv_aware_falls_back_to_least_load_when_load_is_uneven(urls, tmp_path):
                     )
                     for i in range(6)
                 ]
-                while replicas(gw)[home]["load"].get("running", 0) < 5:
+                while replicas(gw, KEY)[home]["load"].get("running", 0) < 5:
                     await asyncio.sleep(0.05)
                 r = await c.post(
                     gw.url + "/v1/completions",
@@ -187,11 +193,11 @@ def test_kv_aware_falls_back_to_least_load_when_load_is_uneven(urls, tmp_path):
 def test_gateway_backpressure_gives_503_with_retry_after(urls, tmp_path):
     cfg = tmp_path / "gw.toml"
     cfg.write_text('[gateway]\npolicy = "least_load"\nmax_inflight_per_replica = 1\nmax_queue = 1\n')
-    gw = start_gateway(list(urls.values())[:1], "--config", str(cfg))
+    gw = start_gateway(list(urls.values())[:1], "--config", str(cfg), api_key=KEY)
     try:
 
         async def burst():
-            async with httpx.AsyncClient(timeout=120) as c:
+            async with httpx.AsyncClient(timeout=120, headers=auth(KEY)) as c:
                 body = {"model": MODEL, "prompt": "Count:", "max_tokens": 24, "ignore_eos": True}
                 return await asyncio.gather(
                     *(c.post(gw.url + "/v1/completions", json=body) for _ in range(6))
@@ -220,11 +226,12 @@ def test_a_replica_answering_500_is_ejected_by_passive_checks(urls):
     server = uvicorn.Server(uvicorn.Config(bad, port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    gw = start_gateway([f"http://127.0.0.1:{port}", next(iter(urls.values()))], "--policy", "round_robin")
+    good = next(iter(urls.values()))
+    gw = start_gateway([f"http://127.0.0.1:{port}", good], "--policy", "round_robin", api_key=KEY)
     try:
         for i in range(8):  # every request is answered: failures on the bad one are retried on the good one
             post(gw, {"prompt": f"p{i}", "max_tokens": 1})
-        reps = replicas(gw)
+        reps = replicas(gw, KEY)
         assert reps["backend-0"]["state"] in ("ejected", "half_open")
         assert (
             reps["backend-0"]["recent_errors"]
@@ -243,7 +250,8 @@ def test_kill_9_mid_stream_loses_nothing(fleet, gateways):
     prompts = [f"Tell me about planet number {i}." for i in range(6)]
     body = {"model": MODEL, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     expected = {p: post(fleet, {**body, "prompt": p}).json()["choices"][0]["text"] for p in prompts}
-    before = replicas(fleet)
+    before = replicas(fleet, KEY)
+    failovers = metric(fleet.url, "shoal:gateway_failovers_total")
 
     async def stream(c, p, results):
         text, finishes, usage, replica = "", [], None, None
@@ -269,7 +277,7 @@ def test_kill_9_mid_stream_loses_nothing(fleet, gateways):
 
     async def run():
         results: dict = {}
-        async with httpx.AsyncClient(timeout=180) as c:
+        async with httpx.AsyncClient(timeout=180, headers=auth(KEY)) as c:
             tasks = [asyncio.create_task(stream(c, p, results)) for p in prompts]
             while len(results) < len(prompts) or min(n for _, n in results.values()) < 20:
                 await asyncio.sleep(0.02)
@@ -282,12 +290,12 @@ def test_kill_9_mid_stream_loses_nothing(fleet, gateways):
         assert text == expected[p], p  # greedy: identical to the uninterrupted answer
         assert finishes == ["length"]
         assert usage["completion_tokens"] == 60
-    assert metric(fleet.url, "shoal:gateway_failovers_total") >= 1
+    assert metric(fleet.url, "shoal:gateway_failovers_total") >= failovers + 1
     # The supervisor restarts the victim, which takes traffic again.
-    reps = wait_replicas_ready(fleet, 3)
+    reps = wait_replicas_ready(fleet, 3, api_key=KEY)
     restarted = {r["name"]: r for r in reps}[victim]
     assert restarted["pid"] != before[victim]["pid"]
     served = restarted["requests_total"]
     for i in range(9):
         post(fleet, {"prompt": f"after {i}", "max_tokens": 1})
-    assert replicas(fleet)[victim]["requests_total"] > served
+    assert replicas(fleet, KEY)[victim]["requests_total"] > served

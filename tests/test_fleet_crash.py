@@ -17,19 +17,20 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from tests.fleet_helpers import metric, replicas, spawn, start_fleet, wait_replicas_ready
+from tests.fleet_helpers import FLEET_KEY as KEY
+from tests.fleet_helpers import POISON_MARKER, auth, metric, replicas, spawn, start_fleet, wait_replicas_ready
 from tests.server_helpers import free_port
 
 REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
 MODEL = "SmolLM2-135M-Instruct"
-MARKER = "ZZPOISONZZ"
+MARKER = POISON_MARKER
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    gw = start_fleet(3, "--replica-args", REPLICA_ARGS, env={"SHOAL_FAULT_CRASH_ON": MARKER})
-    yield gw
-    gw.stop()
+def fleet(shared_fleet):
+    """Three replicas behind a key whose engines crash on MARKER (see conftest), shared with
+    test_fleet and test_fleet_hardening."""
+    return shared_fleet
 
 
 async def collect(url: str, path: str, body: dict, kill_after: int | None = None, pids=None):
@@ -38,7 +39,7 @@ async def collect(url: str, path: str, body: dict, kill_after: int | None = None
     choices: dict[int, dict] = {}
     usage, chunks, roles = None, [], []
     async with (
-        httpx.AsyncClient(timeout=300) as c,
+        httpx.AsyncClient(timeout=300, headers=auth(KEY)) as c,
         c.stream("POST", url + path, json={**body, "stream": True}) as r,
     ):
         assert r.status_code == 200, await r.aread()
@@ -89,8 +90,8 @@ def assert_same(got: dict, expected: dict) -> None:
             assert [t["logprob"] for t in alts_a] == pytest.approx([t["logprob"] for t in alts_b], abs=1e-3)
 
 
-def pids_of(gw) -> dict[str, int]:
-    return {name: r["pid"] for name, r in replicas(gw).items()}
+def pids_of(gw, key: str | None = KEY) -> dict[str, int]:
+    return {name: r["pid"] for name, r in replicas(gw, key).items()}
 
 
 def tokens_of(usage: dict) -> tuple:
@@ -122,7 +123,7 @@ def test_a_chat_stream_without_max_tokens_survives_kill_9_with_its_logprobs(flee
     assert tokens_of(usage) == tokens_of(exp_usage)
     assert roles == [0] and len({c["id"] for c in chunks}) == 1  # one stream, one role chunk
     assert metric(fleet.url, "shoal:gateway_failovers_total") == failovers + 1
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
     assert pids_of(fleet)[victim] != pids[victim]  # restarted
 
 
@@ -146,50 +147,64 @@ def test_a_seeded_n2_chat_stream_survives_kill_9(fleet):
     assert_same(got, expected)
     assert tokens_of(usage) == tokens_of(exp_usage)
     assert sorted(roles) == [0, 1] and len({c["id"] for c in chunks}) == 1
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
 
 
 # --- poison requests ------------------------------------------------------------------------
 
 
 def test_a_poison_request_fails_once_and_takes_down_one_replica(fleet):
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
+    poisoned = metric(fleet.url, "shoal:gateway_poison_requests_total")
     pids = pids_of(fleet)
     poison = {"model": MODEL, "messages": [{"role": "user", "content": f"Say {MARKER} please"}]}
     _, _, chunks, _, _ = asyncio.run(collect(fleet.url, "/v1/chat/completions", poison))
     assert chunks[-1]["error"]["code"] == "poison_request", chunks[-1]
     # Refused at the door from now on, streamed or not, without touching a replica.
-    sent = sum(r["requests_total"] for r in replicas(fleet).values())
-    r = httpx.post(fleet.url + "/v1/chat/completions", json=poison, timeout=60)
+    sent = sum(r["requests_total"] for r in replicas(fleet, KEY).values())
+    r = httpx.post(fleet.url + "/v1/chat/completions", json=poison, headers=auth(KEY), timeout=60)
     assert r.status_code == 500 and r.json()["error"]["code"] == "poison_request"
-    assert sum(r["requests_total"] for r in replicas(fleet).values()) == sent
+    assert sum(r["requests_total"] for r in replicas(fleet, KEY).values()) == sent
     # The fleet keeps serving while the one victim restarts.
     ok = httpx.post(
-        fleet.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60
+        fleet.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+        headers=auth(KEY),
+        timeout=60,
     )
     assert ok.status_code == 200
-    assert _one_died(pids)
+    _one_died_and_restarted(fleet, pids)
     # A different poison, not streamed: a 500 at once, and again one replica down at most.
-    wait_replicas_ready(fleet, 3)
     pids = pids_of(fleet)
     r = httpx.post(
         fleet.url + "/v1/completions",
         json={"model": MODEL, "prompt": f"Repeat {MARKER} twice", "max_tokens": 8},
+        headers=auth(KEY),
         timeout=60,
     )
     assert r.status_code == 500 and r.json()["error"]["code"] == "poison_request", r.text
-    assert _one_died(pids)
-    assert metric(fleet.url, "shoal:gateway_poison_requests_total") == 2
-    wait_replicas_ready(fleet, 3)  # and it restarts the dead one
+    assert metric(fleet.url, "shoal:gateway_poison_requests_total") == poisoned + 2
+    _one_died_and_restarted(fleet, pids)  # and it restarts the dead one
 
 
-def _one_died(pids: dict[str, int]) -> bool:
-    """Waits for one of the replicas to exit, then checks that the others stay up."""
+def _one_died_and_restarted(fleet, pids: dict[str, int]) -> None:
+    """Waits for one of the replicas to exit and for the fleet to restart it; the others stay up
+    all the while (their processes are the ones from before)."""
     deadline = time.monotonic() + 30
     while not any(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(2.0)
-    return sum(_gone(p) for p in pids.values()) == 1
+    dead = [name for name, p in pids.items() if _gone(p)]
+    assert len(dead) == 1, dead
+    deadline = time.monotonic() + 240
+    while True:
+        reps = replicas(fleet, KEY)
+        if reps[dead[0]]["pid"] != pids[dead[0]] and all(r["state"] == "ready" for r in reps.values()):
+            break
+        assert time.monotonic() < deadline, reps
+        time.sleep(0.25)
+    survivors = {name: p for name, p in pids.items() if name not in dead}
+    assert not any(_gone(p) for p in survivors.values())
+    assert {name: reps[name]["pid"] for name in survivors} == survivors
 
 
 # --- the supervisor itself ------------------------------------------------------------------
@@ -228,7 +243,7 @@ def test_replicas_die_with_a_killed_fleet_and_a_new_fleet_starts_clean():
     args = ("--replica-args", REPLICA_ARGS, "--base-port", str(base))
     gw = start_fleet(2, *args)
     try:
-        pids = list(pids_of(gw).values())
+        pids = list(pids_of(gw, None).values())
         gw.proc.kill()  # kill -9: no chance to stop its replicas
         gw.proc.wait()
         deadline = time.monotonic() + 5
@@ -275,7 +290,7 @@ class Stranger:
         self.thread.join(10)
 
 
-def test_a_busy_port_is_never_started_on_nor_called_ready():
+def test_a_busy_port_is_never_started_on_nor_called_ready(fleet):
     base = _free_run(1)
     stranger = Stranger(base)
     try:  # at startup: fail fast, saying why
@@ -284,49 +299,51 @@ def test_a_busy_port_is_never_started_on_nor_called_ready():
         assert f"port {base} already in use" in gw.log()
     finally:
         stranger.close()
-    gw = start_fleet(1, "--replica-args", REPLICA_ARGS, "--base-port", str(base))
-    try:  # at a restart: the replica waits, marked port_in_use, and the stranger is never "ready"
-        pid = replicas(gw)["replica-0"]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        while _free(base) is False:
-            time.sleep(0.01)
-        stranger = Stranger(base)
-        try:
-            while replicas(gw)["replica-0"]["state"] == "ready":  # until the supervisor saw the death
-                time.sleep(0.02)
-            deadline = time.monotonic() + 6
-            states = set()
-            while time.monotonic() < deadline:
-                rep = replicas(gw)["replica-0"]
-                states.add(rep["state"])
-                time.sleep(0.1)
-            assert rep["state"] == "port_in_use" and "in use" in rep["note"], rep
-            assert "ready" not in states, states
-        finally:
-            stranger.close()
-        reps = wait_replicas_ready(gw, 1, timeout=120)
-        assert reps[0]["pid"] != pid and reps[0]["restarts"] >= 1
+    # At a restart: the replica waits, marked port_in_use, and the stranger is never "ready".
+    wait_replicas_ready(fleet, 3, api_key=KEY)
+    victim = replicas(fleet, KEY)["replica-0"]
+    pid, port = victim["pid"], int(victim["url"].rsplit(":", 1)[1])
+    os.kill(pid, signal.SIGKILL)
+    while _free(port) is False:
+        time.sleep(0.01)
+    stranger = Stranger(port)
+    try:
+        while replicas(fleet, KEY)["replica-0"]["state"] == "ready":  # until the supervisor saw the death
+            time.sleep(0.02)
+        deadline = time.monotonic() + 6
+        states = set()
+        while time.monotonic() < deadline:
+            rep = replicas(fleet, KEY)["replica-0"]
+            states.add(rep["state"])
+            time.sleep(0.1)
+        assert rep["state"] == "port_in_use" and "in use" in rep["note"], rep
+        assert "ready" not in states, states
     finally:
-        gw.stop()
+        stranger.close()
+    reps = {r["name"]: r for r in wait_replicas_ready(fleet, 3, timeout=120, api_key=KEY)}
+    assert reps["replica-0"]["pid"] != pid and reps["replica-0"]["restarts"] >= 1
+    assert reps["replica-0"]["url"] == victim["url"]  # back on its own port
 
 
 def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)
     body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     prompts = [f"Tell me about river number {i}." for i in range(4)]
     expected = {}
     for p in prompts:
-        r = httpx.post(fleet.url + "/v1/completions", json={**body, "prompt": p}, timeout=120)
+        r = httpx.post(
+            fleet.url + "/v1/completions", json={**body, "prompt": p}, headers=auth(KEY), timeout=120
+        )
         expected[p] = r.json()["choices"][0]["text"]
 
     async def run():
-        async with httpx.AsyncClient(timeout=300) as c:
+        async with httpx.AsyncClient(timeout=300, headers=auth(KEY)) as c:
             tasks = [
                 asyncio.create_task(c.post(fleet.url + "/v1/completions", json={**body, "prompt": p}))
                 for p in prompts
             ]
             while True:  # kill the replica holding the most of them, once they run
-                busy = max(replicas(fleet).values(), key=lambda r: r["inflight"])
+                busy = max(replicas(fleet, KEY).values(), key=lambda r: r["inflight"])
                 if busy["load"].get("running", 0) >= 1 and busy["inflight"] >= 1:
                     break
                 await asyncio.sleep(0.05)
@@ -337,4 +354,4 @@ def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
     for p, r in zip(prompts, asyncio.run(run())):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected[p]
-    wait_replicas_ready(fleet, 3)
+    wait_replicas_ready(fleet, 3, api_key=KEY)

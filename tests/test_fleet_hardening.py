@@ -18,19 +18,18 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from shoal.protocol.block_hash import hash_blocks, root_hash
-from tests.fleet_helpers import auth, metric, replicas, start_fleet, start_gateway, wait_replicas_ready
+from tests.fleet_helpers import FLEET_KEY as KEY
+from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
 from tests.server_helpers import free_port
 
-KEY = "sk-fleet-test"
-REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    gw = start_fleet(2, "--replica-args", REPLICA_ARGS, api_key=KEY)
-    yield gw
-    gw.stop()
+def fleet(shared_fleet):
+    """Three replicas behind KEY (see conftest), shared with test_fleet and test_fleet_crash."""
+    wait_replicas_ready(shared_fleet, 3, api_key=KEY)
+    return shared_fleet
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +248,7 @@ def test_a_frozen_replica_fails_its_streams_over_at_once(fleet):
         for p in prompts
     }
     before = replicas(fleet, KEY)
+    failovers = metric(fleet.url, "shoal:gateway_failovers_total")
 
     async def stream(c, p, seen):
         text, stamps = "", []
@@ -288,8 +288,8 @@ def test_a_frozen_replica_fails_its_streams_over_at_once(fleet):
         if seen[p][0] == victim:
             resumed = next(t for t in stamps if t > stopped)
             assert resumed - stopped < 10, resumed - stopped  # detection ~2-3 s, not a timeout
-    assert metric(fleet.url, "shoal:gateway_failovers_total") >= 1
-    wait_replicas_ready(fleet, 2, api_key=KEY)  # the thawed replica takes traffic again
+    assert metric(fleet.url, "shoal:gateway_failovers_total") >= failovers + 1
+    wait_replicas_ready(fleet, 3, api_key=KEY)  # the thawed replica takes traffic again
 
 
 def test_timeouts_bound_streams_not_long_requests_and_never_run_twice(fleet, tmp_path):

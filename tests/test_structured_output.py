@@ -10,8 +10,6 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server_helpers import start_server
-
 MODEL = "SmolLM2-135M-Instruct"
 PERSON = {
     "type": "object",
@@ -26,10 +24,9 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-model-len", "512", "--kv-cache-memory", "256MiB")
-    yield s
-    s.stop()
+def server(chat_server):
+    """The bundled model's server (see conftest), shared with test_tool_calls."""
+    return chat_server
 
 
 def chat(server, **fields):

@@ -156,10 +156,9 @@ def test_tool_grammar_admits_calls_of_the_offered_tools_only(grammars, fmt):
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-model-len", "1024", "--kv-cache-memory", "256MiB")
-    yield s
-    s.stop()
+def server(chat_server):
+    """The bundled model's server (see conftest), shared with test_structured_output."""
+    return chat_server
 
 
 @pytest.fixture(scope="module")
