@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.fleet.autoscaler import AutoscaleConfig
+from shoal.fleet.cores import CoresConfig
 from shoal.fleet.tenants import TenantConfig
 from shoal.fleet.tiers import TierConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
@@ -165,6 +166,7 @@ class FleetConfig:
     # Memory this node gives its replicas (each model's memory_mb each); None: no limit. When a
     # replica does not fit, the least recently used idle model that may scale to zero is unloaded.
     memory_budget_mb: float | None = None
+    cores: CoresConfig = field(default_factory=CoresConfig)  # this host's cores among its replicas
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def model_configs(self) -> list[ModelConfig]:
@@ -193,6 +195,7 @@ class FleetConfig:
             raise ValueError("each [[models]] table needs its own name (the model id clients send)")
         for m in self.model_configs():
             m.check()
+        self.cores.check()
 
 
 def _fill(cls, data: dict[str, Any]):
@@ -211,7 +214,7 @@ def _model(data: dict[str, Any]) -> ModelConfig:
 
 def load_fleet_config(path: str | Path) -> FleetConfig:
     """A TOML file: top-level fleet keys (replicas, model, base_port, replica_args, min_replicas, ...),
-    an [autoscale] table, [[models]] tables (each with its own [models.autoscale]), [gateway],
+    an [autoscale] table, [cores], [[models]] tables (each with its own [models.autoscale]), [gateway],
     [[tenants]] and [[tiers]]."""
     data = tomllib.loads(Path(path).read_text())
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
@@ -219,8 +222,9 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
     gateway.tiers = [_fill(TierConfig, t) for t in data.pop("tiers", [])]
     models = [_model(m) for m in data.pop("models", [])]
     autoscale = _fill(AutoscaleConfig, data.pop("autoscale", {}))
+    cores = _fill(CoresConfig, data.pop("cores", {}))
     cfg = _fill(FleetConfig, data)
-    cfg.gateway, cfg.models, cfg.autoscale = gateway, models, autoscale
+    cfg.gateway, cfg.models, cfg.autoscale, cfg.cores = gateway, models, autoscale, cores
     cfg.check()
     for t in gateway.tenants:
         t.check()

@@ -18,6 +18,7 @@ import time
 
 from shoal.fleet.autoscaler import Autoscaler, Signals
 from shoal.fleet.config import FleetConfig
+from shoal.fleet.cores import CoreAllocator, planned_replicas
 from shoal.fleet.history import FleetHistory
 from shoal.fleet.launcher import LocalLauncher, ReplicaSpec
 from shoal.fleet.placement import Placement
@@ -25,7 +26,7 @@ from shoal.fleet.replica import ReplicaState
 from shoal.fleet.replica_set import Lifecycle, Pool, Slot
 from shoal.fleet.rollout import RolloutDriver
 from shoal.protocol.kv_files import shm_sweep
-from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
+from shoal.protocol.secrets import API_KEY_ENV, KV_SALT_ENV, KV_TRANSFER_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,11 @@ TTFT_WINDOW_S = 30.0
 class FleetController:
     def __init__(self, config: FleetConfig, launcher=None):
         self.config = config
-        self.launcher = launcher or LocalLauncher()
+        self.models = config.model_configs()
+        cores = (
+            CoreAllocator.for_fleet(config.cores, planned_replicas(self.models)) if launcher is None else None
+        )
+        self.launcher = launcher or LocalLauncher(cores)
         gw = config.gateway
         # One salt per fleet, shared by its replicas (through the environment: argv is public) and
         # its gateway, so that the router's block hashes are the replicas' own; likewise the key
@@ -47,7 +52,6 @@ class FleetController:
         if not gw.kv_transfer_key:
             gw.kv_transfer_key = secrets.token_hex(16)
         self.log_dir = tempfile.mkdtemp(prefix="shoal-fleet-")
-        self.models = config.model_configs()
         self.multi_model = bool(config.models)
         self.pools: list[Pool] = []
         self._index = 0
@@ -114,11 +118,11 @@ class FleetController:
         args = list(m.replica_args)
         if m.name:
             args += ["--served-model-name", m.name]
-        if gw.replica_key:
-            args += ["--api-key", gw.replica_key]
         if slot.pool.role != "both":
             args += ["--role", slot.pool.role]
+        # Secrets by environment, never argv (public in ps); an empty key overrides an inherited one.
         env = {KV_SALT_ENV: gw.kv_salt, KV_TRANSFER_KEY_ENV: gw.kv_transfer_key}
+        env[API_KEY_ENV] = gw.replica_key or ""
         return ReplicaSpec(slot.name, slot.port, slot.log_path, m.model, args, env, m.memory_mb)
 
     def _publish(self, slot: Slot) -> None:
@@ -297,6 +301,8 @@ class FleetController:
         spares = [s for s in pool.in_state(Lifecycle.STARTING, Lifecycle.STANDBY) if not s.surge]
         want = max(0, pool.desired - len(active)) + pool.warm
         for _ in range(want - len(spares)):
+            if not self.launcher.has_room():
+                break  # no free cores (cores.when_full = "wait"): started once a replica's are free
             if not self.placement.fits(pool):
                 self.placement.make_room(pool, now)
                 break  # placed once the memory is free
@@ -364,6 +370,7 @@ class FleetController:
                 "unloaded": p.evicted_at is not None,
                 "replicas": {s.name: s.state.value for s in p.slots},
                 "versions": {s.name: s.version for s in p.slots},
+                "cores": {s.name: getattr(s.proc, "cpus", None) for s in p.slots},
             }
             for p in self.pools
         ]
