@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.fleet.autoscaler import AutoscaleConfig
+from shoal.fleet.canary import CanaryConfig
 from shoal.fleet.cores import CoresConfig
 from shoal.fleet.tenants import TenantConfig
 from shoal.fleet.tiers import TierConfig
@@ -163,6 +164,7 @@ class FleetConfig:
     restart_reset_after_s: float = 60.0  # a replica up this long starts from the first backoff again
     drain_timeout_s: float = 300.0  # a draining replica still busy after this is stopped anyway
     update_ready_timeout_s: float = 300.0  # a rolling update's new replica not ready by then: rolled back
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # ... or failing far more requests
     # Memory this node gives its replicas (each model's memory_mb each); None: no limit. When a
     # replica does not fit, the least recently used idle model that may scale to zero is unloaded.
     memory_budget_mb: float | None = None
@@ -196,6 +198,7 @@ class FleetConfig:
         for m in self.model_configs():
             m.check()
         self.cores.check()
+        self.canary.check()
 
 
 def _fill(cls, data: dict[str, Any]):
@@ -214,8 +217,8 @@ def _model(data: dict[str, Any]) -> ModelConfig:
 
 def load_fleet_config(path: str | Path) -> FleetConfig:
     """A TOML file: top-level fleet keys (replicas, model, base_port, replica_args, min_replicas, ...),
-    an [autoscale] table, [cores], [[models]] tables (each with its own [models.autoscale]), [gateway],
-    [[tenants]] and [[tiers]]."""
+    an [autoscale] table, [cores], [canary], [[models]] tables (each with its own [models.autoscale]),
+    [gateway], [[tenants]] and [[tiers]]."""
     data = tomllib.loads(Path(path).read_text())
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
     gateway.tenants = [_fill(TenantConfig, t) for t in data.pop("tenants", [])]
@@ -223,8 +226,9 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
     models = [_model(m) for m in data.pop("models", [])]
     autoscale = _fill(AutoscaleConfig, data.pop("autoscale", {}))
     cores = _fill(CoresConfig, data.pop("cores", {}))
+    canary = _fill(CanaryConfig, data.pop("canary", {}))
     cfg = _fill(FleetConfig, data)
-    cfg.gateway, cfg.models, cfg.autoscale, cfg.cores = gateway, models, autoscale, cores
+    cfg.gateway, cfg.models, cfg.autoscale, cfg.cores, cfg.canary = gateway, models, autoscale, cores, canary
     cfg.check()
     for t in gateway.tenants:
         t.check()

@@ -273,7 +273,7 @@ class Proxy:
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             if outcome.kind == "timeout":
-                await self.registry.release(replica, None)  # slow, not sick: not held against it
+                await self.registry.release(replica, None, failed=True)  # slow, not sick: not held against it
                 return APIError(
                     504,
                     f"replica {replica.name} did not answer within {cfg.request_timeout_s:.0f} s; "
@@ -308,7 +308,7 @@ class Proxy:
         outcome = error_outcome(_json_or_none(content))
         if outcome.kind == "internal_error" and resp.status_code == 500:
             # The engine failed this request alone and went on: it would fail anywhere.
-            await self.registry.release(replica, True)
+            await self.registry.release(replica, True, failed=True)
             self.guard.strike(await self.fingerprint(fwd))
             return passthrough(resp, content)
         if outcome.kind == "engine_dead":
@@ -318,5 +318,5 @@ class Proxy:
                 return poison_error(f"this request took replica {replica.name} down").response()
             return "engine_dead"
         # A 503 is a busy replica shedding load: try another, but it is not sick.
-        await self.registry.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}")
+        await self.registry.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}", failed=True)
         return f"http_{resp.status_code}"

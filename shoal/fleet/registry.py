@@ -423,16 +423,17 @@ class Registry:
             self.index.routed(replica.name, req.hashes)
         return replica
 
-    async def release(self, r: Replica, ok: bool | None, reason: str = "") -> None:
+    async def release(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
         """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
-        neither (a timeout on a replica that still passes probes)."""
-        self._account(r, ok, reason)
+        neither (a timeout on a replica that still passes probes). `failed`: the request failed
+        there all the same (a 503, a 500 of its own, a timeout), which a rolling update counts."""
+        self._account(r, ok, reason, failed)
         self.wake()
 
-    def release_nowait(self, r: Replica, ok: bool | None, reason: str = "") -> None:
+    def release_nowait(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
         """`release` for cleanup that must not await (a cancelled stream's, which anyio would
         cancel again at each await)."""
-        self._account(r, ok, reason)
+        self._account(r, ok, reason, failed)
         self.wake()
 
     def wake(self, everyone: bool = False) -> None:
@@ -457,8 +458,9 @@ class Registry:
         """Wakes requests waiting for a replica (one was promoted, or became free)."""
         self.wake(everyone=True)
 
-    def _account(self, r: Replica, ok: bool | None, reason: str) -> None:
+    def _account(self, r: Replica, ok: bool | None, reason: str, failed: bool) -> None:
         r.inflight -= 1
+        r.failed_total += int(failed or ok is False)
         self.metrics.inflight.labels(r.name).set(r.inflight)
         if ok:
             r.on_success()

@@ -3,14 +3,16 @@ time, without going dark. Each step starts one replica of the new version beside
 surge of one); when it has loaded it takes traffic and one old replica drains. With a canary
 share, the first new replica gets that share of the pool's requests for `canary_s` before the
 rest follow. A new replica that dies, fails to load, or is not ready within `ready_timeout_s`
-rolls the pool back: the previous version becomes the target again and whatever runs the failed
-one is replaced the same way."""
+rolls the pool back, and so does a new version that fails far more of its requests than the old
+one (canary.py; judged throughout the update, the canary's hold included): the previous version
+becomes the target again and whatever runs the failed one is replaced the same way."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from shoal.fleet.canary import CanaryConfig, counts, judge, tally
 from shoal.fleet.config import ModelConfig
 from shoal.fleet.replica_set import Lifecycle, Pool, Slot
 
@@ -27,6 +29,9 @@ class Rollout:
     started: float = 0.0
     canary_since: float | None = None
     rolling_back: bool = False
+    judging: CanaryConfig = field(default_factory=CanaryConfig)
+    # The old version's replicas' (finished, failed) requests when it began, by name.
+    baseline: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def failed(slot: Slot, rep, now: float, timeout: float) -> str | None:
@@ -48,6 +53,9 @@ class RolloutDriver:
 
     def begin(self, pool: Pool, model: ModelConfig, canary: float, canary_s: float, now: float) -> None:
         r = Rollout(pool.model, pool.version, canary, canary_s, self.c.config.update_ready_timeout_s, now)
+        r.judging = self.c.config.canary
+        reg = self.c.registry
+        r.baseline = {s.name: counts(reg.replicas[s.name]) for s in pool.slots if s.name in reg.replicas}
         pool.rollout, pool.model = r, model
         pool.version += 1
         log.warning(
@@ -64,6 +72,9 @@ class RolloutDriver:
                 why = failed(s, reg.replicas.get(s.name), now, r.ready_timeout_s)
                 if why:
                     return self._roll_back(pool, why)
+            why = self._failing(r, current, old)
+            if why:
+                return self._roll_back(pool, why)
         if r.canary_since is not None and now - r.canary_since < r.canary_s:
             return  # the canary is being watched
         reg.canary.pop(pool.model.name, None)
@@ -91,6 +102,13 @@ class RolloutDriver:
             slot = self.c.new_slot(pool)
             slot.surge = True
             self.c.start_slot(slot, now)
+
+    def _failing(self, r: Rollout, current: list[Slot], old: list[Slot]) -> str | None:
+        """Why the new version fails too many of its requests against the old one, if it does."""
+        reg = self.c.registry
+        new = tally(reg.replicas[s.name] for s in current if s.name in reg.replicas)
+        before = tally((reg.replicas[s.name] for s in old if s.name in reg.replicas), r.baseline)
+        return judge(new, before, r.judging)
 
     def _roll_back(self, pool: Pool, why: str) -> None:
         r = pool.rollout
