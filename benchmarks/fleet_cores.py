@@ -1,25 +1,32 @@
 """A fleet on one host against one replica alone, on the same cores (issue 25, defect 7): the
 README's `shoal fleet up --replicas 2` through its gateway against `shoal serve`, both with their
-default flags, under the same load: 32-token prompts, 128 greedy tokens, 8 concurrent streams.
-Before the fleet shared the host's cores, each replica took every core and two replicas on two
-cores served 0.11x of one alone; the target is at least 0.75x.
-
-It prints output tok/s, the ratio, and where the CPU went while each ran: the replicas, the
-gateway, this script's own load generator, everything else on the host, and idle (shares of the
-host's cores over the measured window). With `--oversubscribed`, a third run gives each replica
-every core (`--cores-per-replica` = all), as the fleet did before.
-
-    python benchmarks/fleet_cores.py [--requests 32] [--rounds 2] [--concurrency 8] [--oversubscribed]
+default flags, under the same load: 8 streams back to back, each a 32-token prompt and 128 greedy
+tokens. Before the fleet shared the host's cores, each replica took every core and two replicas on
+two cores served 0.11x of one alone; the target is at least 0.75x.
 
 The targets run side by side and are measured in turns (serve, fleet, serve, fleet, ...), so that
-a drifting background load on a shared host falls on each alike; idle targets' CPU is shown.
+a drifting background load on a shared host falls on each alike. A turn lets its streams settle,
+then counts the tokens that arrive in a fixed window (each chunk carries its token ids). It prints
+output tok/s, the ratio to one replica, tokens per CPU-second of the target's own processes (less
+swayed by what else runs on the host), and where the cores' time went over the window: the
+replicas, the gateway, this script's load generator, the idle targets, the rest of the host, idle.
+With `--oversubscribed`, a third target gives each replica every core, as the fleet did before.
+
+On a host that others load, run it with OMP_WAIT_POLICY=passive (both targets inherit it): with
+OpenMP's default spinning, the lone 2-thread `shoal serve` collapses whenever one of its threads
+is descheduled (3 tok/s against 128 with passive waits, same host, same minute), which says more
+about the neighbours than about the fleet. The fleet's 1-thread replicas have no barrier to spin at.
+
+    OMP_WAIT_POLICY=passive python benchmarks/fleet_cores.py [--window 20] [--rounds 2] [--oversubscribed]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -29,10 +36,10 @@ import time
 import httpx
 from fleet_process import FleetProcess  # this script's folder is on sys.path
 
-from shoal.bench.serve import ServeBenchConfig, run_serve_bench_async
 from shoal.fleet.cores import host_cpus
 from shoal.fleet.launcher import free_port
 
+MODEL = "SmolLM2-135M-Instruct"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -94,7 +101,8 @@ class CpuWindow:
         self.client0 = client_seconds()
 
     def shares(self) -> dict[str, float]:
-        """Each party's share of the cores' time over the window (they sum to about 1)."""
+        """Each party's share of the cores' time since the start (they sum to about 1), and
+        "own cpu_s": the CPU-seconds of the measured target's own processes."""
         wall = time.monotonic() - self.t0
         capacity = wall * len(host_cpus())
         out = {}
@@ -104,6 +112,7 @@ class CpuWindow:
         busy, idle = host_busy_idle()
         out["others on the host"] = max(0.0, (busy - self.busy0) / capacity - sum(out.values()))
         out["idle"] = (idle - self.idle0) / capacity
+        out["own cpu_s"] = (out.get("replicas", 0.0) + out.get("gateway", 0.0)) * capacity
         return out
 
 
@@ -140,31 +149,68 @@ class ServeProcess:
             self.proc.kill()
 
 
-def load(url: str, a: argparse.Namespace, requests: int, seed: int) -> dict:
-    cfg = ServeBenchConfig(
-        base_url=url,
-        num_requests=requests,
-        input_len=a.input_len,
-        output_len=a.output_len,
-        max_concurrency=a.concurrency,
-        seed=seed,
-    )
-    return asyncio.run(run_serve_bench_async(cfg))
+async def stream_tokens(url: str, a: argparse.Namespace, start: float, end: float) -> int:
+    """Streams of `a.concurrency` clients, back to back, from now until `end`: the tokens that
+    arrived in [start, end] (each chunk says its token ids, so merged deltas count right)."""
+    rng = random.Random(7)
+    counted = 0
+
+    async def client(c: httpx.AsyncClient) -> None:
+        nonlocal counted
+        while time.monotonic() < end:
+            body = {
+                "model": MODEL,
+                "prompt": [rng.randrange(1000, 40000) for _ in range(a.input_len)],
+                "max_tokens": a.output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200, (r.status_code, await r.aread())
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    now = time.monotonic()
+                    if now > end:
+                        return
+                    if now >= start:
+                        choices = json.loads(line[6:])["choices"]
+                        counted += sum(len(ch.get("token_ids") or []) for ch in choices)
+
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=a.concurrency)) as c:
+        await asyncio.gather(*(client(c) for _ in range(a.concurrency)))
+    return counted
 
 
 class Target:
-    """One way of serving, started once and measured in turns with the others (the host is shared,
-    so its background load drifts: turns put every target under the same drift)."""
+    """One way of serving, started once and measured in turns with the others."""
 
     def __init__(self, name: str, url: str, parties: dict[str, list[int]], stop, cores=None):
         self.name, self.url, self.parties, self.stop, self.cores = name, url, parties, stop, cores
         self.runs: list[dict] = []
 
+    def warm(self, a: argparse.Namespace) -> None:
+        """Kernels tuned, pools and connections made, before any turn counts."""
+        asyncio.run(stream_tokens(self.url, a, float("inf"), time.monotonic() + a.settle))
+
     def measure(self, a: argparse.Namespace, others: dict[str, list[int]]) -> dict:
-        window = CpuWindow({**self.parties, **others})
-        summary = load(self.url, a, a.requests, seed=2 + len(self.runs))
-        assert summary["failed"] == 0, summary["errors"]
-        run = {"tok_s": summary["output_token_throughput"], "cpu": window.shares()}
+        """One turn: streams start, settle for `a.settle` s, then `a.window` s are counted."""
+        start = time.monotonic() + a.settle
+        end = start + a.window
+
+        async def cpu_over_window() -> dict[str, float]:
+            await asyncio.sleep(max(0.0, start - time.monotonic()))
+            window = CpuWindow({**self.parties, **others})
+            await asyncio.sleep(max(0.0, end - time.monotonic()))
+            return window.shares()
+
+        async def turn():
+            return await asyncio.gather(stream_tokens(self.url, a, start, end), cpu_over_window())
+
+        tokens, cpu = asyncio.run(turn())
+        run = {"tok_s": tokens / a.window, "tok_per_cpu_s": tokens / max(cpu["own cpu_s"], 1e-9), "cpu": cpu}
         self.runs.append(run)
         return run
 
@@ -191,7 +237,8 @@ def median(xs: list[float]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=32, help="per measured turn")
+    p.add_argument("--window", type=float, default=20.0, help="seconds counted per turn")
+    p.add_argument("--settle", type=float, default=4.0, help="seconds of streaming before a window")
     p.add_argument("--rounds", type=int, default=2, help="turns of each target")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--input-len", type=int, default=32)
@@ -206,15 +253,11 @@ def main() -> None:
         if a.oversubscribed:
             targets.append(start_fleet("  each on every core", ["--cores-per-replica", str(ncores)]))
         for t in targets:
-            load(t.url, a, a.concurrency, seed=1)  # warm-up: kernels tuned, pools and connections made
+            t.warm(a)
         for _ in range(a.rounds):
             for t in targets:
-                idle = {
-                    "idle targets": [
-                        p for o in targets if o is not t for ps in o.parties.values() for p in ps
-                    ]
-                }
-                t.measure(a, idle)
+                idle = [p for o in targets if o is not t for pids in o.parties.values() for p in pids]
+                t.measure(a, {"idle targets": idle})
     finally:
         for t in targets:
             t.stop()
@@ -224,21 +267,26 @@ def main() -> None:
 def report(a: argparse.Namespace, targets: list[Target], ncores: int) -> None:
     base = targets[0]
     print(
-        f"\n{ncores} cores; turns of {a.requests} requests, {a.input_len} prompt tokens and "
-        f"{a.output_len} greedy tokens each, {a.concurrency} streams at once; {a.rounds} turns each"
+        f"\n{ncores} cores; {a.concurrency} streams of {a.input_len} prompt and {a.output_len} greedy "
+        f"tokens; {a.rounds} turns each of {a.window:.0f} s counted"
     )
     parties = ["replicas", "gateway", "load generator", "idle targets", "others on the host", "idle"]
-    print(f"{'':30} {'tok/s':>7} {'ratio':>6}  " + " ".join(f"{x[:12]:>12}" for x in parties))
+    print(
+        f"{'':28} {'tok/s':>6} {'ratio':>6} {'tok/cpu-s':>9} {'ratio':>6}  "
+        + " ".join(f"{x[:10]:>10}" for x in parties)
+    )
     for t in targets:
         tok_s = median([r["tok_s"] for r in t.runs])
-        # The ratio turn by turn (each against the one-replica turn just before it), then the median.
+        per_cpu = median([r["tok_per_cpu_s"] for r in t.runs])
+        # Ratios turn by turn (each against the one-replica turn of its round), then the median.
         ratio = median([r["tok_s"] / b["tok_s"] for r, b in zip(t.runs, base.runs)])
-        cpu = " ".join(f"{100 * median([r['cpu'].get(x, 0.0) for r in t.runs]):>11.0f}%" for x in parties)
-        print(f"{t.name:30} {tok_s:>7.1f} {ratio:>5.2f}x  {cpu}")
-        print(f"{'':30} turns: " + ", ".join(f"{r['tok_s']:.0f}" for r in t.runs) + " tok/s")
+        cpu_ratio = median([r["tok_per_cpu_s"] / b["tok_per_cpu_s"] for r, b in zip(t.runs, base.runs)])
+        cpu = " ".join(f"{100 * median([r['cpu'].get(x, 0.0) for r in t.runs]):>9.0f}%" for x in parties)
+        print(f"{t.name:28} {tok_s:>6.1f} {ratio:>5.2f}x {per_cpu:>9.1f} {cpu_ratio:>5.2f}x  {cpu}")
+        print(f"{'':28} turns: " + ", ".join(f"{r['tok_s']:.0f}" for r in t.runs) + " tok/s")
         if t.cores:
-            print(f"{'':30} replicas' cores: {t.cores}")
-    print("CPU: shares of the cores' time over each turn (medians); 'others' is the rest of the host.")
+            print(f"{'':28} replicas' cores: {t.cores}")
+    print("CPU: shares of the cores' time over each window (medians); 'others' is the rest of the host.")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ def test_past_the_cores_replicas_share_the_least_shared_ones():
     cores = CoreAllocator([0, 1], 1, "share")
     leases = [cores.acquire() for _ in range(5)]
     assert [lease.cpus for lease in leases] == [[0], [1], [0], [1], [0]]
+    assert [lease.shared for lease in leases] == [False, False, True, True, True]
+    assert thread_env(1, shared=True)["OMP_WAIT_POLICY"] == "PASSIVE"  # no spinning on a shared core
+    assert "OMP_WAIT_POLICY" not in thread_env(1)
     assert cores.has_room()
     leases[1].release()
     assert cores.acquire().cpus == [1]  # the core fewest replicas hold

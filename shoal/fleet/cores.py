@@ -78,9 +78,16 @@ def threads_flag(args: list[str]) -> int | None:
     return None
 
 
-def thread_env(threads: int) -> dict[str, str]:
-    """The environment that holds a process's compute threads to `threads`."""
-    return {var: str(threads) for var in THREAD_VARS}
+def thread_env(threads: int, shared: bool = False) -> dict[str, str]:
+    """The environment that holds a process's compute threads to `threads`. On cores it shares,
+    OpenMP threads that wait at a barrier sleep instead of spinning: a spinning thread takes the
+    core from the replica beside it, and a replica of two threads whose partner is descheduled
+    spins for most of its turn (on this 2-core host under others' load, a lone 2-thread `shoal
+    serve` fell from 128 tok/s to 3 that way; benchmarks/fleet_cores.py)."""
+    env = {var: str(threads) for var in THREAD_VARS}
+    if shared:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
 
 
 def planned_replicas(models) -> int:
@@ -93,9 +100,10 @@ def planned_replicas(models) -> int:
 class CoreLease:
     """The cores one replica process holds, until it exits."""
 
-    def __init__(self, allocator: CoreAllocator, cpus: list[int], threads: int):
+    def __init__(self, allocator: CoreAllocator, cpus: list[int], threads: int, shared: bool = False):
         self.cpus = cpus
         self.threads = threads
+        self.shared = shared  # another replica holds one of its cores too
         self._allocator = allocator
         self.released = False
 
@@ -160,9 +168,10 @@ class CoreAllocator:
         # Among the cores as little held as the n-th, take a contiguous run where there is one.
         pool = [c for c in self.cpus if self.holders[c] <= least]
         chosen = _contiguous(pool, n, self.holders) or order[:n]
+        shared = any(self.holders[c] for c in chosen)
         for c in chosen:
             self.holders[c] += 1
-        lease = CoreLease(self, sorted(chosen), n)
+        lease = CoreLease(self, sorted(chosen), n, shared)
         self.leases.append(lease)
         return lease
 

@@ -146,7 +146,7 @@ class LocalLauncher:
         cmd += ["--port", str(spec.port), *spec.args]
         lease = self.cores.acquire(threads_flag(spec.args))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
-        env.update(thread_env(lease.threads), **spec.env)
+        env.update(thread_env(lease.threads, lease.shared), **spec.env)
         try:
             with open(spec.log_path, "a") as out:
                 popen = subprocess.Popen(
