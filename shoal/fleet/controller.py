@@ -39,10 +39,9 @@ class FleetController:
     def __init__(self, config: FleetConfig, launcher=None):
         self.config = config
         self.models = config.model_configs()
-        cores = (
-            CoreAllocator.for_fleet(config.cores, planned_replicas(self.models)) if launcher is None else None
-        )
-        self.launcher = launcher or LocalLauncher(cores)
+        if launcher is None:  # this host's cores, shared by as many replicas as the fleet may run
+            launcher = LocalLauncher(CoreAllocator.for_fleet(config.cores, planned_replicas(self.models)))
+        self.launcher = launcher
         gw = config.gateway
         # One salt per fleet, shared by its replicas (through the environment: argv is public) and
         # its gateway, so that the router's block hashes are the replicas' own; likewise the key
