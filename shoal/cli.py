@@ -7,6 +7,7 @@ import sys
 
 from shoal.cli_fleet import add_fleet_parsers
 from shoal.cli_options import add_engine_args, add_sampling_args, engine_options, parse_size, sampling_params
+from shoal.protocol.secrets import api_key_from
 
 
 def _make_llm(args):
@@ -87,7 +88,7 @@ def cmd_serve(args) -> int:
     server = ServerConfig(
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=api_key_from(args.api_key),
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         front=front,
@@ -142,7 +143,7 @@ def cmd_bench_serve(args) -> int:
         max_concurrency=args.max_concurrency,
         ignore_eos=not args.respect_eos,
         seed=args.seed,
-        api_key=args.api_key,
+        api_key=api_key_from(args.api_key),
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         json_path=args.json,
@@ -166,7 +167,7 @@ def cmd_bench_multiturn(args) -> int:
         followup_len=args.followup_len,
         output_len=args.output_len,
         seed=args.seed,
-        api_key=args.api_key,
+        api_key=api_key_from(args.api_key),
         json_path=args.json,
     )
     return 0 if run_multiturn(cfg)["completed"] else 1
@@ -182,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the API routes (default: $SHOAL_API_KEY)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: its name)")
     p.add_argument("--max-waiting-requests", type=int, default=256, help="past this queue, answer 503")
     p.add_argument("--max-waiting-tokens", type=int, default=262_144, help="prompt tokens queued before 503")

@@ -6,6 +6,7 @@ import json
 import sys
 
 from shoal.cli_options import parse_size
+from shoal.protocol.secrets import api_key_from
 
 
 def _gateway_config(args):
@@ -27,6 +28,7 @@ def _gateway_config(args):
         value = getattr(args, flag, None)
         if value is not None:
             setattr(gw, attr, value)
+    gw.api_key = api_key_from(gw.api_key)  # a key in argv is public: $SHOAL_API_KEY is not
     if getattr(args, "trust_client_priority", False):
         gw.trust_client_priority = True
     return fleet
@@ -62,6 +64,8 @@ def cmd_fleet_up(args) -> int:
     fleet.model = args.model_pos or args.model or fleet.model
     if args.base_port is not None:
         fleet.base_port = args.base_port
+    if args.cores_per_replica is not None:
+        fleet.cores.per_replica = args.cores_per_replica
     if args.replica_args:
         fleet.replica_args = shlex.split(args.replica_args)
     try:
@@ -75,7 +79,8 @@ def cmd_fleet_up(args) -> int:
         from shoal.fleet.control.launchers.ray import RayLauncher
 
         try:
-            launcher = RayLauncher(args.address or "auto", args.ray_cpus_per_replica)
+            cpus = args.ray_cpus_per_replica or fleet.cores.per_replica or 1
+            launcher = RayLauncher(args.address or "auto", cpus)
         except (RuntimeError, ConnectionError, ValueError) as exc:
             print(f"shoal: {exc}", file=sys.stderr)
             return 2
@@ -114,7 +119,8 @@ def cmd_gateway(args) -> int:
 def _admin(args, method: str, path: str, body: dict | None = None):
     import httpx
 
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = api_key_from(args.api_key)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
         resp = httpx.request(method, args.gateway.rstrip("/") + path, json=body, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
@@ -198,7 +204,11 @@ def add_fleet_parsers(sub) -> None:
             default=None,
             choices=list(POLICIES),
         )
-        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on probes)")
+        p.add_argument(
+            "--api-key",
+            default=None,
+            help="require 'Authorization: Bearer KEY' (not on probes; default $SHOAL_API_KEY)",
+        )
         p.add_argument(
             "--replica-api-key",
             default=None,
@@ -255,7 +265,16 @@ def add_fleet_parsers(sub) -> None:
     p.add_argument("--launcher", choices=["local", "ray"], default="local", help="where replicas run")
     p.add_argument("--address", default=None, help="the Ray cluster (--launcher ray): HOST:PORT, or auto")
     p.add_argument(
-        "--ray-cpus-per-replica", type=float, default=1.0, help="CPUs a replica's placement reserves"
+        "--cores-per-replica",
+        type=int,
+        default=None,
+        help="cores (and compute threads) each replica gets (default: the host's cores over the replicas)",
+    )
+    p.add_argument(
+        "--ray-cpus-per-replica",
+        type=float,
+        default=None,
+        help="CPUs a replica's placement reserves (default: --cores-per-replica, else 1)",
     )
     p.add_argument(
         "--replica-args", default=None, help="extra `shoal serve` flags, e.g. '--kv-cache-memory 1GiB'"
@@ -279,7 +298,7 @@ def add_fleet_parsers(sub) -> None:
     ):
         p = fleet.add_parser(name, help=what)
         p.add_argument("--gateway", default="http://127.0.0.1:8080", help="the fleet's gateway")
-        p.add_argument("--api-key", default=None, help="the gateway's API key, if it has one")
+        p.add_argument("--api-key", default=None, help="the gateway's key (default $SHOAL_API_KEY)")
         if name == "update":
             p.add_argument("--model-name", default=None, help="which model, in a fleet of several")
             p.add_argument("--model", default=None, help="the new checkpoint")
