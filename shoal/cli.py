@@ -15,6 +15,7 @@ from shoal.cli_options import (
     sampling_params,
     serve_flag_sets,
 )
+from shoal.protocol.secrets import api_key_from
 
 
 def _make_llm(args):
@@ -81,6 +82,7 @@ def cmd_serve(args) -> int:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
     server = build(args, server_flags, front=build(args, front_flags), kv=kv)
+    server.api_key = api_key_from(server.api_key)  # a key in argv is public: $SHOAL_API_KEY is not
     model = args.model_pos or args.model
     options = {"enable_kv_events": True, **engine_options(args)}  # a fleet router may subscribe
     return serve(build_engine_config(model, **options), server)

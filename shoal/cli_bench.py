@@ -7,6 +7,7 @@ import dataclasses
 
 from shoal.cli_flags import Flag, FlagSet, add_flags, build
 from shoal.cli_options import add_engine_args, engine_options
+from shoal.protocol.secrets import api_key_from
 
 JSON_OUT = Flag("json_path", names=("--json",), help="write the results here")
 
@@ -80,8 +81,10 @@ def multiturn_flag_set() -> FlagSet:
 
 
 def _endpoint(cfg):
-    """The server's root, however its URL was given (with /v1, or a trailing slash)."""
-    return dataclasses.replace(cfg, base_url=cfg.base_url.rstrip("/").removesuffix("/v1"))
+    """The server's root, however its URL was given (with /v1, or a trailing slash); the key from
+    $SHOAL_API_KEY when no flag gives it."""
+    root = cfg.base_url.rstrip("/").removesuffix("/v1")
+    return dataclasses.replace(cfg, base_url=root, api_key=api_key_from(cfg.api_key))
 
 
 def cmd_bench_offline(args) -> int:

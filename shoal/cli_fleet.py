@@ -7,6 +7,7 @@ import sys
 
 from shoal.cli_flags import Flag, FlagSet, add_flags, given
 from shoal.cli_options import format_size, parse_size
+from shoal.protocol.secrets import api_key_from
 
 
 def gateway_flag_set() -> FlagSet:
@@ -19,7 +20,9 @@ def gateway_flag_set() -> FlagSet:
             Flag("host"),
             Flag("port"),
             Flag("policy", choices=POLICIES),
-            Flag("api_key", help="require 'Authorization: Bearer KEY' (not on probes)"),
+            Flag(
+                "api_key", help="require 'Authorization: Bearer KEY' (not on probes; default $SHOAL_API_KEY)"
+            ),
             Flag("replica_api_key", help="the key the gateway sends to replicas (default: --api-key)"),
             Flag("kv_salt", help="salt of KV block hashes (default: $SHOAL_KV_SALT, else from the key)"),
             Flag(
@@ -83,6 +86,7 @@ def _gateway_config(args):
 
     fleet = load_fleet_config(args.config) if args.config else FleetConfig()
     _override(fleet.gateway, args, gateway_flag_set())
+    fleet.gateway.api_key = api_key_from(fleet.gateway.api_key)  # a key in argv is public
     return fleet
 
 
@@ -111,6 +115,8 @@ def fleet_config(args):
     fleet.model = args.model_pos or args.model or fleet.model
     if args.base_port is not None:
         fleet.base_port = args.base_port
+    if args.cores_per_replica is not None:
+        fleet.cores.per_replica = args.cores_per_replica
     if args.replica_args:
         fleet.replica_args = shlex.split(args.replica_args)
     return fleet
@@ -132,7 +138,8 @@ def cmd_fleet_up(args) -> int:
         from shoal.fleet.control.launchers.ray import RayLauncher
 
         try:
-            launcher = RayLauncher(args.address or "auto", args.ray_cpus_per_replica)
+            cpus = args.ray_cpus_per_replica or fleet.cores.per_replica or 1
+            launcher = RayLauncher(args.address or "auto", cpus)
         except (RuntimeError, ConnectionError, ValueError) as exc:
             print(f"shoal: {exc}", file=sys.stderr)
             return 2
@@ -171,7 +178,8 @@ def cmd_gateway(args) -> int:
 def _admin(args, method: str, path: str, body: dict | None = None):
     import httpx
 
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = api_key_from(args.api_key)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
         resp = httpx.request(method, args.gateway.rstrip("/") + path, json=body, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
@@ -272,7 +280,16 @@ def add_fleet_parsers(sub, full: bool = True) -> None:
     p.add_argument("--launcher", choices=["local", "ray"], default="local", help="where replicas run")
     p.add_argument("--address", default=None, help="the Ray cluster (--launcher ray): HOST:PORT, or auto")
     p.add_argument(
-        "--ray-cpus-per-replica", type=float, default=1.0, help="CPUs a replica's placement reserves"
+        "--cores-per-replica",
+        type=int,
+        default=None,
+        help="cores (and compute threads) each replica gets (default: the host's cores over the replicas)",
+    )
+    p.add_argument(
+        "--ray-cpus-per-replica",
+        type=float,
+        default=None,
+        help="CPUs a replica's placement reserves (default: --cores-per-replica, else 1)",
     )
     p.add_argument(
         "--replica-args", default=None, help="extra `shoal serve` flags, e.g. '--kv-cache-memory 1GiB'"
@@ -296,7 +313,7 @@ def add_fleet_parsers(sub, full: bool = True) -> None:
     ):
         p = fleet.add_parser(name, help=what)
         p.add_argument("--gateway", default="http://127.0.0.1:8080", help="the fleet's gateway")
-        p.add_argument("--api-key", default=None, help="the gateway's API key, if it has one")
+        p.add_argument("--api-key", default=None, help="the gateway's key (default $SHOAL_API_KEY)")
         if name == "update":
             p.add_argument("--model-name", default=None, help="which model, in a fleet of several")
             p.add_argument("--model", default=None, help="the new checkpoint")

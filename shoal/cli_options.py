@@ -152,7 +152,10 @@ def serve_flag_sets() -> tuple[FlagSet, FlagSet, FlagSet]:
         (
             Flag("host"),
             Flag("port"),
-            Flag("api_key", help="require 'Authorization: Bearer KEY' on the API routes"),
+            Flag(
+                "api_key",
+                help="require 'Authorization: Bearer KEY' on the API routes (default: $SHOAL_API_KEY)",
+            ),
             Flag("served_model_name", help="the model id clients send (default: its name)"),
             Flag("max_request_bytes", parse=parse_size, show=format_size, help="larger bodies get 413"),
             Flag(

@@ -1,7 +1,7 @@
 """The fleet on Ray: a local cluster of two nodes (a head and a node joined to it, on 127.0.0.1,
 started and stopped by handle here), `shoal fleet up --launcher ray`: a burst scales the model up
 to a replica on each node, a replica killed is replaced, idleness scales it back down, and no
-request fails."""
+request fails; a replica gets its secrets and its thread count by environment, never argv."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ NODE = {
     "object_store_memory": 80 << 20,
     "include_dashboard": False,
 }
+REPLICA_KEY = "sk-ray-replica-7f3e21"
+SALT = "ray-kv-salt-0b9c44"
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,8 @@ def fleet(cluster):
     args = ["fleet", "up", "--launcher", "ray", "--address", cluster.address, "--min-replicas", "1"]
     args += ["--max-replicas", "2", "--target-inflight", "2", "--scale-up-delay", "0.3"]
     args += ["--scale-down-delay", "15", "--replica-args", "--threads 1 --kv-cache-memory 256MiB"]
-    gw = spawn(args)
+    args += ["--replica-api-key", REPLICA_KEY]  # what the gateway sends them; its clients send none
+    gw = spawn(args, env={"SHOAL_KV_SALT": SALT})
     try:
         wait_until(gw, lambda: ready(gw) == 1, 240)
         yield gw
@@ -75,6 +78,18 @@ async def burst(url: str, n: int, max_tokens: int = 64) -> list[int]:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
         answers = await asyncio.gather(*(c.post(url + "/v1/completions", json=body) for _ in range(n)))
     return [a.status_code if a.status_code == 200 else (a.status_code, a.text[:300]) for a in answers]
+
+
+def test_a_replica_gets_its_secrets_and_threads_by_environment(fleet):
+    (r,) = replicas(fleet).values()
+    with open(f"/proc/{r['pid']}/cmdline", "rb") as f:
+        argv = f.read()
+    with open(f"/proc/{r['pid']}/environ", "rb") as f:
+        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    assert REPLICA_KEY.encode() not in argv and SALT.encode() not in argv, argv
+    assert (env[b"SHOAL_API_KEY"], env[b"SHOAL_KV_SALT"]) == (REPLICA_KEY.encode(), SALT.encode())
+    assert env[b"OMP_NUM_THREADS"] == b"1"  # the CPUs its placement reserved
+    assert httpx.get(r["url"] + "/v1/models", timeout=10).status_code == 401  # and it wants the key
 
 
 def test_scale_up_onto_both_nodes_replace_a_killed_replica_and_scale_down(fleet, cluster):

@@ -1,11 +1,13 @@
 """`shoal fleet update` on a real fleet: a rolling update under continuous streaming load replaces
 every replica one at a time with no failed request and every stream whole; a version that fails
-to load is rolled back while the old replicas go on serving; `shoal fleet status` shows it."""
+to load is rolled back while the old replicas go on serving, and so is a canary that loads and
+stays up but fails the requests it is sent; `shoal fleet status` shows it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from shoal.fleet.control.canary_judge import CanaryConfig, Tally, judge
 from tests.fleet_helpers import metric, replicas, start_fleet
 
 REPLICA_ARGS = "--threads 1 --kv-cache-memory 256MiB"
@@ -130,3 +133,39 @@ def test_a_version_that_fails_to_load_is_rolled_back(fleet):
     assert after == before  # the old replicas never stopped
     assert pool(fleet)["version"] == 1
     assert metric(fleet.url, 'shoal:gateway_rolling_updates_total{outcome="rolled_back",pool="default"}') == 1
+
+
+def test_a_canary_that_fails_its_requests_is_rolled_back(fleet):
+    # A real version that loads, answers every probe and never dies, but sheds every request it
+    # is sent (503): the gateway fails each over, so only the tally of its requests can tell.
+    rolled_back = 'shoal:gateway_rolling_updates_total{outcome="rolled_back",pool="default"}'
+    version, before = pool(fleet)["version"], metric(fleet.url, rolled_back)
+    shed = REPLICA_ARGS + " --max-waiting-requests 0"
+    out = shoal("fleet", "update", "--gateway", fleet.url, "--replica-args", shed, "--canary", "0.5")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 240  # the old code promotes it after the canary's 30 s instead
+
+    def back() -> bool:
+        p = pool(fleet)
+        return (not p["updating"] and p["last_update"] == "rolled_back") or time.monotonic() > deadline
+
+    asyncio.run(load_until(fleet.url, back, clients=3))
+    p = pool(fleet)
+    assert p["last_update"] == "rolled_back" and p["version"] == version, p
+    why = re.search(r"the new version failed (\d+) of (\d+) requests", fleet.log())
+    assert why and int(why.group(1)) == int(why.group(2)) >= CanaryConfig().min_requests, fleet.log()[-2000:]
+    assert metric(fleet.url, rolled_back) == before + 1
+    wait_for(fleet, lambda: sorted(pool(fleet)["replicas"].values()) == ["ready", "ready"], 240)
+    assert {r["version"] for r in replicas(fleet).values()} == {version}
+    until = time.monotonic() + 5
+    results = asyncio.run(load_until(fleet.url, lambda: time.monotonic() > until, clients=2))
+    assert results and all(r["ok"] for r in results)
+
+
+def test_the_canary_rule_needs_enough_requests_and_a_rate_far_above_the_old():
+    cfg = CanaryConfig(min_requests=20, max_error_rate=0.2, error_rate_ratio=2.0)
+    assert judge(Tally(19, 19), Tally(100, 0), cfg) is None  # too few to judge
+    assert "20 of 20" in judge(Tally(20, 20), Tally(100, 0), cfg)
+    assert judge(Tally(50, 5), Tally(100, 0), cfg) is None  # 10 %: under the bar
+    assert judge(Tally(50, 20), Tally(100, 30), cfg) is None  # the old sheds load as much
+    assert judge(Tally(50, 35), Tally(100, 30), cfg) is not None  # 70 % against 30 %

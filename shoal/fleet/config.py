@@ -10,6 +10,8 @@ from typing import Any
 
 from shoal.fleet.admission.tenants import TenantConfig
 from shoal.fleet.control.autoscaler import AutoscaleConfig
+from shoal.fleet.control.canary_judge import CanaryConfig
+from shoal.fleet.control.cores import CoresConfig
 from shoal.fleet.routing.policies import POLICIES
 from shoal.fleet.routing.tiers import TierConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
@@ -170,9 +172,11 @@ class FleetConfig:
     restart_reset_after_s: float = 60.0  # a replica up this long starts from the first backoff again
     drain_timeout_s: float = 300.0  # a draining replica still busy after this is stopped anyway
     update_ready_timeout_s: float = 300.0  # a rolling update's new replica not ready by then: rolled back
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # ... or failing far more requests
     # Memory this node gives its replicas (each model's memory_mb each); None: no limit. When a
     # replica does not fit, the least recently used idle model that may scale to zero is unloaded.
     memory_budget_mb: float | None = None
+    cores: CoresConfig = field(default_factory=CoresConfig)  # this host's cores among its replicas
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def model_configs(self) -> list[ModelConfig]:
@@ -201,6 +205,8 @@ class FleetConfig:
             raise ValueError("each [[models]] table needs its own name (the model id clients send)")
         for m in self.model_configs():
             m.check()
+        self.cores.check()
+        self.canary.check()
 
 
 def _fill(cls, data: dict[str, Any]):
@@ -219,16 +225,18 @@ def _model(data: dict[str, Any]) -> ModelConfig:
 
 def load_fleet_config(path: str | Path) -> FleetConfig:
     """A TOML file: top-level fleet keys (replicas, model, base_port, replica_args, min_replicas, ...),
-    an [autoscale] table, [[models]] tables (each with its own [models.autoscale]), [gateway],
-    [[tenants]] and [[tiers]]."""
+    an [autoscale] table, [cores], [canary], [[models]] tables (each with its own [models.autoscale]),
+    [gateway], [[tenants]] and [[tiers]]."""
     data = tomllib.loads(Path(path).read_text())
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
     gateway.tenants = [_fill(TenantConfig, t) for t in data.pop("tenants", [])]
     gateway.tiers = [_fill(TierConfig, t) for t in data.pop("tiers", [])]
     models = [_model(m) for m in data.pop("models", [])]
     autoscale = _fill(AutoscaleConfig, data.pop("autoscale", {}))
+    cores = _fill(CoresConfig, data.pop("cores", {}))
+    canary = _fill(CanaryConfig, data.pop("canary", {}))
     cfg = _fill(FleetConfig, data)
-    cfg.gateway, cfg.models, cfg.autoscale = gateway, models, autoscale
+    cfg.gateway, cfg.models, cfg.autoscale, cfg.cores, cfg.canary = gateway, models, autoscale, cores, canary
     cfg.check()
     for t in gateway.tenants:
         t.check()

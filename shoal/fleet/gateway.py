@@ -25,6 +25,7 @@ from shoal.fleet.batch.runner import BatchService
 from shoal.fleet.catalog import ModelCatalog
 from shoal.fleet.config import FleetConfig, GatewayConfig
 from shoal.fleet.control.controller import FleetController
+from shoal.fleet.control.cores import CoreAllocator, planned_replicas
 from shoal.fleet.control.launchers.base import Launcher
 from shoal.fleet.control.launchers.local import LocalLauncher
 from shoal.fleet.listing import ModelListing
@@ -116,7 +117,7 @@ class Gateway:
         if fleet is not None:
             self.controller = FleetController(
                 fleet,
-                launcher or LocalLauncher(),
+                launcher or self._local_launcher(fleet),
                 table,
                 self.demand,
                 self.canary,
@@ -125,6 +126,12 @@ class Gateway:
             )
         for i, url in enumerate(config.backends):
             table.add(f"backend-{i}", url)
+
+    @staticmethod
+    def _local_launcher(fleet: FleetConfig) -> LocalLauncher:
+        """Replicas on this host, sharing its cores among as many replicas as the fleet may run."""
+        replicas = planned_replicas(fleet.model_configs())
+        return LocalLauncher(CoreAllocator.for_fleet(fleet.cores, replicas))
 
     def build_app(self) -> FastAPI:
         return build_app(

@@ -55,5 +55,7 @@ class RankPlace:
 
 
 def rank_threads(config: EngineConfig) -> int:
-    """Threads per rank: as configured, or this host's cores shared among the ranks."""
-    return config.num_threads or max(1, (os.cpu_count() or 1) // config.parallel.world_size)
+    """Threads per rank: as configured, or the cores this process may use (its affinity: a fleet
+    pins each replica to its share) shared among the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return config.num_threads or max(1, cores // config.parallel.world_size)

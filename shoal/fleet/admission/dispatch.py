@@ -152,15 +152,17 @@ class Dispatcher:
             self.index.routed(replica.name, req.hashes)
         return replica
 
-    async def release(self, r: Replica, ok: bool | None, reason: str = "") -> None:
+    async def release(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
         """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
-        neither (a timeout on a replica that still passes probes)."""
-        self.release_nowait(r, ok, reason)
+        neither (a timeout on a replica that still passes probes). `failed`: the request failed
+        there all the same (a 503, a 500 of its own, a timeout), which a rolling update counts."""
+        self.release_nowait(r, ok, reason, failed)
 
-    def release_nowait(self, r: Replica, ok: bool | None, reason: str = "") -> None:
+    def release_nowait(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
         """`release` for cleanup that must not await (a cancelled stream's, which anyio would
         cancel again at each await)."""
         r.inflight -= 1
+        r.failed_total += int(failed or ok is False)
         self.metrics.inflight.labels(r.name).set(r.inflight)
         if ok:
             r.on_success()

@@ -1,1 +1,2 @@
-"""Control: the controller (reconcile loop), replica set, autoscaler, rollout, placement, history."""
+"""Control: the controller (reconcile loop), replica set, autoscaler, rollout and its canary judge,
+placement (memory), cores (CPU), history."""

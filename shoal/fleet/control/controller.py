@@ -63,7 +63,9 @@ class FleetController:
         self.demand = demand
         self.metrics = metrics
         self.replica_set = ReplicaSet(config, launcher, table, metrics, notify, self.log_dir)
-        self.rollouts = RolloutDriver(self.replica_set, table, canary, metrics, config.update_ready_timeout_s)
+        self.rollouts = RolloutDriver(
+            self.replica_set, table, canary, metrics, config.update_ready_timeout_s, config.canary
+        )
         self.placement = Placement(self.replica_set, table, demand, metrics, config.memory_budget_mb)
         self.history = FleetHistory()
         self._task: asyncio.Task | None = None
@@ -157,6 +159,8 @@ class FleetController:
         spares = [s for s in pool.in_state(Lifecycle.STARTING, Lifecycle.STANDBY) if not s.surge]
         want = max(0, pool.desired - len(active)) + pool.warm
         for _ in range(want - len(spares)):
+            if not rs.launcher.has_room():
+                break  # no free cores (cores.when_full = "wait"): started once a replica's are free
             if not self.placement.fits(pool):
                 self.placement.make_room(pool, now)
                 break  # placed once the memory is free
@@ -223,6 +227,7 @@ class FleetController:
                 "unloaded": p.evicted_at is not None,
                 "replicas": {s.name: s.state.value for s in p.slots},
                 "versions": {s.name: s.version for s in p.slots},
+                "cores": {s.name: getattr(s.proc, "cpus", None) for s in p.slots},
             }
             for p in self.pools
         ]

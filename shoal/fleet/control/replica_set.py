@@ -21,7 +21,7 @@ from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.replicas.replica import Health, Lifecycle, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.kv_files import shm_sweep
-from shoal.protocol.secrets import KV_SALT_ENV, KV_TRANSFER_KEY_ENV
+from shoal.protocol.secrets import API_KEY_ENV, KV_SALT_ENV, KV_TRANSFER_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,11 @@ class ReplicaSet:
         args = list(m.replica_args)
         if m.name:
             args += ["--served-model-name", m.name]
-        if gw.replica_key:
-            args += ["--api-key", gw.replica_key]
         if slot.pool.role != "both":
             args += ["--role", slot.pool.role]
+        # Secrets by environment, never argv (public in ps); an empty key overrides an inherited one.
         env = {KV_SALT_ENV: gw.kv_salt, KV_TRANSFER_KEY_ENV: gw.kv_transfer_key}
+        env[API_KEY_ENV] = gw.replica_key or ""
         return ReplicaSpec(slot.name, slot.port, slot.log_path, m.model, args, env, m.memory_mb)
 
     def _start(self, slot: Slot) -> bool:

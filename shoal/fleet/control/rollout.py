@@ -3,16 +3,18 @@ time, without going dark. Each step starts one replica of the new version beside
 surge of one); when it has loaded it takes traffic and one old replica drains. With a canary
 share, the first new replica gets that share of the pool's requests for `canary_s` before the
 rest follow. A new replica that dies, fails to load, or is not ready within `ready_timeout_s`
-rolls the pool back: the previous version becomes the target again and whatever runs the failed
-one is replaced the same way."""
+rolls the pool back, and so does a new version that fails far more of its requests than the old
+one (canary_judge.py; judged throughout the update, the canary's hold included): the previous version
+becomes the target again and whatever runs the failed one is replaced the same way."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.fleet.admission.canary import CanarySplit
 from shoal.fleet.config import ModelConfig
+from shoal.fleet.control.canary_judge import CanaryConfig, counts, judge, tally
 from shoal.fleet.control.replica_set import Lifecycle, Pool, ReplicaSet, Slot
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.replicas.table import ReplicaTable
@@ -30,6 +32,9 @@ class Rollout:
     started: float = 0.0
     canary_since: float | None = None
     rolling_back: bool = False
+    judging: CanaryConfig = field(default_factory=CanaryConfig)
+    # The old version's replicas' (finished, failed) requests when it began, by name.
+    baseline: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def failed(slot: Slot, rep, now: float, timeout: float) -> str | None:
@@ -53,15 +58,20 @@ class RolloutDriver:
         canary: CanarySplit,
         metrics: GatewayMetrics,
         ready_timeout_s: float,
+        judging: CanaryConfig,
     ):
         self.rs = replica_set
         self.table = table
         self.canary = canary
         self.metrics = metrics
         self.ready_timeout_s = ready_timeout_s
+        self.judging = judging  # when the new version's failed requests roll it back
 
     def begin(self, pool: Pool, model: ModelConfig, canary: float, canary_s: float, now: float) -> None:
         r = Rollout(pool.model, pool.version, canary, canary_s, self.ready_timeout_s, now)
+        r.judging = self.judging
+        reps = self.table.replicas
+        r.baseline = {s.name: counts(reps[s.name]) for s in pool.slots if s.name in reps}
         pool.rollout, pool.model = r, model
         pool.version += 1
         log.warning(
@@ -77,6 +87,9 @@ class RolloutDriver:
                 why = failed(s, self.table.replicas.get(s.name), now, r.ready_timeout_s)
                 if why:
                     return self._roll_back(pool, why)
+            why = self._failing(r, current, old)
+            if why:
+                return self._roll_back(pool, why)
         if r.canary_since is not None and now - r.canary_since < r.canary_s:
             return  # the canary is being watched
         self.canary.stop(pool.model.name)
@@ -104,6 +117,13 @@ class RolloutDriver:
             slot = self.rs.new_slot(pool)
             slot.surge = True
             self.rs.start_slot(slot, now)
+
+    def _failing(self, r: Rollout, current: list[Slot], old: list[Slot]) -> str | None:
+        """Why the new version fails too many of its requests against the old one, if it does."""
+        reps = self.table.replicas
+        new = tally(reps[s.name] for s in current if s.name in reps)
+        before = tally((reps[s.name] for s in old if s.name in reps), r.baseline)
+        return judge(new, before, r.judging)
 
     def _roll_back(self, pool: Pool, why: str) -> None:
         r = pool.rollout

@@ -145,7 +145,7 @@ class StreamRelay:
             except (httpx.HTTPError, TimeoutError) as exc:
                 outcome = attempt.outcome(exc)
                 timeout = outcome.kind == "timeout"  # aborted by closing it: it runs nowhere now
-                await self.dispatch.release(replica, None if timeout else False, outcome.message)
+                await self.dispatch.release(replica, None if timeout else False, outcome.message, failed=True)
                 self.failed.add(replica.name)
                 last = unavailable(f"replica {replica.name} failed: {outcome.message}")
                 if outcome.is_death:
@@ -173,7 +173,7 @@ class StreamRelay:
                     return out_resp
                 # Refused before the stream began, so it did not run: any 5xx may go elsewhere.
                 busy = resp.status_code == 503
-                await self.dispatch.release(replica, busy, f"HTTP {resp.status_code}")
+                await self.dispatch.release(replica, busy, f"HTTP {resp.status_code}", failed=True)
                 self.failed.add(replica.name)
                 last = passthrough(resp, data)
                 reason = f"http_{resp.status_code}"
@@ -205,10 +205,10 @@ class StreamRelay:
             await up.resp.aclose()
         await self.queue.put((up, None, outcome))
 
-    async def finish(self, up: Upstream, ok: bool | None, reason: str = "") -> None:
+    async def finish(self, up: Upstream, ok: bool | None, reason: str = "", failed: bool = False) -> None:
         if not up.released:
             up.released = True
-            await self.dispatch.release(up.replica, ok, reason)
+            await self.dispatch.release(up.replica, ok, reason, failed)
 
     async def run(self):
         state = self.state
@@ -278,10 +278,12 @@ class StreamRelay:
             return
         if outcome.kind == "internal_error":
             # The engine failed this request alone and went on: it would fail anywhere.
-            await self.finish(up, True)
+            await self.finish(up, True, failed=True)
             await self.p.judge.strike(self.fwd)
             raise StopRelay(500, f"the request failed in the engine: {outcome.message}", "internal_error")
-        await self.finish(up, None if outcome.kind == "timeout" else False, f"mid-stream: {outcome.message}")
+        await self.finish(
+            up, None if outcome.kind == "timeout" else False, f"mid-stream: {outcome.message}", True
+        )
         if outcome.is_death:
             verdict = await self.p.judge.judge_death(self.fwd, up.attempt, outcome, self.seen)
             if verdict == "poison":

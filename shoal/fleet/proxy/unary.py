@@ -68,7 +68,7 @@ class UnaryRelay:
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             if outcome.kind == "timeout":
-                await p.dispatch.release(replica, None)  # slow, not sick: not held against it
+                await p.dispatch.release(replica, None, failed=True)  # slow, not sick: not held against it
                 return APIError(
                     504,
                     f"replica {replica.name} did not answer within {cfg.request_timeout_s:.0f} s; "
@@ -104,7 +104,7 @@ class UnaryRelay:
         outcome = error_outcome(json_or_none(content))
         if outcome.kind == "internal_error" and resp.status_code == 500:
             # The engine failed this request alone and went on: it would fail anywhere.
-            await p.dispatch.release(replica, True)
+            await p.dispatch.release(replica, True, failed=True)
             await p.judge.strike(fwd)
             return passthrough(resp, content)
         if outcome.kind == "engine_dead":
@@ -114,5 +114,5 @@ class UnaryRelay:
                 return poison_error(f"this request took replica {replica.name} down").response()
             return "engine_dead"
         # A 503 is a busy replica shedding load: try another, but it is not sick.
-        await p.dispatch.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}")
+        await p.dispatch.release(replica, resp.status_code == 503, f"HTTP {resp.status_code}", failed=True)
         return f"http_{resp.status_code}"

@@ -59,6 +59,8 @@ class Replica:
     trial_inflight: bool = False
     recent_errors: deque = field(default_factory=lambda: deque(maxlen=10))
     requests_total: int = 0
+    # Of those, failed here (a 5xx, a broken stream, no answer): see control/canary_judge.py.
+    failed_total: int = 0
     pid: int | None = None
     kv_events: bool = False  # it answers /kv_events: the index is exact
     kv_instance: str | None = None
@@ -131,6 +133,7 @@ class Replica:
             "inflight": self.inflight,
             "load": self.load,
             "requests_total": self.requests_total,
+            "failed_total": self.failed_total,
             "consecutive_failures": self.consecutive_failures,
             "recent_errors": [{"time": t, "error": e} for t, e in self.recent_errors],
             "pid": self.pid,

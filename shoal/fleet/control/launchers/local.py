@@ -6,6 +6,9 @@ SIGKILL when its parent goes (Linux, prctl PR_SET_PDEATHSIG), and is told its pa
 (SHOAL_PARENT_PID) so that `shoal serve` can exit by itself where there is no prctl. A port that is
 already taken is never started on: whatever holds it (an orphan of an earlier fleet, a stranger)
 would answer the probes as if it were ours.
+
+Cores. Each replica gets its share of this host's cores from a CoreAllocator (shoal.fleet.control.cores):
+it is pinned to them before it execs and runs as many compute threads.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import socket
 import subprocess
 import sys
 
+from shoal.fleet.control.cores import CoreAllocator, CoreLease, CoresConfig, thread_env, threads_flag
 from shoal.fleet.control.launchers.base import ReplicaSpec
 
 PARENT_PID_ENV = "SHOAL_PARENT_PID"  # read by `shoal serve`
@@ -41,22 +45,29 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-def _die_with_parent():
+def _die_with_parent(cpus: list[int] | None = None):
     """A preexec_fn that makes the child get SIGKILL when the thread that spawned it exits (so
-    spawn only from a thread that lives as long as the supervisor: the event loop's)."""
-    if not sys.platform.startswith("linux"):
+    spawn only from a thread that lives as long as the supervisor: the event loop's), and pins it
+    to `cpus` before it starts a thread."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+            prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        except (OSError, AttributeError):
+            prctl = None
+    pin = cpus if cpus and hasattr(os, "sched_setaffinity") else None
+    if prctl is None and pin is None:
         return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os._exit(1)
+        if pin is not None:
+            os.sched_setaffinity(0, pin)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before the request took effect
+                os._exit(1)
 
     return preexec
 
@@ -66,13 +77,18 @@ class LocalProcess:
 
     node = None  # this host
 
-    def __init__(self, popen: subprocess.Popen, address: tuple[str, int]):
+    def __init__(self, popen: subprocess.Popen, address: tuple[str, int], lease: CoreLease | None = None):
         self.popen = popen
         self.pid = popen.pid
         self.address = address  # (host, port) it listens on
+        self.lease = lease
+        self.cpus = lease.cpus if lease is not None else None  # the cores it is pinned to
 
     def poll(self) -> int | None:
-        return self.popen.poll()
+        code = self.popen.poll()
+        if code is not None and self.lease is not None:
+            self.lease.release()  # its cores are free for the next replica
+        return code
 
     def terminate(self) -> None:
         if self.popen.poll() is None:
@@ -83,14 +99,23 @@ class LocalProcess:
             self.popen.kill()
 
     def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout)
+        code = self.popen.wait(timeout)
+        self.poll()
+        return code
 
 
 class LocalLauncher:
-    """Replicas as child processes of this one, on 127.0.0.1."""
+    """Replicas as child processes of this one, on 127.0.0.1, each on its share of the cores."""
 
     name = "local"
     host = "127.0.0.1"
+
+    def __init__(self, cores: CoreAllocator | None = None):
+        self.cores = cores or CoreAllocator.for_fleet(CoresConfig(), 1)
+
+    def has_room(self) -> bool:
+        """Whether the cores take one more replica now (see CoresConfig.when_full)."""
+        return self.cores.has_room()
 
     def port_in_use(self, port: int) -> bool:
         return port_in_use(port)
@@ -106,14 +131,20 @@ class LocalLauncher:
         """Called on the event loop's thread, which lives as long as the fleet (see _die_with_parent)."""
         cmd = [sys.executable, "-m", "shoal.cli", "serve", *([spec.model] if spec.model else [])]
         cmd += ["--port", str(spec.port), *spec.args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **spec.env}
-        with open(spec.log_path, "a") as out:
-            popen = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops them
-                preexec_fn=_die_with_parent(),  # only prctl runs between fork and exec
-            )
-        return LocalProcess(popen, (self.host, spec.port))
+        lease = self.cores.acquire(threads_flag(spec.args))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
+        env.update(thread_env(lease.threads, lease.shared), **spec.env)
+        try:
+            with open(spec.log_path, "a") as out:
+                popen = subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops them
+                    preexec_fn=_die_with_parent(lease.cpus),  # only prctl and affinity between fork and exec
+                )
+        except BaseException:
+            lease.release()
+            raise
+        return LocalProcess(popen, (self.host, spec.port), lease)

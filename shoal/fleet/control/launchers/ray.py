@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from shoal.fleet.control.cores import thread_env, threads_flag
 from shoal.fleet.control.launchers.base import ReplicaSpec
 from shoal.fleet.control.launchers.local import PARENT_PID_ENV, _die_with_parent, free_port
 
@@ -83,16 +84,19 @@ class RayReplica:
         self.node: str | None = None
         self._exit: int | None = None
         self._poll_ref = None
-        bundle = {"CPU": launcher.cpus}
+        # As a local launcher shares a host's cores: the CPUs Ray reserves are the threads it runs.
+        cpus = threads_flag(spec.args) or launcher.cpus
+        bundle = {"CPU": cpus}
         if spec.memory_mb:  # placed only on a node with that much memory to spare
             bundle["memory"] = spec.memory_mb * 2**20
         self.pg = placement_group([bundle], strategy="STRICT_PACK")
-        actor_cls = ray.remote(num_cpus=launcher.cpus, max_restarts=0)(ReplicaActor)
+        actor_cls = ray.remote(num_cpus=cpus, max_restarts=0)(ReplicaActor)
         self.actor = actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg), name=None
         ).remote()
         args = [*([spec.model] if spec.model else []), *spec.args]
-        self._started = self.actor.start.remote(args, spec.env, spec.log_path)
+        env = {**thread_env(max(1, int(cpus))), **spec.env}  # secrets travel here, not in argv
+        self._started = self.actor.start.remote(args, env, spec.log_path)
 
     def _check_started(self) -> None:
         if self.address is not None or self._exit is not None:
@@ -155,6 +159,7 @@ class RayLauncher:
     host = "127.0.0.1"  # until a replica is placed (its node's address replaces it)
 
     def __init__(self, address: str, cpus_per_replica: float = 1.0):
+        """`cpus_per_replica`: the fleet's per-replica cores (CoresConfig.per_replica), as Ray CPUs."""
         _require_ray()
         self.cpus = cpus_per_replica
         if address.split(":")[0] in ("127.0.0.1", "localhost"):
@@ -166,6 +171,9 @@ class RayLauncher:
 
     def port_in_use(self, port: int) -> bool:
         return False  # ports are chosen on the node, when the replica is placed
+
+    def has_room(self) -> bool:
+        return True  # Ray places a replica where its CPUs are free, or keeps it pending
 
     def port_for(self, base_port: int, index: int) -> int:
         return 0
