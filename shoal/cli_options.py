@@ -142,7 +142,7 @@ def parallel_flag_set() -> FlagSet:
 def serve_flag_sets() -> tuple[FlagSet, FlagSet, FlagSet]:
     """`shoal serve`'s own flags: the server, its async front and its K/V handoff."""
     from shoal.engine.async_engine import AsyncEngineConfig
-    from shoal.engine.kv_transport import TRANSPORTS
+    from shoal.engine.kv_connector.transports import TRANSPORTS
     from shoal.models.tool_formats import FORMATS
     from shoal.server.kv_connector import ROLES, KVConnectorConfig
     from shoal.server.launch import ServerConfig
