@@ -117,7 +117,7 @@ def test_random_checkpoint_matches_hf(arch, tmp_path):
     loaded = load_model(str(tmp_path))
     assert loaded.config.architecture == arch
     llm = LLM(loaded=loaded, num_blocks=64, max_num_batched_tokens=64)
-    runner = llm.engine.executor.runner
+    runner = llm.engine.core.executor.runner
     if cpu_kernels() is not None:
         # qwen3's q/k norms are outside the fused C layer's allow-list: its steps take the model's
         # own forward, and still match HF below; the others run the C layer.
