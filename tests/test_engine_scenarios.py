@@ -204,12 +204,12 @@ def test_kv_events_report_stores_and_evictions(bundled, reference):
     engine = make_engine(bundled, num_blocks=12, enable_kv_events=True)
     engine.add_request("a", reference[PROMPTS[6]][0], GREEDY)
     run_to_completion(engine)
-    stored = [e for e in engine.core.take_kv_events() if e.kind == "stored"]
+    stored = [e for e in engine.take_kv_events() if e.kind == "stored"]
     assert len(stored) == (len(reference[PROMPTS[6]][0]) + REF_TOKENS - 1) // 16
     assert stored[0].parent_hash is None and stored[1].parent_hash == stored[0].block_hash
     engine.add_request("b", reference[PROMPTS[1]][0], SamplingParams(temperature=0, max_tokens=120))
     run_to_completion(engine)
-    removed = {e.block_hash for e in engine.core.take_kv_events() if e.kind == "removed"}
+    removed = {e.block_hash for e in engine.take_kv_events() if e.kind == "removed"}
     assert removed & {e.block_hash for e in stored}  # the pool was small: old blocks were evicted
     assert_pool_whole(engine)
 

@@ -26,6 +26,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = self.core.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._kv_events: list = []  # each step's KV events, kept until someone takes them
 
     @property
     def model_name(self) -> str:
@@ -68,10 +69,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step of the core, with text."""
-        outputs, stops = self.output_processor.process(self.core.step().outputs)
+        result = self.core.step()
+        if self.config.cache.enable_kv_events:
+            self._kv_events.extend(result.kv_events)
+        outputs, stops = self.output_processor.process(result.outputs)
         for request_id, stop in stops:
             self.core.stop_request(request_id, stop)
         return outputs
+
+    def take_kv_events(self) -> list:
+        """KV events of the steps run since the last call, and of anything between steps."""
+        events, self._kv_events = self._kv_events, []
+        return events + self.core.take_kv_events()
 
     def stats(self) -> EngineStats:
         return self.core.stats()
