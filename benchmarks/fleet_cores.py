@@ -34,7 +34,7 @@ import tempfile
 import time
 
 import httpx
-from fleet_process import FleetProcess  # this script's folder is on sys.path
+from fleet_process import FleetProcess, stop_process  # this script's folder is on sys.path
 
 from shoal.fleet.control.cores import host_cpus
 from shoal.fleet.control.launchers.local import free_port
@@ -142,11 +142,7 @@ class ServeProcess:
         raise RuntimeError(f"server not ready; see {self.log_path}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 async def stream_tokens(url: str, a: argparse.Namespace, start: float, end: float) -> int:

@@ -13,6 +13,15 @@ import httpx
 from shoal.fleet.control.launchers.local import free_port
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """Asks a server to exit, and kills it after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 class FleetProcess:
     def __init__(self, args: list[str], replica_args: str, env: dict[str, str] | None = None):
         self.port = free_port()
@@ -43,11 +52,7 @@ class FleetProcess:
         raise RuntimeError(f"fleet not ready; see {self.log_path}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 def metric(url: str, name: str) -> float:
