@@ -323,6 +323,11 @@ def test_a_busy_port_is_never_started_on_nor_called_ready(fleet):
     reps = {r["name"]: r for r in wait_replicas_ready(fleet, 3, timeout=120, api_key=KEY)}
     assert reps["replica-0"]["pid"] != pid and reps["replica-0"]["restarts"] >= 1
     assert reps["replica-0"]["url"] == victim["url"]  # back on its own port
+    # What the stranger answered (a 404 for /load) is forgotten: the new process's load is polled.
+    deadline = time.monotonic() + 10
+    while "running" not in replicas(fleet, KEY)["replica-0"]["load"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "running" in replicas(fleet, KEY)["replica-0"]["load"], replicas(fleet, KEY)["replica-0"]
 
 
 def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):

@@ -140,8 +140,7 @@ class HealthMonitor:
         if r.state in (Health.DOWN, Health.LOADING):
             r.state = Health.READY if is_ready else Health.LOADING
             if is_ready:
-                r.consecutive_failures = 0
-                r.death, r.note = None, None  # a new life
+                r.begin_life()
                 self.on_ready()
         elif not is_ready and r.state == Health.READY:
             r.state = Health.LOADING
@@ -153,6 +152,8 @@ class HealthMonitor:
             resp = await self.client.get(r.url + "/load", timeout=1.0)
         except httpx.HTTPError:
             return
+        if not r.process_alive:
+            return  # whatever answered is not ours (as in _probe)
         if resp.status_code == 404:
             r.load = {"unsupported": True}
         elif resp.status_code == 200:
@@ -167,6 +168,8 @@ class HealthMonitor:
         try:
             resp = await self.client.get(r.url + "/kv_events", params={"after": r.kv_cursor}, timeout=1.0)
         except httpx.HTTPError:
+            return
+        if not r.process_alive:
             return
         if resp.status_code != 200:
             r.kv_events = False

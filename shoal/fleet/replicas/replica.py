@@ -85,6 +85,13 @@ class Replica:
     def process_alive(self) -> bool:
         return self.proc_exit is None or self.proc_exit() is None
 
+    def begin_life(self) -> None:
+        """Its process came up ready: what was learned of an earlier one (or of a stranger that
+        held its port meanwhile) is void, the /load answer included."""
+        self.consecutive_failures = 0
+        self.death, self.note = None, None
+        self.load = {}
+
     @property
     def outstanding(self) -> float:
         """Requests this replica is working on or queueing, as best known."""
