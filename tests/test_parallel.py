@@ -18,8 +18,9 @@ from tests.test_hf_parity import make_random_checkpoint
 LOGIT_ATOL = 1e-4
 
 
-def _parallel_pids() -> set[int]:
-    """Pids of rank processes of this test session's engines."""
+def _parallel_pids(parent: int | None = None) -> set[int]:
+    """Pids of rank processes on this machine, or only of those `parent` started (other test
+    sessions may run engines beside this one)."""
     pids = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -27,9 +28,11 @@ def _parallel_pids() -> set[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read()
-        except OSError:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"shoal.engine.parallel.worker" in cmd:
+        if b"shoal.engine.parallel.worker" in cmd and parent in (None, ppid):
             pids.add(int(entry))
     return pids
 
@@ -127,7 +130,7 @@ def test_fp32_output_equals_one_process(tp, pp, spec, single, reference):
         for p, out in zip(PROMPTS, outs):
             assert out.token_ids == reference[p][1], p  # and HF's
         assert_pool_whole(llm.engine)
-    assert not _parallel_pids()
+    assert not _parallel_pids(os.getpid())
 
 
 @pytest.mark.parametrize("method,tp", [("int4", 2), ("int8", 3)])
@@ -179,7 +182,7 @@ def test_a_model_that_cannot_split_is_refused_before_any_rank_starts(tmp_path):
     make_random_checkpoint("llama", tmp_path, num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(ShardingError, match="tensor parallel size 4 cannot split 6 query heads and 3 KV"):
         LLM(str(tmp_path), tensor_parallel_size=4)
-    assert not _parallel_pids()
+    assert not _parallel_pids(os.getpid())
 
 
 def test_model_shard_is_whole_without_parallelism(bundled):

@@ -76,13 +76,15 @@ async def stream_once(c: httpx.AsyncClient, url: str, i: int) -> dict:
     return {"ok": whole, "why": f"finish {finish}, usage {usage}"}
 
 
-async def load_until(url: str, done, clients: int = 3) -> list[dict]:
+async def load_until(url: str, done, clients: int = 3, at_least: int = 2) -> list[dict]:
+    """Streams from `clients` clients until `done()`, each sending `at_least` requests anyway (an
+    update that fails fast may be over before the first one)."""
     results: list[dict] = []
 
     async def client(k: int):
         async with httpx.AsyncClient(timeout=120) as c:
             i = 0
-            while not done():
+            while i < at_least or not done():
                 results.append(await stream_once(c, url, 1000 * k + i))
                 i += 1
 
