@@ -14,12 +14,12 @@ cannot beat.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from shoal.bench.checkpoints import fill_random_weights, write_config
 from shoal.bench.offline import OfflineBenchConfig, make_workload
 from shoal.engine.sampling_params import SamplingParams
 from shoal.llm import LLM
@@ -28,46 +28,8 @@ from shoal.models.loader import load_model
 
 def prepare(out: Path) -> None:
     """config.json and tokenizer files of the bundled model, in HF's layout."""
-    loaded = load_model(quantization="none")
-    cfg = loaded.config
-    out.mkdir(parents=True, exist_ok=True)
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "bos_token_id": loaded.tokenizer.bos_token_id,
-        "eos_token_id": sorted(loaded.tokenizer.eos_token_ids)[0],
-        "torch_dtype": "float32",
-    }
-    (out / "config.json").write_text(json.dumps(hf_config, indent=1))
-    tok = loaded.tokenizer
-    tok.backend.save(str(out / "tokenizer.json"))
-    names = {
-        "bos_token": tok.backend.id_to_token(tok.bos_token_id),
-        "eos_token": tok.backend.id_to_token(sorted(tok.eos_token_ids)[0]),
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(names))
+    write_config(out)
     print(f"wrote {out}")
-
-
-def fill_random_weights(ckpt: Path) -> None:
-    if (ckpt / "model.safetensors").exists():
-        return
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(ckpt)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(ckpt, safe_serialization=True)
 
 
 def copy_bandwidth() -> float:

@@ -33,10 +33,12 @@ SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx
 
 
 @contextlib.contextmanager
-def shoal_server(port: int, mode: str):
+def shoal_server(port: int, mode: str, env: dict | None = None):
+    """`shoal serve` of the bundled model; `env` replaces the environment (another checkout's
+    PYTHONPATH, say)."""
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), "--quantization", mode]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ok(url + "/ready", proc, "shoal serve", timeout=300)

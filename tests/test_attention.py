@@ -48,6 +48,24 @@ def test_grouping_is_an_optimal_contiguous_partition(lengths, cost):
     assert split_cost(lengths, groups, cost) == best
 
 
+def quadratic_split_cost(lengths, cost):
+    """The cheapest contiguous split, by the plain O(n^2) recurrence."""
+    best = [0] + [None] * len(lengths)
+    for i in range(1, len(lengths) + 1):
+        best[i] = min(best[j] + cost + (i - j) * lengths[i - 1] for j in range(i))
+    return best[-1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4000), min_size=1, max_size=300), st.integers(0, 1000))
+def test_grouping_a_large_step_is_as_cheap_as_the_quadratic_recurrence(lengths, cost):
+    lengths.sort()
+    groups = group_by_length(lengths, cost)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    assert split_cost(lengths, groups, cost) == quadratic_split_cost(lengths, cost)
+
+
 def dense(q, keys, values, window=None):
     """Attention of the last len(q) positions over `keys`, written out by hand."""
     ctx, nq, D = keys.shape[0], q.shape[0], q.shape[-1]

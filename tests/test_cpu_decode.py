@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -37,8 +38,21 @@ def random_model(method: str | None, **overrides) -> LlamaForCausalLM:
     return model.eval()
 
 
-def chunk(rid: int, tokens: list[int], start: int, blocks: list[int]) -> ScheduledChunk:
-    return ScheduledChunk(str(rid), tokens, start, blocks, sample=True)
+class Chunk(NamedTuple):
+    """A request's part of a step and its block table (which the runner keeps across steps)."""
+
+    chunk: ScheduledChunk
+    blocks: list[int]
+
+
+def chunk(rid: int, tokens: list[int], start: int, blocks: list[int]) -> Chunk:
+    return Chunk(ScheduledChunk(str(rid), tokens, start, sample=True), blocks)
+
+
+def prepare(runner: ModelRunner, chunks: list[Chunk]):
+    for c in chunks:
+        runner.tables.put(c.chunk.request_id, c.blocks)
+    return runner._prepare([c.chunk for c in chunks])
 
 
 FUSED_CASES = [
@@ -73,7 +87,7 @@ def test_fused_decode_layers_match_the_model_forward(method, overrides, kv_dtype
         for step in range(3)
     ]
     for scheduled in steps:  # the prompts (rows of several tokens each), then decode steps
-        ids, pos, md = runner._prepare(scheduled)
+        ids, pos, md = prepare(runner, scheduled)
         assert runner.fused_decoder.handles(md)
         expected = model(ids, pos, attend(md))
         caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
@@ -126,11 +140,11 @@ def test_a_token_computes_the_same_bits_in_any_step(method, kv_dtype):
         )
         runner.fused_decoder.max_rows = None
         for scheduled in schedule:
-            ids, pos, md = runner._prepare(scheduled)
+            ids, pos, md = prepare(runner, scheduled)
             assert runner.fused_decoder.handles(md)
             hidden = runner.fused_decoder.forward(ids, pos, md)
-        rows = [len(c.token_ids) for c in scheduled]
-        last = [c.request_id for c in scheduled].index("0")
+        rows = [len(c.chunk.token_ids) for c in scheduled]
+        last = [c.chunk.request_id for c in scheduled].index("0")
         return hidden[sum(rows[: last + 1]) - 1].clone()
 
     decoded = run(
@@ -217,7 +231,7 @@ def test_a_feature_outside_the_allow_list_keeps_the_model_forward(change, featur
     out = runner.execute(SchedulerOutput(1, scheduled, new))
 
     reference = ModelRunner(model, num_blocks=16, block_size=BS, eos_token_ids=frozenset())
-    ids, pos, md = reference._prepare([chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))])
+    ids, pos, md = prepare(reference, [chunk(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))])
     hidden = model(ids, pos, lambda layer, q, k, v: reference.attention.forward(layer, q, k, v, md))
     logits = model.compute_logits(hidden)
     assert out.sampled == {"0": [int(logits[4].argmax())], "1": [int(logits[6].argmax())]}
@@ -245,7 +259,7 @@ def test_the_bundled_model_passes_the_allow_list_and_matches_its_forward(bundled
     runner.fused_decoder.max_rows = None
     prompt = [1, 504, 3458, 282, 4649, 314, 2, 9, 17, 230]
     for scheduled in ([chunk(0, prompt, 0, [0])], [chunk(0, [7], len(prompt), [0])]):
-        ids, pos, md = runner._prepare(scheduled)
+        ids, pos, md = prepare(runner, scheduled)
         caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
         expected = model(ids, pos, lambda layer, q, k, v, md=md: runner.attention.forward(layer, q, k, v, md))
         for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, caches):  # the fused path writes its own

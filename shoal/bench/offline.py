@@ -65,6 +65,7 @@ def peak_rss_mib() -> float:
 
 def run_shoal(llm: LLM, work: Workload, ignore_eos: bool = True) -> dict:
     engine = llm.engine
+    engine.core.measure_occupancy = True
     for i, (prompt, n_out) in enumerate(zip(work.prompts, work.output_lens)):
         params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=ignore_eos)
         engine.add_request(f"bench-{i}", prompt, params)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 
 import torch
 
@@ -115,6 +116,12 @@ class EngineCore:
         self._failed_steps = 0
         self.num_failed_requests = 0
         self.num_steps = 0
+        # Where the steps' time went: the model's forward and sampling, and the rest (host work).
+        self.forward_seconds = 0.0
+        self.host_seconds = 0.0
+        # (slots holding K/V, slots allocated) after the last step; kept only when asked, as it
+        # walks every running request (the offline benchmark's waste figure).
+        self.measure_occupancy = False
         self.last_kv_occupancy = (0, 0)
 
     @property
@@ -282,6 +289,7 @@ class EngineCore:
         return StepResult(outputs, finished, self.kv.pool.take_events(), self.stats())
 
     def _step_outputs(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         if self.pipeline is not None:
             so, result, failures = self.pipeline.step()
             if so is None or so.empty:
@@ -294,7 +302,8 @@ class EngineCore:
             if so.empty:
                 return []
         self.num_steps += 1
-        self.last_kv_occupancy = self._occupancy(so)
+        if self.measure_occupancy:
+            self.last_kv_occupancy = self._occupancy(so)
         for rid in failures:
             self._marked.pop(rid, None)
         failed = [r for rid, err in failures.items() if (r := self.scheduler.fail(rid, err)) is not None]
@@ -303,12 +312,16 @@ class EngineCore:
         self.num_failed_requests += len(failed)
         self.spec_stats.observe(result.spec_results)
         changed = self.scheduler.update_from_output(so, result)
-        return self._core_outputs(changed + failed, result)
+        outputs = self._core_outputs(changed + failed, result)
+        elapsed = time.perf_counter() - t0
+        self.forward_seconds += min(result.forward_s, elapsed)
+        self.host_seconds += max(0.0, elapsed - result.forward_s)
+        return outputs
 
     def _core_outputs(self, reqs: list[Request], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outs: dict[str, EngineCoreOutput] = {}
         for req in reqs:
-            new = req.output_token_ids[req.num_emitted :]
+            new = req.token_ids[req.num_prompt_tokens + req.num_emitted :]  # not its whole output
             req.num_emitted += len(new)
             outs[req.request_id] = EngineCoreOutput(
                 req.request_id,
@@ -414,6 +427,8 @@ class EngineCore:
             num_waiting_tokens=sum(r.num_tokens for r in self.scheduler.waiting),
             num_kv_held=self.kv_connector.num_held,
             num_steps=self.num_steps,
+            forward_seconds=self.forward_seconds,
+            host_seconds=self.host_seconds,
         )
 
     def take_kv_events(self) -> list:

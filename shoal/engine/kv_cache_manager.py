@@ -69,6 +69,9 @@ class KVCacheManager:
         speculative slots after them. Returns the blocks added, or None (and changes nothing)
         when the pool, less `reserve` blocks, cannot hold them."""
         table = self.tables.get(req.request_id, [])
+        wanted = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if table and not cached and not num_external_tokens and wanted <= len(table) * self.block_size:
+            return []  # a decode step that fits the blocks it has: the usual case
         if cached:
             assert not table, "cached prefix blocks only attach to an empty table"
         total = (

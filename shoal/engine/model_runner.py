@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -18,6 +20,7 @@ from shoal.engine.attention import (
     group_by_length,
     prefill_mask,
 )
+from shoal.engine.block_tables import BlockTables
 from shoal.engine.forward_paths import ForwardPath, GraphOptions, build_forward_paths
 from shoal.engine.kv_connector.worker_side import KVConnectorWorker
 from shoal.engine.outputs import TokenLogprob
@@ -32,15 +35,15 @@ from shoal.models.llama import LlamaForCausalLM
 PROMPT_LOGPROBS_ROWS = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
-    """One request's rows in the flattened batch, with its block table resolved: its scheduled
-    tokens, then any proposed tokens (the last `num_spec` rows), all sampled from when `sample`."""
+    """One request's rows in the flattened batch: its scheduled tokens, then any proposed tokens
+    (the last `num_spec` rows), all sampled from when `sample`. Its block table is the runner's
+    (`ModelRunner.tables`)."""
 
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
     sample: bool
     num_spec: int = 0
 
@@ -108,7 +111,11 @@ class ModelRunner:
         self.attention = self.forward_paths.attention
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size, grammars)
         self.states: dict[str, SamplingState] = {}
-        self.block_tables: dict[str, list[int]] = {}
+        self.tables = BlockTables()
+        # Requests that ask for more than a token per step (their step's work is skipped for the
+        # rest): prompt logprobs, a grammar.
+        self.prompt_logprob_ids: set[str] = set()
+        self.structured_ids: set[str] = set()
         self._applied_step: dict[str, int] = {}  # the step whose table changes a request has taken
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -116,7 +123,9 @@ class ModelRunner:
         request by request with the same SchedulerOutput, and its sampled tokens are rolled back."""
         for rid in so.finished_ids:
             self.states.pop(rid, None)
-            self.block_tables.pop(rid, None)
+            self.tables.drop(rid)
+            self.prompt_logprob_ids.discard(rid)
+            self.structured_ids.discard(rid)
             self._applied_step.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.drop(rid)
@@ -126,7 +135,7 @@ class ModelRunner:
             if new.external_kv is not None:  # its prompt's K/V came from another engine
                 self.import_kv(new.block_ids, new.external_kv)
             if not self.samples:  # an earlier pipeline stage keeps only the block table
-                self.block_tables[new.request_id] = list(new.block_ids)
+                self.tables.put(new.request_id, new.block_ids)
                 self._applied_step[new.request_id] = so.step_id
                 continue
             state = SamplingState(new.params, new.seed, new.prompt_token_ids, list(new.output_token_ids))
@@ -136,12 +145,15 @@ class ModelRunner:
                 # A resumed request's grammar picks up after the tokens it already produced. If
                 # that raises, nothing is kept: the request's part of the retried step raises again.
                 state.matcher = self.sampler.grammars.matcher(new.params.structured, state.output_token_ids)
+                self.structured_ids.add(new.request_id)
+            if new.params.prompt_logprobs is not None:
+                self.prompt_logprob_ids.add(new.request_id)
             self.states[new.request_id] = state
-            self.block_tables[new.request_id] = list(new.block_ids)
+            self.tables.put(new.request_id, new.block_ids)
             self._applied_step[new.request_id] = so.step_id
         for sr in so.scheduled:
             if sr.new_block_ids and self._applied_step.get(sr.request_id) != so.step_id:
-                self.block_tables[sr.request_id].extend(sr.new_block_ids)
+                self.tables.extend(sr.request_id, sr.new_block_ids)
                 self._applied_step[sr.request_id] = so.step_id
             if sr.sample and self.samples:
                 # What an earlier attempt at this step sampled is undone here, whatever failed
@@ -163,18 +175,18 @@ class ModelRunner:
         chunks = [
             ScheduledChunk(
                 sr.request_id,
-                sr.token_ids + sr.spec_token_ids,
+                sr.token_ids + sr.spec_token_ids if sr.spec_token_ids else sr.token_ids,
                 sr.start_pos,
-                self.block_tables[sr.request_id],
                 sr.sample,
                 len(sr.spec_token_ids),
             )
             for sr in so.scheduled
         ]
-        for c in chunks if self.samples else ():
-            state = self.states[c.request_id]
-            if c.sample and not c.num_spec and state.matcher is not None:
-                state.next_mask = self.sampler.grammars.prefetch(state.matcher)
+        if self.samples and self.structured_ids:
+            for c in chunks:
+                state = self.states[c.request_id]
+                if c.sample and not c.num_spec and state.matcher is not None:
+                    state.next_mask = self.sampler.grammars.prefetch(state.matcher)
         # Single-token rows first, shortest context first, so that rows of similar length share
         # one batched attention call. (Every pipeline stage orders them alike.)
         chunks.sort(key=lambda c: (len(c.token_ids) > 1, c.start_pos))
@@ -182,34 +194,52 @@ class ModelRunner:
         received = None
         if self.stage is not None and self.stage.prev_rank is not None:
             received = self.stage.recv(len(input_ids))
+        t0 = time.perf_counter()
         hidden = self.forward_paths.pick(md).forward(input_ids, positions, md, received)
         if not self.samples:
             self.stage.send(hidden)
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(forward_s=time.perf_counter() - t0)
+        out = self._sample(chunks, hidden)
+        out.forward_s = time.perf_counter() - t0
+        return out
 
-        sample_rows, sampling, row = [], [], 0
+    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Logits for the rows that sample (gathered once), and the step's tokens from them."""
         out = ModelRunnerOutput()
-        for c in chunks:
-            self._prompt_logprobs(c, hidden, row, out)
-            row += len(c.token_ids)
-            if c.sample:
-                first = len(sample_rows)
-                sample_rows.extend(range(row - c.num_sampled_rows, row))
-                sampling.append((c, first))
-        if not sample_rows:
+        ends = list(accumulate(len(c.token_ids) for c in chunks))
+        if self.prompt_logprob_ids:
+            for c, end in zip(chunks, ends):
+                if c.request_id in self.prompt_logprob_ids:
+                    self._prompt_logprobs(c, hidden, end - len(c.token_ids), out)
+        sampling = [(c, end) for c, end in zip(chunks, ends) if c.sample]
+        if not sampling:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        plain = [(c, i) for c, i in sampling if not c.num_spec]
+        num_rows = sum(c.num_sampled_rows for c, _ in sampling)
+        if num_rows == len(hidden):  # every row samples (decode and verify rows): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            rows = [r for c, end in sampling for r in range(end - c.num_sampled_rows, end)]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        firsts = list(accumulate((c.num_sampled_rows for c, _ in sampling), initial=0))
+        plain = [(c, first) for (c, _), first in zip(sampling, firsts) if not c.num_spec]
         if plain:
-            rows = logits[torch.tensor([i for _, i in plain], device=self.device)]
+            if len(plain) == num_rows:
+                rows_logits = logits
+            else:
+                rows_logits = logits[torch.tensor([i for _, i in plain], device=self.device)]
             states = [self.states[c.request_id] for c, _ in plain]
-            tokens = self.sampler(rows, states)
-            logprobs = self.sampler.logprobs(rows, tokens, states)
-            for (c, _), tok, lp in zip(plain, tokens, logprobs):
-                self._record(out, c.request_id, [tok], [lp] if lp is not None else [])
-        for c, i in sampling:
-            if c.num_spec:
-                self._verify(out, c, logits[i : i + c.num_spec + 1])
+            tokens = self.sampler(rows_logits, states)
+            logprobs = self.sampler.logprobs(rows_logits, tokens, states)
+            sampled = out.sampled
+            for (c, _), state, tok, lp in zip(plain, states, tokens, logprobs):
+                state.advance([tok])
+                sampled[c.request_id] = [tok]
+                if lp is not None:
+                    out.logprobs[c.request_id] = [lp]
+        if len(plain) < len(sampling):
+            for (c, _), i in zip(sampling, firsts):
+                if c.num_spec:
+                    self._verify(out, c, logits[i : i + c.num_spec + 1])
         cap = self.max_proposal_batch
         if self.proposer is not None and (cap is None or len(sampling) <= cap):
             out.proposed = self.proposer.propose(
@@ -253,57 +283,77 @@ class ModelRunner:
             )
         out.prompt_logprobs[c.request_id] = (c.start_pos + 1, found)
 
-    def _padded_tables(self, chunks: list[ScheduledChunk], length: int) -> torch.Tensor:
-        """[rows, blocks covering `length`] block tables, shorter ones padded with block 0."""
-        width = -(-length // self.block_size)
-        rows = [c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in chunks]
-        return torch.tensor(rows, device=self.device)
-
     def _prepare(self, chunks: list[ScheduledChunk]):
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for c in chunks:
-            ids.extend(c.token_ids)
-            for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
-                pos.append(p)
-                slots.append(c.block_ids[p // bs] * bs + p % bs)
-        dev = self.device
+        """The step's flattened input ids and positions, and its attention metadata, gathered from
+        the persistent block tables."""
+        bs, dev, tables = self.block_size, self.device, self.tables
+        lens = [len(c.token_ids) for c in chunks]
+        starts = [c.start_pos for c in chunks]
+        rows = tables.rows([c.request_id for c in chunks])
+        num_tokens = sum(lens)
+        if num_tokens == len(chunks):  # one token a row: a decode step
+            ids = [c.token_ids[0] for c in chunks]
+            pos = torch.tensor(starts, dtype=torch.int64)
+            token_rows = rows
+        else:
+            ids = [t for c in chunks for t in c.token_ids]
+            counts = torch.tensor(lens, dtype=torch.int64)
+            firsts = torch.tensor(list(accumulate(lens, initial=0))[:-1], dtype=torch.int64)
+            token_rows = rows.repeat_interleave(counts)
+            offset = torch.arange(num_tokens) - firsts.repeat_interleave(counts)
+            pos = torch.tensor(starts, dtype=torch.int64).repeat_interleave(counts) + offset
+        slots = tables.slots(token_rows, pos, bs)
         window = self.cfg.sliding_window
-        num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)
-        ctx = [c.start_pos + 1 for c in chunks[:num_decode]]
+        num_decode = lens.count(1)  # they come first (see execute's sort)
+        ctx = [s + 1 for s in starts[:num_decode]]
         groups, batch = [], None
         if self.attention.decode_in_groups:
             for start, end in group_by_length(ctx):
                 length = ctx[end - 1]
-                table = self._padded_tables(chunks[start:end], length)
+                table = tables.padded(rows[start:end], length, bs).to(dev)
                 mask = decode_mask(ctx[start:end], length, window, dev)
                 groups.append(DecodeGroup(start, end, length, table, mask))
         elif num_decode:
             # Rows are sorted by context, so the last is the longest.
-            table = self._padded_tables(chunks[:num_decode], ctx[-1])
+            table = tables.padded(rows[:num_decode], ctx[-1], bs).to(dev)
             batch = DecodeBatch(num_decode, table, torch.tensor(ctx, device=dev))
         prefills, row = [], num_decode
-        for c in chunks[num_decode:]:
-            n = len(c.token_ids)
-            context = c.start_pos + n
-            table = None if c.start_pos == 0 else torch.tensor(c.block_ids[: -(-context // bs)], device=dev)
+        for i in range(num_decode, len(chunks)):
+            n, start = lens[i], starts[i]
+            context = start + n
+            table = None if start == 0 else tables.padded(rows[i : i + 1], context, bs)[0].to(dev)
             prefills.append(PrefillSpan(row, row + n, context, table, prefill_mask(n, context, window, dev)))
             row += n
-        md = AttentionMetadata(torch.tensor(slots, device=dev), groups, prefills, batch)
-        if self.forward_paths.wants_token_batch(len(ids), bool(prefills)):
-            md.token_batch = self._token_batch(chunks, pos)
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), md
+        md = AttentionMetadata(slots.to(dev), groups, prefills, batch)
+        if self.forward_paths.wants_token_batch(num_tokens, bool(prefills)):
+            width = -(-max(s + n for s, n in zip(starts, lens)) // bs)
+            md.token_batch = DecodeBatch(num_tokens, tables.table[token_rows, :width], pos + 1)
+        return torch.tensor(ids, device=dev), pos.to(dev), md
 
-    def _token_batch(self, chunks: list[ScheduledChunk], pos: list[int]) -> DecodeBatch:
-        """Each row's block table (its chunk's, padded) and context length (its position + 1)."""
-        width = max(-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks)
-        tables = []
-        for c in chunks:
-            ids = c.block_ids[:width]
-            tables.append(torch.tensor(ids + [0] * (width - len(ids))).expand(len(c.token_ids), width))
-        return DecodeBatch(len(pos), torch.cat(tables), torch.tensor(pos) + 1)
+    def time_bare_decode(self, batch: int, context: int, repeats: int) -> float:
+        """Median seconds of the model's part of a decode step of `batch` rows at `context`
+        tokens each: forward, logits and argmax over inputs prepared once, with none of the
+        engine's bookkeeping (benchmarks/step_cost.py sets a step's time against it). Writes
+        K/V into the first blocks of the pool: only for a runner with no requests."""
+        per_row = -(-context // self.block_size)
+        tables = BlockTables(batch, per_row)
+        for r in range(batch):
+            tables.put(str(r), [(r * per_row + j) % self.num_blocks for j in range(per_row)])
+        keep, self.tables = self.tables, tables
+        try:
+            ids, pos, md = self._prepare(
+                [ScheduledChunk(str(r), [r + 7], context - 1, True) for r in range(batch)]
+            )
+        finally:
+            self.tables = keep
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 2):  # two to warm up
+                t0 = time.perf_counter()
+                hidden = self.forward_paths.pick(md).forward(ids, pos, md, None)
+                self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+                times.append(time.perf_counter() - t0)
+        return sorted(times[2:])[len(times[2:]) // 2]
 
     @property
     def fused_decoder(self):

@@ -30,6 +30,37 @@ class SamplingState:
     generator: torch.Generator = field(default_factory=torch.Generator)
     matcher: Any = None  # the grammar's state, for a request with structured output
     next_mask: Any = None  # its next token mask, being computed while the forward pass runs
+    # Greedy with nothing that shapes the logits: its token is the argmax (the batch's fast path).
+    plain_greedy: bool = field(init=False)
+    # For penalties, kept up to date from the first step that needs them (not rebuilt each step
+    # from the whole output): how often each token id was output, and the prompt's token ids.
+    _counts: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _counted: int = field(default=0, init=False, repr=False)  # output tokens in _counts
+    _prompt_seen: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_greedy = p.greedy and not p.shapes_logits and p.min_tokens == 0
+
+    def output_counts(self, vocab: int) -> torch.Tensor:
+        """[vocab] float: occurrences of each token id in the output so far (counting only the
+        tokens added since the last ask)."""
+        out = self.output_token_ids
+        if self._counts is None or self._counts.numel() != vocab or self._counted > len(out):
+            self._counts, self._counted = torch.zeros(vocab), 0
+        if self._counted < len(out):
+            ids = torch.tensor([t for t in out[self._counted :] if t < vocab], dtype=torch.long)
+            self._counts.index_add_(0, ids, torch.ones(len(ids)))
+            self._counted = len(out)
+        return self._counts
+
+    def prompt_seen(self, vocab: int) -> torch.Tensor:
+        """[vocab] bool: the token ids in the prompt."""
+        if self._prompt_seen is None or self._prompt_seen.numel() != vocab:
+            ids = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+            self._prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+            self._prompt_seen[ids[ids < vocab]] = True
+        return self._prompt_seen
 
     def generator_for_next(self) -> torch.Generator:
         position = len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -69,6 +100,7 @@ class SamplingState:
         if pending is not None and not pending.cancel():
             wait([pending])  # the grammar thread is reading the matcher: let it finish first
         del self.output_token_ids[num_output:]
+        self._counts = None  # other tokens may follow as many: count afresh
         if self.matcher is not None and drop and not self.matcher.rollback(drop):
             raise RuntimeError(f"the grammar could not roll back {drop} tokens")
 
@@ -92,7 +124,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         logits = logits.float()
-        if all(s.params.greedy and not s.params.shapes_logits and s.params.min_tokens == 0 for s in states):
+        if all(s.plain_greedy for s in states):
             return logits.argmax(dim=-1).tolist()
         # Shaping and drawing run on the host: the per-position generators are CPU generators, so
         # a seed means the same draw whichever device computed the logits.
@@ -182,24 +214,25 @@ class Sampler:
                 masked[keep] = logits[i, keep]
                 logits[i] = masked
 
-    def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        """Repetition (over prompt and output), then frequency and presence (over the output),
+        for every row that has any, in one batch."""
+        rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+        if not rows:
+            return
         vocab = logits.shape[1]
-        for i, s in enumerate(states):
-            p = s.params
-            if not p.has_penalties:
-                continue
-            out_ids = torch.tensor(s.output_token_ids, dtype=torch.long)
-            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].float() if len(out_ids) else None
-            if p.repetition_penalty != 1.0:
-                seen = torch.zeros(vocab, dtype=torch.bool)
-                seen[torch.tensor(s.prompt_token_ids, dtype=torch.long)] = True
-                if counts is not None:
-                    seen |= counts > 0
-                row = logits[i]
-                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                logits[i] = torch.where(seen, penalised, row)
-            if counts is not None:
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        params = [states[i].params for i in rows]
+        counts = torch.stack([states[i].output_counts(vocab) for i in rows])
+        shaped = logits[rows]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rep = torch.tensor([p.repetition_penalty for p in params], dtype=shaped.dtype).unsqueeze(1)
+            seen = torch.stack([states[i].prompt_seen(vocab) for i in rows]) | (counts > 0)
+            penalised = torch.where(shaped > 0, shaped / rep, shaped * rep)
+            shaped = torch.where(seen, penalised, shaped)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=shaped.dtype).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=shaped.dtype).unsqueeze(1)
+        logits[rows] = shaped - (freq * counts + presence * (counts > 0).float())
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -26,6 +26,9 @@ class EngineStats:
     num_waiting_tokens: int = 0  # tokens of the waiting requests (the front's admission bound)
     num_kv_held: int = 0  # finished requests whose K/V waits for another engine to take it
     num_steps: int = 0
+    # Of the steps' time so far: the model's forward and sampling, and the engine's work around it.
+    forward_seconds: float = 0.0
+    host_seconds: float = 0.0
 
 
 @dataclass

@@ -47,6 +47,18 @@ class _EngineCollector:
         )
         yield counter("shoal:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
         yield counter("shoal:num_preemptions", "Requests preempted to free KV blocks.", s.num_preemptions)
+        yield counter("shoal:engine_steps", "Engine steps run.", s.num_steps)
+        yield counter(
+            "shoal:engine_step_forward_seconds",
+            "Seconds of engine steps spent in the model's forward, logits and sampling.",
+            s.forward_seconds,
+        )
+        yield counter(
+            "shoal:engine_step_host_seconds",
+            "Seconds of engine steps spent on everything else: scheduling, batch preparation, "
+            "bookkeeping of the step's results.",
+            s.host_seconds,
+        )
         if s.spec is not None:
             yield counter(
                 "shoal:spec_decode_num_drafts", "Verify passes of proposed tokens.", s.spec.num_drafts

@@ -1,0 +1,180 @@
+"""The cost of a step (issue 26): host work per sequence per decode step, against the bare forward
+and sampling of the same batch, and the bundled model's streamed throughput at c=32.
+
+A random checkpoint with the bundled tokenizer's vocabulary and a tiny body (2 layers, hidden 64)
+makes the model itself cost almost nothing, so what a step costs beyond its forward is the
+engine's own work: scheduling, batch preparation, sampling, output processing, detokenizing.
+With `--before REV` the same figures are measured on that commit too (a git worktree), in the
+same run, and printed beside these.
+
+    python benchmarks/step_cost.py [--batches 1,32,256] [--before HEAD~3] [--no-serve]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1}  # fmt: skip
+PROMPT_LEN = 32
+
+
+def decode_steps(ckpt: str, batch: int, steps: int) -> dict:
+    """Median wall time of a decode step of `batch` greedy rows through LLMEngine.step, and, where
+    this checkout has it, the bare forward + logits + argmax of the same rows."""
+    from shoal.engine.sampling_params import SamplingParams
+    from shoal.llm import LLM
+
+    llm = LLM(model=ckpt, quantization="none", max_num_seqs=batch, num_blocks=8192,
+              max_num_batched_tokens=max(2048, batch * PROMPT_LEN))  # fmt: skip
+    engine = llm.engine
+    vocab = engine.core.loaded.config.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    times = []
+    for attempt in range(2):  # the first warms the allocator and the kernels' caches
+        for i in range(batch):
+            prompt = [rng.randrange(1000, vocab) for _ in range(PROMPT_LEN)]
+            engine.add_request(f"r{attempt}-{i}", prompt, params)
+        times = []
+        before = engine.stats()
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            times.append(
+                (time.perf_counter() - t0, sum(len(c.delta_token_ids) for o in outs for c in o.outputs))
+            )
+    # Steps in which every row decoded one token (not the prefill, not the tail of stragglers).
+    decode = [t for t, n in times[2:-1] if n == batch]
+    out = {"batch": batch, "step_ms": 1000 * statistics.median(decode), "steps": len(decode)}
+    after = engine.stats()
+    if hasattr(after, "host_seconds"):  # the engine's own account, over every step of the run
+        steps_run = after.num_steps - before.num_steps
+        out["core_host_us_per_seq"] = 1e6 * (after.host_seconds - before.host_seconds) / steps_run / batch
+    runner = getattr(engine.core.executor, "runner", None)
+    if hasattr(runner, "time_bare_decode"):
+        seconds = runner.time_bare_decode(batch, PROMPT_LEN + steps // 2, max(5, min(steps, 30)))
+        out["bare_ms"] = 1000 * seconds
+    llm.shutdown() if hasattr(llm, "shutdown") else None
+    return out
+
+
+def measure(ckpt: str, batches: list[int], steps: int, pythonpath: str | None) -> list[dict]:
+    """Each batch in a process of its own (the engine sets torch's threads; no state carries over),
+    importing shoal from `pythonpath` when given."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    results = []
+    for b in batches:
+        here = str(Path(__file__).parent)
+        code = (
+            f"import json, sys; sys.path.insert(0, {here!r}); import step_cost, shoal; "
+            "print('SHOAL_FROM', shoal.__file__, file=sys.stderr); "
+            f"print(json.dumps(step_cost.decode_steps({ckpt!r}, {b}, {steps})))"
+        )
+        done = subprocess.run(  # in the checkout measured: `python -c` imports from its folder first
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=pythonpath or ROOT
+        )
+        if done.returncode:
+            raise RuntimeError(done.stderr[-3000:])
+        origin = next(ln for ln in done.stderr.splitlines() if ln.startswith("SHOAL_FROM"))
+        if pythonpath and pythonpath not in origin:
+            raise RuntimeError(f"the worktree's shoal was not the one imported: {origin}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
+
+
+@contextlib.contextmanager
+def worktree(rev: str):
+    path = Path(tempfile.mkdtemp(prefix="step-cost-before-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
+                   capture_output=True)  # fmt: skip
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
+
+
+def serve_c32(port: int, pythonpath: str | None) -> float:
+    from serve_throughput import shoal_server  # this script's folder is on sys.path
+
+    from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    with contextlib.chdir(pythonpath or ROOT), shoal_server(port, "auto", env) as url:
+        run_serve_bench(ServeBenchConfig(base_url=url, num_requests=8, max_concurrency=8, input_len=32,
+                                         output_len=16))  # fmt: skip
+        cfg = ServeBenchConfig(
+            base_url=url, num_requests=64, max_concurrency=32, input_len=32, output_len=128
+        )
+        return run_serve_bench(cfg)["output_token_throughput"]
+
+
+def print_table(label: str, rows: list[dict]) -> None:
+    print(f"\n{label}")
+    print("| B | ms / step | bare forward + sampling ms | host µs / seq / step | µs / seq / step (all) |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        bare = r.get("bare_ms")
+        host = f"{1000 * (r['step_ms'] - bare) / r['batch']:.1f}" if bare is not None else "-"
+        bare_s = f"{bare:.2f}" if bare is not None else "-"
+        per_seq = 1000 * r["step_ms"] / r["batch"]
+        print(f"| {r['batch']} | {r['step_ms']:.2f} | {bare_s} | {host} | {per_seq:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,32,256")
+    ap.add_argument("--steps", type=int, default=40, help="decode steps per batch")
+    ap.add_argument("--before", help="a git revision to measure in the same run, for the ratio")
+    ap.add_argument("--no-serve", action="store_true", help="skip the bundled model's c=32 run")
+    ap.add_argument("--port", type=int, default=8124)
+    ap.add_argument("--checkpoint", type=Path, default=ROOT / "bench-results" / "step-cost-tiny")
+    args = ap.parse_args()
+    from shoal.bench.checkpoints import fill_random_weights, write_config
+
+    if not (args.checkpoint / "model.safetensors").exists():
+        fill_random_weights(write_config(args.checkpoint, **TINY))
+    batches = [int(b) for b in args.batches.split(",")]
+    ckpt = str(args.checkpoint)
+    with worktree(args.before) if args.before else contextlib.nullcontext() as old:
+        after = measure(ckpt, batches, args.steps, None)
+        before = measure(ckpt, batches, args.steps, old) if old else None
+        tok_s = tok_s_before = None
+        if not args.no_serve:
+            tok_s = serve_c32(args.port, None)
+            tok_s_before = serve_c32(args.port, old) if old else None
+    print_table("this checkout", after)
+    for r in after:
+        if "core_host_us_per_seq" in r:
+            print(
+                f"B={r['batch']}: host work by the core's own count (shoal:engine_step_host_seconds): "
+                f"{r['core_host_us_per_seq']:.1f} µs / seq / step (the front's text is not in it)"
+            )
+    if before:
+        print_table(f"at {args.before}", before)
+        ratios = " / ".join(f"{b['step_ms'] / a['step_ms']:.2f}x" for a, b in zip(after, before))
+        print(f"\nstep time, before / after, B = {args.batches}: {ratios}")
+    if tok_s is not None:
+        line = f"\nbundled model, `shoal serve`, c=32 W1 streamed: {tok_s:.0f} output tok/s"
+        if tok_s_before is not None:
+            line += f" (at {args.before}: {tok_s_before:.0f}; {tok_s / tok_s_before:.2f}x)"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
