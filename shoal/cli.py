@@ -91,7 +91,8 @@ def cmd_serve(args) -> int:
 def cmd_worker(args) -> int:
     from shoal.engine.parallel.worker import main
 
-    return main(["--driver", args.driver, "--rank", str(args.rank)])
+    advertise = ["--advertise-host", args.advertise_host] if args.advertise_host else []
+    return main(["--driver", args.driver, "--rank", str(args.rank), *advertise])
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -122,6 +123,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="one rank of a tensor/pipeline-parallel engine, on another host")
     p.add_argument("--driver", required=True, help="HOST:PORT of the engine (its --distributed-port)")
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the address other ranks reach this one at (default: the route to the driver)",
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("generate", help="complete prompts, streaming to the terminal")

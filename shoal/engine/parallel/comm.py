@@ -10,6 +10,7 @@ import ctypes
 import logging
 import mmap
 import os
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ class CommError(RuntimeError):
 
 class TorchCommunicator:
     """torch.distributed collectives on a process group."""
+
+    kind = "torch"  # what a rank reports it sums through
 
     def __init__(self, group, world_size: int):
         self.group = group
@@ -71,6 +74,8 @@ class TorchCommunicator:
 
 class ShmCommunicator(TorchCommunicator):
     """Shared-memory collectives for float32 CPU tensors; anything else goes through the group."""
+
+    kind = "shm"
 
     def __init__(self, group, world_size: int, rank: int, name: str, timeout_s: float):
         super().__init__(group, world_size)
@@ -144,13 +149,41 @@ class ShmCommunicator(TorchCommunicator):
 
 
 def tp_communicator(group, world_size: int, rank: int, name: str, device: torch.device, timeout_s: float):
-    """Shared memory where every rank of the group is on this host and on CPU, else the group."""
+    """Shared memory where every rank of the group is on CPU and sees the same /dev/shm, else the
+    group's own collectives."""
     hosts: list = [None] * world_size
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if device.type == "cpu" and len(set(hosts)) == 1 and load_shm_library() is not None:
+    if device.type == "cpu" and load_shm_library() is not None and _share_shm(group, world_size):
         return ShmCommunicator(group, world_size, rank, name, timeout_s)
     log.info("tensor-parallel collectives through torch.distributed (hosts %s, %s)", hosts, device)
     return TorchCommunicator(group, world_size)
+
+
+def _share_shm(group, world_size: int) -> bool:
+    """Whether every rank of the group sees every other's /dev/shm files: a probe, not the host
+    name (two hosts can share a name, and containers on one host can have their own /dev/shm).
+    Each rank writes a file of its own, and every rank must find all of them."""
+    token = secrets.token_hex(16)
+    probe = SHM_DIR / f"shoal-probe-{token}"
+    try:
+        probe.write_text(token)
+    except OSError:
+        token = ""
+    tokens: list = [None] * world_size
+    dist.all_gather_object(tokens, token, group=group)
+    sees = all(t and _reads(SHM_DIR / f"shoal-probe-{t}", t) for t in tokens)
+    verdicts: list = [None] * world_size
+    dist.all_gather_object(verdicts, sees, group=group)  # every probe is read before any goes
+    if token:
+        probe.unlink(missing_ok=True)
+    return all(verdicts)
+
+
+def _reads(path: Path, expected: str) -> bool:
+    try:
+        return path.read_text() == expected
+    except OSError:
+        return False
 
 
 class StageLink:

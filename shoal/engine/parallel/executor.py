@@ -22,13 +22,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 
 import torch
-import torch.distributed as dist
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.parallel.auth_listener import AuthListener
 from shoal.engine.parallel.messages import RankStats, WorkerSetup, rank_threads
+from shoal.engine.parallel.rendezvous import StoreServer
 from shoal.engine.parallel.worker import AUTHKEY_ENV
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.kernels.cpu import cpu_kernels
@@ -77,9 +78,18 @@ class MultiprocExecutor:
         if not par.launch_workers and not key_hex:
             raise ValueError(f"ranks started elsewhere need {AUTHKEY_ENV} set on the driver and on each rank")
         authkey = bytes.fromhex(key_hex) if key_hex else secrets.token_bytes(32)
-        # The driver hosts the rendezvous, so the ranks need only its address.
-        self.store = dist.TCPStore(host, store_port, self.world_size, is_master=True, wait_for_workers=False)
-        self.listener = Listener((host, port), authkey=authkey)
+        # The driver hosts the rendezvous, behind the same key, so the ranks need only its address.
+        self.store: StoreServer | None = None
+        try:
+            self.store = StoreServer(host, store_port, authkey)
+            self.listener = AuthListener(host, port, authkey)
+        except OSError as exc:
+            if self.store is not None:
+                self.store.close()
+            raise OSError(
+                f"cannot listen for ranks on {host}:{port} and {host}:{store_port} (--distributed-host, "
+                f"--distributed-port): {exc.strerror or exc}"
+            ) from None
         self.address = f"{host}:{port}"
         try:
             if par.launch_workers:
@@ -92,7 +102,7 @@ class MultiprocExecutor:
                     self.address,
                     AUTHKEY_ENV,
                 )
-            setup = WorkerSetup(config, num_blocks, max_model_len, host, store_port, uuid.uuid4().hex[:12])
+            setup = WorkerSetup(config, num_blocks, max_model_len, store_port, uuid.uuid4().hex[:12])
             self.ranks_info = self._start(setup, par.startup_timeout_s)
         except BaseException:
             self.shutdown()
@@ -162,12 +172,12 @@ class MultiprocExecutor:
         while True:
             try:
                 conn = self.listener.accept()
+            except OSError:  # the listener closed (all connected, or given up)
+                return
+            try:
                 accepted.put((conn, conn.recv()))
-            except (OSError, EOFError):  # the listener closed (all connected, or given up), or a bad peer
-                if self._closed:
-                    return
-            except Exception:  # an unauthenticated or malformed connection: ignore it
-                continue
+            except Exception:  # a peer with the key that sent nothing sensible: ignore it
+                conn.close()
 
     def _check_started(self, deadline: float, progress: str) -> None:
         for rank, proc in enumerate(self.procs):
@@ -287,3 +297,5 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         self._stop_ranks(graceful=not self.dead)
         self._close_listener()
+        if self.store is not None:
+            self.store.close()

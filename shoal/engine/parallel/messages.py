@@ -16,8 +16,7 @@ class WorkerSetup:
     config: EngineConfig
     num_blocks: int
     max_model_len: int
-    store_host: str
-    store_port: int
+    store_port: int  # the rendezvous, on the driver's host (ranks reach it as they reached the driver)
     run_id: str  # names this run's shared-memory segments
 
 

@@ -22,8 +22,10 @@ from multiprocessing.connection import Client, Connection
 import torch
 import torch.distributed as dist
 
+from shoal.engine.parallel.addresses import DriverLink, address_towards, interface_of
 from shoal.engine.parallel.comm import CommError, StageLink, tp_communicator
 from shoal.engine.parallel.messages import RankPlace, RankStats, WorkerSetup, rank_threads
+from shoal.engine.parallel.rendezvous import AuthStore
 from shoal.engine.runner_setup import DTYPES, build_runner
 from shoal.models.loader import load_model
 from shoal.models.parallel import ModelShard
@@ -49,13 +51,21 @@ def _die_with_parent() -> None:
 
 
 class Rank:
-    def __init__(self, conn: Connection, place: RankPlace, setup: WorkerSetup):
+    def __init__(self, conn: Connection, place: RankPlace, setup: WorkerSetup, link: DriverLink):
         self.conn = conn
         self.place = place
         config = setup.config
         par = config.parallel
         timeout = timedelta(seconds=par.step_timeout_s)
-        store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, timeout=timeout)
+        # The rendezvous is on the driver's host, at the address this rank reached the driver by
+        # (the driver may listen on all addresses).
+        # Held for the rank's life: torch keeps only the C++ side, and a collected Python store
+        # leaves it calling methods that are no longer there.
+        self.store = store = AuthStore(link.driver_host, setup.store_port, link.authkey, timeout)
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            # Gloo binds where the host name resolves, and falls back to loopback where it does
+            # not: peers on other hosts would be told 127.0.0.1. Bind where this rank is reached.
+            os.environ["GLOO_SOCKET_IFNAME"] = interface_of(link.advertise_host)
         device = torch.device(config.device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
@@ -156,29 +166,38 @@ def _connect(driver: str, authkey: bytes, timeout: float) -> Connection:
     while True:
         try:
             return Client((host, int(port)), authkey=authkey)
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, TimeoutError, OSError) as exc:
             if time.monotonic() > deadline:
-                raise
+                raise ConnectionError(f"cannot reach the driver at {driver}: {exc}") from None
             time.sleep(0.5)
 
 
-def run_worker(driver: str, rank: int, authkey: bytes, spawned: bool) -> int:
+def run_worker(
+    driver: str, rank: int, authkey: bytes, spawned: bool, advertise_host: str | None = None
+) -> int:
+    """`advertise_host`: the address the other ranks reach this one at (default: this host's
+    address on the route to the driver)."""
     if spawned:
         _die_with_parent()
     conn = _connect(driver, authkey, CONNECT_TIMEOUT_S)
+    driver_host = driver.rsplit(":", 1)[0]
+    link = DriverLink(driver_host, authkey, advertise_host or address_towards(driver_host))
     conn.send(("hello", rank, socket.gethostname(), os.getpid()))
     setup: WorkerSetup = conn.recv()
     par = setup.config.parallel
     place = RankPlace(rank, par.tensor_parallel_size, par.pipeline_parallel_size)
     torch.set_num_threads(rank_threads(setup.config))
     try:
-        worker = Rank(conn, place, setup)
+        worker = Rank(conn, place, setup, link)
     except Exception as exc:
         log.exception("rank %d failed to start", rank)
         with contextlib.suppress(OSError):
             conn.send(("failed", f"rank {rank}: {type(exc).__name__}: {exc}"))
         return 1
-    conn.send(("ready", {"rank": rank, "fused_decode": worker.fused, "threads": torch.get_num_threads()}))
+    info = {"rank": rank, "fused_decode": worker.fused, "threads": torch.get_num_threads()}
+    info["collectives"] = worker.comm.kind if worker.comm is not None else None
+    info["host"], info["address"] = socket.gethostname(), link.advertise_host
+    conn.send(("ready", info))
     try:
         worker.serve()
     finally:
@@ -190,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one rank of a tensor/pipeline-parallel shoal engine")
     parser.add_argument("--driver", required=True, help="HOST:PORT the driver listens on")
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the address other ranks reach this one at (default: the route to the driver)",
+    )
     parser.add_argument("--spawned", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
@@ -197,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         print(f"{AUTHKEY_ENV} must hold the driver's key", file=sys.stderr)
         return 2
-    return run_worker(args.driver, args.rank, bytes.fromhex(key), args.spawned)
+    return run_worker(args.driver, args.rank, bytes.fromhex(key), args.spawned, args.advertise_host)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Test infrastructure (not part of the product: nothing in shoal's packages imports it)."""

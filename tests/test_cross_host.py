@@ -1,0 +1,120 @@
+"""Tensor and pipeline parallelism across hosts made of network namespaces (shoal.testing.hosts):
+each rank on a host of its own, with its own address, hostname and /dev/shm, reached over a
+bridge; the driver in this process on the bridge's address. Greedy output is HF's, and ranks
+sum through shared memory only when they really share /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from shoal import SamplingParams
+from shoal.engine.parallel.worker import AUTHKEY_ENV
+from shoal.llm import LLM
+from shoal.testing.hosts import Cluster, ClusterConfig, available
+from tests.conftest import REF_TOKENS
+from tests.helpers import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = available()
+    if reason is not None:
+        pytest.skip(f"no test hosts here: {reason}")
+    with Cluster(ClusterConfig(hosts=3)) as c:
+        yield c
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def ranks_on(cluster, hosts: list[int], driver: str, key: str) -> list[subprocess.Popen]:
+    env = {**os.environ, AUTHKEY_ENV: key}
+    cmd = [sys.executable, "-m", "shoal.cli", "worker", "--driver", driver]
+    return [cluster.hosts[h].run([*cmd, "--rank", str(rank)], env=env) for rank, h in enumerate(hosts)]
+
+
+def split_engine(cluster, hosts: list[int], **split) -> tuple[LLM, list[subprocess.Popen]]:
+    """A driver here, its ranks started by hand on `hosts` (rank r on hosts[r])."""
+    key = secrets.token_hex(16)
+    address = cluster.gateway_address
+    port = free_port(address)
+    procs = ranks_on(cluster, hosts, f"{address}:{port}", key)
+    os.environ[AUTHKEY_ENV] = key
+    try:
+        llm = LLM(
+            quantization="none",
+            num_blocks=128,
+            launch_workers=False,
+            distributed_host=address,
+            distributed_port=port,
+            startup_timeout_s=240,
+            **split,
+        )
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        del os.environ[AUTHKEY_ENV]
+    return llm, procs
+
+
+def greedy_tokens(llm: LLM, reference: dict) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True)
+    outs = llm.generate([reference[p][0] for p in PROMPTS], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "split, hosts, collectives",
+    [
+        (dict(tensor_parallel_size=2), [0, 1], "torch"),
+        (dict(pipeline_parallel_size=2), [1, 2], None),
+        (dict(tensor_parallel_size=3), [0, 1, 2], "torch"),
+        (dict(tensor_parallel_size=2), [2, 2], "shm"),  # one host: its /dev/shm is shared
+    ],
+    ids=["tp2-two-hosts", "pp2-two-hosts", "tp3-three-hosts", "tp2-one-host"],
+)
+def test_ranks_across_hosts_give_hfs_greedy_tokens(cluster, reference, split, hosts, collectives):
+    llm, procs = split_engine(cluster, hosts, **split)
+    try:
+        info = llm.engine.core.executor.ranks_info
+        assert [r["address"] for r in info] == [cluster.hosts[h].address for h in hosts]
+        assert [r["host"] for r in info] == [cluster.hosts[h].name for h in hosts]
+        assert {r["collectives"] for r in info} == {collectives}
+        assert greedy_tokens(llm, reference) == [reference[p][1] for p in PROMPTS]
+    finally:
+        llm.shutdown()
+        for p in procs:
+            try:
+                assert p.wait(30) == 0  # told to stop by the driver
+            finally:
+                p.kill()
+
+
+def test_hosts_that_share_a_name_but_not_dev_shm_do_not_sum_through_it(cluster, reference):
+    """The transport is chosen by a probe of /dev/shm, not by the host name."""
+    twin = cluster.hosts[1]
+    twin.check_output(["hostname", cluster.hosts[0].name])
+    try:
+        llm, procs = split_engine(cluster, [0, 1], tensor_parallel_size=2)
+        try:
+            info = llm.engine.core.executor.ranks_info
+            assert info[0]["host"] == info[1]["host"]
+            assert {r["collectives"] for r in info} == {"torch"}
+            assert greedy_tokens(llm, reference)[:2] == [reference[p][1] for p in PROMPTS[:2]]
+        finally:
+            llm.shutdown()
+            for p in procs:
+                p.kill()
+    finally:
+        twin.check_output(["hostname", twin.name])
