@@ -12,7 +12,9 @@ import torch
 
 from shoal import LLM, SamplingParams
 from shoal.engine.kv_connector.packing import token_slots
+from shoal.engine.kv_connector.transports import choose, sees_shm_probe, shm_probe
 from shoal.engine.llm_engine import RequestRejectedError
+from shoal.protocol.kv_files import SHM_DIR, shm_unlink
 from tests.conftest import REF_TOKENS
 from tests.helpers import PROMPTS, assert_pool_whole, run_to_completion
 
@@ -135,3 +137,18 @@ def test_async_engines_hand_kv_over_and_kv_nobody_takes_is_freed(bundled):
     assert first + rest == want
     assert_pool_whole(p_engine)
     assert_pool_whole(d_engine)
+
+
+def test_shared_memory_is_chosen_by_finding_the_peers_probe_file():
+    """A puller uses /dev/shm only when the prefill worker's probe is there for it to read; a
+    probe name from the wire is never a path outside the transfer files."""
+    probe = shm_probe()
+    assert probe is not None and sees_shm_probe(probe)
+    assert choose("auto", probe).name == "shm"
+    (SHM_DIR / probe).write_text("someone else's")  # same name, other content: not our peer's file
+    assert choose("auto", probe).name == "tcp"
+    shm_unlink(probe)
+    assert not sees_shm_probe(probe) and choose("auto", probe).name == "tcp"  # gone: another host
+    for hostile in (None, 3, "../../etc/hostname", "/etc/hostname", "shoal-kv-1-zz"):
+        assert choose("auto", hostile).name == "tcp"
+    assert choose("tcp", probe).name == "tcp"

@@ -30,11 +30,11 @@ from shoal.engine.kv_connector.transports import (
     KVTransport,
     check_transport,
     choose,
-    host_id,
+    shm_probe,
     transport_named,
 )
 from shoal.protocol.errors import APIError
-from shoal.protocol.kv_files import shm_sweep
+from shoal.protocol.kv_files import shm_sweep, shm_unlink
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 from shoal.server.protocol import KVTransferParams
 
@@ -71,12 +71,13 @@ class KVConnector:
         self.config = config
         self.engine = engine
         self.api_key = api_key
-        self.host = host_id()
+        shm_sweep()  # what workers killed on this host left behind (their probes too)
+        # Published with each handoff: a puller that finds this file shares our /dev/shm.
+        self.host = shm_probe()
         self.handoffs: dict[str, _Handoff] = {}
         self._client: httpx.AsyncClient | None = None
         self._sweeper: asyncio.Task | None = None
         self._acks: set[asyncio.Task] = set()
-        shm_sweep()  # what workers killed on this host left behind
         self.bytes = Histogram(
             "shoal:kv_transfer_request_bytes",
             "K/V bytes moved per request, by direction and transport.",
@@ -258,6 +259,8 @@ class KVConnector:
     async def close(self) -> None:
         for handle in list(self.handoffs):
             self._forget(handle)
+        if self.host is not None:
+            shm_unlink(self.host)
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._client is not None:

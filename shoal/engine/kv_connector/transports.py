@@ -10,8 +10,6 @@ its agent, which this CPU build has no way to exercise. Asking for it is an erro
 from __future__ import annotations
 
 import os
-import socket
-from pathlib import Path
 from typing import Protocol
 
 from shoal.engine.kv_connector.frames import TransferError, decode, encode, header, raw
@@ -109,13 +107,29 @@ def transport_named(name: str) -> KVTransport:
     raise ValueError(f"{name!r} names no single transport")
 
 
-def host_id() -> str:
-    """Same on two workers exactly when they share a machine (and so its shared memory)."""
+def shm_probe() -> str | None:
+    """A file in /dev/shm that holds its own name, published by a prefill worker: a puller that
+    reads it back shares this /dev/shm (a host name, even with the boot id, says nothing of that:
+    two containers on one machine share both and not /dev/shm). Named like a transfer file, so
+    the sweep of a later worker removes it once its process is gone."""
+    if not shm_available():
+        return None
+    name = new_name()
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        (SHM_DIR / name).write_text(name)
     except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+        return None
+    return name
+
+
+def sees_shm_probe(name: object) -> bool:
+    """Whether a peer's probe file is here, with its content (a name from the wire: only ours)."""
+    if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
+        return False
+    try:
+        return (SHM_DIR / name).read_text() == name
+    except OSError:
+        return False
 
 
 def nixl_available() -> bool:
@@ -138,8 +152,9 @@ def check_transport(name: str) -> None:
         raise ValueError(f"the shm KV transport needs a writable {SHM_DIR}")
 
 
-def choose(setting: str, peer_host: str | None) -> KVTransport:
-    """The transport for a pull from a peer: shared memory when it is on this host."""
+def choose(setting: str, peer_probe: str | None) -> KVTransport:
+    """The transport for a pull from a peer: shared memory when this worker finds the peer's
+    probe (see shm_probe) in its own /dev/shm, else TCP."""
     if setting == "auto":
-        setting = "shm" if peer_host == host_id() and shm_available() else "tcp"
+        setting = "shm" if sees_shm_probe(peer_probe) else "tcp"
     return transport_named(setting)
