@@ -5,8 +5,10 @@ sum through shared memory only when they really share /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import pytest
 from shoal import SamplingParams
 from shoal.engine.parallel.worker import AUTHKEY_ENV
 from shoal.llm import LLM
+from shoal.models.checkpoint import bundled_model_path
 from shoal.testing.hosts import Cluster, ClusterConfig, available
 from tests.conftest import REF_TOKENS
 from tests.helpers import PROMPTS
@@ -36,28 +39,33 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def ranks_on(cluster, hosts: list[int], driver: str, key: str) -> list[subprocess.Popen]:
+def ranks_on(cluster, hosts: list[int], driver: str, key: str, logs: list | None) -> list[subprocess.Popen]:
     env = {**os.environ, AUTHKEY_ENV: key}
     cmd = [sys.executable, "-m", "shoal.cli", "worker", "--driver", driver]
-    return [cluster.hosts[h].run([*cmd, "--rank", str(rank)], env=env) for rank, h in enumerate(hosts)]
+    out = [{"stderr": log} for log in logs] if logs else [{}] * len(hosts)
+    return [
+        cluster.hosts[h].run([*cmd, "--rank", str(rank)], env=env, **out[rank])
+        for rank, h in enumerate(hosts)
+    ]
 
 
-def split_engine(cluster, hosts: list[int], **split) -> tuple[LLM, list[subprocess.Popen]]:
+def split_engine(
+    cluster, hosts: list[int], logs: list | None = None, **split
+) -> tuple[LLM, list[subprocess.Popen]]:
     """A driver here, its ranks started by hand on `hosts` (rank r on hosts[r])."""
     key = secrets.token_hex(16)
     address = cluster.gateway_address
     port = free_port(address)
-    procs = ranks_on(cluster, hosts, f"{address}:{port}", key)
+    procs = ranks_on(cluster, hosts, f"{address}:{port}", key, logs)
     os.environ[AUTHKEY_ENV] = key
     try:
         llm = LLM(
-            quantization="none",
+            **{"quantization": "none", **split},
             num_blocks=128,
             launch_workers=False,
             distributed_host=address,
             distributed_port=port,
             startup_timeout_s=240,
-            **split,
         )
     except BaseException:
         for p in procs:
@@ -118,3 +126,27 @@ def test_hosts_that_share_a_name_but_not_dev_shm_do_not_sum_through_it(cluster, 
                 p.kill()
     finally:
         twin.check_output(["hostname", twin.name])
+
+
+def test_ranks_on_hosts_without_the_model_fetch_it_from_the_driver_once(cluster, reference, tmp_path):
+    """The model sits only in this namespace's /tmp (each host has its own /tmp): the ranks fetch
+    it from the driver over their authenticated connections into their hosts' caches, and a
+    second start reads those caches instead."""
+    model = tmp_path / "only-here.gguf"
+    shutil.copyfile(bundled_model_path(), model)
+    for host in cluster.hosts[:2]:
+        assert host.check_output(["sh", "-c", f"test -e {model} && echo yes || echo no"]).strip() == "no"
+    for attempt in range(2):
+        paths = [tmp_path / f"rank{r}-{attempt}.log" for r in range(2)]
+        with contextlib.ExitStack() as stack:
+            logs = [stack.enter_context(open(p, "w")) for p in paths]
+            llm, procs = split_engine(cluster, [0, 1], logs=logs, tensor_parallel_size=2, model=str(model))
+            try:
+                assert greedy_tokens(llm, reference)[:2] == [reference[p][1] for p in PROMPTS[:2]]
+            finally:
+                llm.shutdown()
+                for p in procs:
+                    p.kill()
+                    p.wait()
+        fetched = ["fetching it from the driver" in p.read_text() for p in paths]
+        assert fetched == [attempt == 0] * 2, fetched

@@ -27,12 +27,15 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.parallel import model_files
 from shoal.engine.parallel.auth_listener import AuthListener
 from shoal.engine.parallel.messages import RankStats, WorkerSetup, rank_threads
+from shoal.engine.parallel.model_files import ModelFiles
 from shoal.engine.parallel.rendezvous import StoreServer
 from shoal.engine.parallel.worker import AUTHKEY_ENV
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.kernels.cpu import cpu_kernels
+from shoal.models.checkpoint import resolve_model
 from shoal.models.loader import LoadedModel
 from shoal.models.parallel import check_parallel_sizes
 
@@ -45,6 +48,15 @@ class ExecutorDeadError(RuntimeError):
 
 class RankStepError(RuntimeError):
     """A step raised on a rank that is still well (a request's fault): it may be retried."""
+
+
+def _busy(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
+
+
+def _send_quietly(conn: Connection, path) -> None:
+    with contextlib.suppress(OSError, EOFError):  # the rank went away: the start loop sees it exit
+        model_files.send(conn, path)
 
 
 def _free_port(host: str) -> int:
@@ -102,7 +114,9 @@ class MultiprocExecutor:
                     self.address,
                     AUTHKEY_ENV,
                 )
-            setup = WorkerSetup(config, num_blocks, max_model_len, store_port, uuid.uuid4().hex[:12])
+            self.model_path = resolve_model(config.model)[1]
+            model = ModelFiles.of(self.model_path)
+            setup = WorkerSetup(config, num_blocks, max_model_len, store_port, uuid.uuid4().hex[:12], model)
             self.ranks_info = self._start(setup, par.startup_timeout_s)
         except BaseException:
             self.shutdown()
@@ -155,13 +169,21 @@ class MultiprocExecutor:
         for conn in self.conns:
             conn.send(setup)
         info: dict[int, dict] = {}
+        sending: dict[int, threading.Thread] = {}  # ranks being sent the model's files
         while len(info) < self.world_size:
             self._check_started(deadline, f"{len(info)} of {self.world_size} ranks loaded")
-            for conn in wait([c for r, c in enumerate(self.conns) if r not in info], timeout=1.0):
+            quiet = [c for r, c in enumerate(self.conns) if r not in info and not _busy(sending.get(r))]
+            for conn in wait(quiet, timeout=1.0):
+                rank = self.conns.index(conn)
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    raise ExecutorDeadError(f"rank {self.conns.index(conn)} exited while starting") from None
+                    raise ExecutorDeadError(f"rank {rank} exited while starting") from None
+                if msg[0] == "fetch":  # its host lacks the model: stream it, off this loop
+                    log.info("sending rank %d the model's files (%s)", rank, self.model_path)
+                    sending[rank] = threading.Thread(target=_send_quietly, args=(conn, self.model_path))
+                    sending[rank].start()
+                    continue
                 if msg[0] != "ready":
                     raise ExecutorDeadError(msg[1])
                 info[msg[1]["rank"]] = msg[1]

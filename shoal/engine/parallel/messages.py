@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.parallel.model_files import ModelFiles
 
 
 @dataclass
@@ -18,6 +19,7 @@ class WorkerSetup:
     max_model_len: int
     store_port: int  # the rendezvous, on the driver's host (ranks reach it as they reached the driver)
     run_id: str  # names this run's shared-memory segments
+    model: ModelFiles | None = None  # the driver's model, for a rank whose host lacks it
 
 
 @dataclass

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
 import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from shoal.cache_dir import cache_root
 from shoal.engine.parallel.addresses import DriverLink, address_towards, interface_of
 from shoal.engine.parallel.comm import CommError, StageLink, tp_communicator
 from shoal.engine.parallel.messages import RankPlace, RankStats, WorkerSetup, rank_threads
+from shoal.engine.parallel.model_files import ModelFiles, local_copy, receive
 from shoal.engine.parallel.rendezvous import AuthStore
 from shoal.engine.runner_setup import DTYPES, build_runner
 from shoal.models.loader import load_model
@@ -172,6 +177,18 @@ def _connect(driver: str, authkey: bytes, timeout: float) -> Connection:
             time.sleep(0.5)
 
 
+def _model_here(conn: Connection, files: ModelFiles) -> Path:
+    """The model on this host: at the driver's path, in this host's cache, or fetched from the
+    driver into the cache now."""
+    cache = cache_root() or Path(tempfile.mkdtemp(prefix="shoal-model-"))
+    local = local_copy(files, cache)
+    if local is None:
+        log.info("this host lacks %s: fetching it from the driver into %s", files.path, cache)
+        conn.send(("fetch",))
+        local = receive(conn, files, cache)
+    return local
+
+
 def run_worker(
     driver: str, rank: int, authkey: bytes, spawned: bool, advertise_host: str | None = None
 ) -> int:
@@ -184,6 +201,8 @@ def run_worker(
     link = DriverLink(driver_host, authkey, advertise_host or address_towards(driver_host))
     conn.send(("hello", rank, socket.gethostname(), os.getpid()))
     setup: WorkerSetup = conn.recv()
+    if setup.model is not None:
+        setup.config = dataclasses.replace(setup.config, model=str(_model_here(conn, setup.model)))
     par = setup.config.parallel
     place = RankPlace(rank, par.tensor_parallel_size, par.pipeline_parallel_size)
     torch.set_num_threads(rank_threads(setup.config))
