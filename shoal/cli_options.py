@@ -173,6 +173,12 @@ def serve_flag_sets() -> tuple[FlagSet, FlagSet, FlagSet]:
                 "own where the template has no tools)",
             ),
             Flag("log_level"),
+            Flag(
+                "peer_timeout_s",
+                names=("--peer-timeout",),
+                help="seconds a connection may leave data unacknowledged before it is dropped and its "
+                "requests aborted (a client cut off; 0: the kernel's default, many minutes)",
+            ),
         ),
     )
     front = FlagSet(

@@ -228,3 +228,16 @@ def test_the_gateway_renders_chat_prompts_with_the_replicas_tool_format():
     tok, messages, tools = gw.keys.tokenizer, raw_messages(body["messages"]), offered_tools(body)
     assert ids == chat_token_ids(tok, messages, tools, HERMES)
     assert ids != chat_token_ids(tok, messages, tools, SMOLLM2)  # what "auto" renders for this model
+
+
+def test_a_partition_that_ends_with_the_same_process_back_withdraws_its_strikes():
+    guard, a, b = PoisonGuard(600), _Attempt(3), _Attempt(5)
+    cut = Death(0.0, "probe: ConnectTimeout 3 times", frozenset({a, b}), unreachable=True)
+    assert not guard.judge("fp", cut, a, engine_dead=False)  # one strike: continued elsewhere
+    guard.absolve(cut)  # the replica came back as the same process
+    killed = Death(1.0, "kill -9", frozenset({a}), exit_code=-9)
+    assert not guard.judge("fp", killed, a, engine_dead=False)  # its first real death: continued
+    again = Death(2.0, "kill -9", frozenset({a}), exit_code=-9)
+    assert guard.judge("fp", again, a, engine_dead=False)  # a second real one convicts
+    guard.absolve(again)  # a conviction stands
+    assert guard.refused("fp") > 0

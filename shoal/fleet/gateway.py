@@ -85,11 +85,16 @@ class Gateway:
             self.canary,
             self.catalog.wakes,
         )
-        self.health = HealthMonitor(config, table, index, metrics, self.dispatch.notify_nowait)
+        poison = PoisonGuard(config.poison_ttl_s)
+        # A replica that was unreachable and came back with the process it had was cut off, not
+        # dead: its requests' strikes for that death are withdrawn.
+        self.health = HealthMonitor(
+            config, table, index, metrics, self.dispatch.notify_nowait, on_return=poison.absolve
+        )
         self.usage = UsageLedger(tenants)
         # The proxy.
         self.client = UpstreamClient(config)
-        judge = FailureJudge(table, self.health, PoisonGuard(config.poison_ttl_s), metrics)
+        judge = FailureJudge(table, self.health, poison, metrics)
         prefill = Disaggregator(config, table, self.dispatch, self.client, judge, metrics)
         parts = RelayParts(
             config,

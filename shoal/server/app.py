@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
@@ -36,6 +36,9 @@ class ServerState:
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES
     exit_code: int = 0  # set when the server stops itself (engine loop dead)
     role: str = "both"  # prefill, decode or both: what a disaggregating gateway uses it for
+    # This process, as /ready names it: a gateway tells a replica that was cut off and came back
+    # from one that was restarted.
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def serving(self) -> ServingContext:
         if self.ctx is None:
@@ -177,7 +180,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         ctx = state.ctx
         if ctx is None or not ctx.engine.health()[0]:
             return JSONResponse({"ready": False}, status_code=503)
-        return {"ready": True, "model": ctx.model_name}
+        return {"ready": True, "model": ctx.model_name, "instance": state.instance}
 
     @app.get("/metrics")
     async def metrics():

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -46,6 +47,9 @@ class ServerConfig:
     kv_salt: str | None = None
     tool_call_parser: str = "auto"  # see models.tool_formats
     kv: KVConnectorConfig = field(default_factory=KVConnectorConfig)  # role and K/V handoff
+    # Data a client's connection leaves unacknowledged this long means its link is gone (a host cut
+    # off): the connection drops and its requests are aborted, not run on for nobody.
+    peer_timeout_s: float = 5.0
 
 
 def load_serving_context(engine_config: EngineConfig, server_config: ServerConfig) -> ServingContext:
@@ -147,5 +151,19 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         f"shoal: loading the model; the API will be at http://{server_config.host}:{server_config.port}/v1",
         flush=True,
     )
-    server.run()
+    server.run(sockets=[listen_socket(server_config)])
     return state.exit_code
+
+
+def listen_socket(config: ServerConfig) -> socket.socket:
+    """The API's socket. Its connections inherit TCP_USER_TIMEOUT (Linux): while a partitioned
+    client's link carries nothing, a stream would go on until its request finished, since TCP
+    retransmits for many minutes before it gives up; a gateway meanwhile continues it elsewhere."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        sock = socket.create_server((config.host, config.port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    if config.peer_timeout_s > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(config.peer_timeout_s * 1000))
+    return sock

@@ -13,6 +13,10 @@ canonical body, less how it streams), kept for `poison_ttl_s`. The rule, per dea
   at once, so it kills only the one replica.
 - Else (a kill, a freeze, a crash with other suspects): continue elsewhere, once.
 
+A replica that was unreachable (its connects timed out: a partition) and comes back as the same
+process did not die: the strikes that death gave are withdrawn (`absolve`), so a request that lived
+through a partition and then a real death is continued after both.
+
 A poison request fails once with 500 `poison_request`, and the same fingerprint is then refused
 at the door until the strike expires: a client's automatic retries are cheap and kill nothing.
 A request the replica failed on its own (`internal_error`: the engine isolated it and went on) is
@@ -113,6 +117,17 @@ class PoisonGuard:
             e = self._entries[fp]
         e.convicted = True
         e.expires = time.monotonic() + self.ttl_s
+
+    def absolve(self, death: Death) -> None:
+        """`death` was no death (its replica came back as the same process): the strikes it gave
+        are withdrawn, unless they already convicted."""
+        key = (id(death), death.at)
+        for fp, e in list(self._entries.items()):
+            if key in e.deaths and not e.convicted:
+                e.deaths.discard(key)
+                e.strikes -= 1
+                if e.strikes <= 0:
+                    del self._entries[fp]
 
     def judge(self, fp: str, death: Death, attempt, engine_dead: bool) -> bool:
         """Strikes the request for `death`; True when it is poison now (see the module doc).

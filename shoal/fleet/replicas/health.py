@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,8 @@ from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Death, Health, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 
+log = logging.getLogger(__name__)
+
 
 class HealthMonitor:
     def __init__(
@@ -27,12 +30,15 @@ class HealthMonitor:
         index: PrefixIndex,
         metrics: GatewayMetrics,
         on_ready: Callable[[], None],
+        on_return: Callable[[Death], None] | None = None,
     ):
         self.config = config
         self.table = table
         self.index = index
         self.metrics = metrics
         self.on_ready = on_ready  # a replica came (back): requests waiting for one look again
+        # A replica that was unreachable came back as the same process (a partition): not a death.
+        self.on_return = on_return
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -116,10 +122,13 @@ class HealthMonitor:
                 else None
             )
         except httpx.TimeoutException as exc:
-            # Frozen (SIGSTOP, a stuck event loop) or just slow: down after a few misses in a row.
+            # Frozen (SIGSTOP, a stuck event loop), slow, or cut off: down after a few misses in
+            # a row. Only a connect that times out says it is unreachable: a frozen process's
+            # kernel still accepts connections.
             r.probe_misses += 1
             if r.probe_misses >= self.config.probe_misses and r.state != Health.DOWN:
                 mark_down(r.name, f"probe: {type(exc).__name__} {r.probe_misses} times")
+                r.death.unreachable = isinstance(exc, httpx.ConnectTimeout)
             return
         except httpx.HTTPError as exc:  # refused or reset: nothing serves there now
             if r.state == Health.LOADING and r.proc_exit is not None:
@@ -137,11 +146,24 @@ class HealthMonitor:
                 mark_down(r.name, f"probe: /health {health.status_code}")
             return
         is_ready = ready is not None and ready.status_code in (200, 404)  # 404: a server without /ready
+        instance = _instance(ready)
         if r.state in (Health.DOWN, Health.LOADING):
             r.state = Health.READY if is_ready else Health.LOADING
             if is_ready:
+                death = r.death
+                if (
+                    death is not None
+                    and death.unreachable
+                    and instance is not None
+                    and instance == death.instance
+                ):
+                    log.info("%s is back as the same process: it was cut off, not dead", r.name)
+                    if self.on_return is not None:
+                        self.on_return(death)
                 r.begin_life()
                 self.on_ready()
+        if instance is not None:
+            r.instance = instance
         elif not is_ready and r.state == Health.READY:
             r.state = Health.LOADING
 
@@ -189,3 +211,14 @@ class HealthMonitor:
             else:
                 self.index.removed(r.name, ev["block_hash"])
         r.kv_cursor = data["next"]
+
+
+def _instance(ready: httpx.Response | None) -> str | None:
+    """The process identity a shoal replica's /ready names (None from other servers)."""
+    if ready is None or ready.status_code != 200:
+        return None
+    try:
+        found = ready.json().get("instance")
+    except ValueError:
+        return None
+    return found if isinstance(found, str) else None

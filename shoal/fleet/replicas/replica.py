@@ -45,6 +45,8 @@ class Death:
     suspects: frozenset = frozenset()
     exit_code: int | None = None  # of its process, when the launcher saw it exit
     engine_dead: bool = False  # the replica said its engine died (to any of its requests)
+    instance: str | None = None  # the process it was then (see Replica.instance)
+    unreachable: bool = False  # marked down because nothing answered a connect (a partition)
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Replica:
     lifecycle: Lifecycle = Lifecycle.READY
     version: int = 0  # of its pool's model config (rolling updates)
     node: str | None = None  # where a remote launcher placed it (a Ray node id)
+    instance: str | None = None  # its process, as its /ready names it: the same after a partition
 
     @property
     def process_alive(self) -> bool:

@@ -44,7 +44,7 @@ class ReplicaTable:
     def witness(self, r: Replica, reason: str, exit_code: int | None = None) -> Death:
         """Records (once per life) that `r` died, with the requests in flight on it then."""
         if r.death is None:
-            r.death = Death(time.monotonic(), reason, frozenset(r.attempts), exit_code)
+            r.death = Death(time.monotonic(), reason, frozenset(r.attempts), exit_code, instance=r.instance)
         elif exit_code is not None:
             r.death.exit_code = exit_code
         return r.death
