@@ -82,8 +82,10 @@ class Rank:
             backend, store=store, rank=place.rank, world_size=par.world_size, timeout=timeout
         )
         tp, pp = place.tp_size, place.pp_size
-        # Every rank creates every group, in the same order, as torch.distributed requires.
-        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        # Every rank creates every group, in the same order, as torch.distributed requires. Each
+        # with the step timeout: a group's own default is 30 minutes, which a collective waits for a
+        # peer cut off mid-step, long after the driver has given the step up and gone.
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(pp)]
         self.comm = None
         if tp > 1:
             name = f"shoal-{setup.run_id}-stage{place.pp_rank}"
