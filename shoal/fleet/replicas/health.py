@@ -162,10 +162,10 @@ class HealthMonitor:
                         self.on_return(death)
                 r.begin_life()
                 self.on_ready()
-        if instance is not None:
-            r.instance = instance
         elif not is_ready and r.state == Health.READY:
             r.state = Health.LOADING
+        if instance is not None:
+            r.instance = instance
 
     async def _poll_load(self, r: Replica) -> None:
         if r.state in (Health.DOWN, Health.PORT_IN_USE) or r.load.get("unsupported"):
