@@ -203,12 +203,12 @@ def run_worker(
     link = DriverLink(driver_host, authkey, advertise_host or address_towards(driver_host))
     conn.send(("hello", rank, socket.gethostname(), os.getpid()))
     setup: WorkerSetup = conn.recv()
-    if setup.model is not None:
-        setup.config = dataclasses.replace(setup.config, model=str(_model_here(conn, setup.model)))
     par = setup.config.parallel
     place = RankPlace(rank, par.tensor_parallel_size, par.pipeline_parallel_size)
     torch.set_num_threads(rank_threads(setup.config))
     try:
+        if setup.model is not None:
+            setup.config = dataclasses.replace(setup.config, model=str(_model_here(conn, setup.model)))
         worker = Rank(conn, place, setup, link)
     except Exception as exc:
         log.exception("rank %d failed to start", rank)
