@@ -14,7 +14,7 @@ from shoal import LLM, SamplingParams
 from shoal.engine.kv_connector.packing import token_slots
 from shoal.engine.kv_connector.transports import choose, sees_shm_probe, shm_probe
 from shoal.engine.llm_engine import RequestRejectedError
-from shoal.protocol.kv_files import SHM_DIR, shm_unlink
+from shoal.protocol.kv_files import PROBE_PREFIX, SHM_DIR, SHM_NAME, shm_sweep, shm_unlink
 from tests.conftest import REF_TOKENS
 from tests.helpers import PROMPTS, assert_pool_whole, run_to_completion
 
@@ -152,3 +152,10 @@ def test_shared_memory_is_chosen_by_finding_the_peers_probe_file():
     for hostile in (None, 3, "../../etc/hostname", "/etc/hostname", "shoal-kv-1-zz"):
         assert choose("auto", hostile).name == "tcp"
     assert choose("tcp", probe).name == "tcp"
+    # A probe is not K/V (no transfer file is left by a live worker's probe), and the sweep of the
+    # next worker on the host removes a dead worker's.
+    assert probe.startswith(PROBE_PREFIX) and not SHM_NAME.fullmatch(probe)
+    dead = f"{PROBE_PREFIX}{2**31 - 7}-{'ab' * 16}"
+    (SHM_DIR / dead).write_text(dead)
+    shm_sweep()
+    assert not (SHM_DIR / dead).exists()

@@ -16,10 +16,14 @@ SHM_PREFIX = "shoal-kv-"
 # worker leaves behind can be found and removed) and 128 random bits; a name from the wire can
 # never point at another file.
 SHM_NAME = re.compile(r"shoal-kv-(\d{1,10})-[0-9a-f]{32}")
+# A worker's probe of who shares its /dev/shm (engine.kv_connector.transports.shm_probe): not K/V,
+# named apart from it, and swept like it once its writer is gone.
+PROBE_PREFIX = "shoal-probe-"
+PROBE_NAME = re.compile(r"shoal-probe-(\d{1,10})-[0-9a-f]{32}")
 
 
-def new_name() -> str:
-    return f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+def new_name(prefix: str = SHM_PREFIX) -> str:
+    return f"{prefix}{os.getpid()}-{secrets.token_hex(16)}"
 
 
 def shm_available() -> bool:
@@ -27,7 +31,7 @@ def shm_available() -> bool:
 
 
 def shm_unlink(name: str) -> None:
-    if SHM_NAME.fullmatch(name):
+    if SHM_NAME.fullmatch(name) or PROBE_NAME.fullmatch(name):
         with contextlib.suppress(FileNotFoundError):
             (SHM_DIR / name).unlink()
 
@@ -48,8 +52,8 @@ def shm_sweep(pid: int | None = None) -> int:
     if not SHM_DIR.is_dir():
         return 0
     removed = 0
-    for path in SHM_DIR.glob(SHM_PREFIX + "*"):
-        m = SHM_NAME.fullmatch(path.name)
+    for path in [*SHM_DIR.glob(SHM_PREFIX + "*"), *SHM_DIR.glob(PROBE_PREFIX + "*")]:
+        m = SHM_NAME.fullmatch(path.name) or PROBE_NAME.fullmatch(path.name)
         if m is None:
             continue
         writer = int(m.group(1))

@@ -404,14 +404,14 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)  # `kill PID` tears down as Ctrl-C does
-    with Cluster(ClusterConfig(hosts=args.hosts, subnet=args.subnet)) as cluster:
+    # An interrupt at any point, even while the hosts are printed, tears the cluster down.
+    with contextlib.suppress(KeyboardInterrupt), Cluster(ClusterConfig(args.hosts, args.subnet)) as cluster:
         print(f"gateway {cluster.gateway_address} bridge {cluster.bridge}")
         for host in cluster.hosts:
             print(f"{host.name} {host.address} holder {host.pid}")
         print("on a host: nsenter --target HOLDER --net --uts --mount --wd=$PWD -- CMD", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                signal.pause()
+        while True:
+            signal.pause()
     return 0
 
 

@@ -14,7 +14,15 @@ from typing import Protocol
 
 from shoal.engine.kv_connector.frames import TransferError, decode, encode, header, raw
 from shoal.engine.kv_connector.packing import PackedKV
-from shoal.protocol.kv_files import SHM_DIR, SHM_NAME, new_name, shm_available, shm_unlink
+from shoal.protocol.kv_files import (
+    PROBE_NAME,
+    PROBE_PREFIX,
+    SHM_DIR,
+    SHM_NAME,
+    new_name,
+    shm_available,
+    shm_unlink,
+)
 
 TRANSPORTS = ("auto", "shm", "tcp", "nixl")
 
@@ -110,11 +118,11 @@ def transport_named(name: str) -> KVTransport:
 def shm_probe() -> str | None:
     """A file in /dev/shm that holds its own name, published by a prefill worker: a puller that
     reads it back shares this /dev/shm (a host name, even with the boot id, says nothing of that:
-    two containers on one machine share both and not /dev/shm). Named like a transfer file, so
+    two containers on one machine share both and not /dev/shm). Named with its writer's pid, so
     the sweep of a later worker removes it once its process is gone."""
     if not shm_available():
         return None
-    name = new_name()
+    name = new_name(PROBE_PREFIX)
     try:
         (SHM_DIR / name).write_text(name)
     except OSError:
@@ -124,7 +132,7 @@ def shm_probe() -> str | None:
 
 def sees_shm_probe(name: object) -> bool:
     """Whether a peer's probe file is here, with its content (a name from the wire: only ours)."""
-    if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
+    if not isinstance(name, str) or not PROBE_NAME.fullmatch(name):
         return False
     try:
         return (SHM_DIR / name).read_text() == name
