@@ -273,8 +273,13 @@ if {ending!r} == "SIGKILL":
 
 
 def test_command_line_up_lists_the_hosts_and_tears_down_on_interrupt():
+    # Started with SIGINT blocked, as a parent's thread may leave it (the mask is inherited): the
+    # command still ends on it.
     proc = subprocess.Popen(
-        [PY, "-m", "shoal.testing.hosts", "up", "--hosts", "2"], stdout=subprocess.PIPE, text=True
+        [PY, "-m", "shoal.testing.hosts", "up", "--hosts", "2"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}),
     )
     try:
         gateway = proc.stdout.readline().split()

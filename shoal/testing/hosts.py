@@ -403,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     def interrupt(*_):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)  # `kill PID` tears down as Ctrl-C does
+    # `kill PID` tears down as Ctrl-C does. Both are taken whatever the parent left behind: a
+    # signal it ignored or blocked (the mask is inherited) would leave the cluster up for good.
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     # An interrupt at any point, even while the hosts are printed, tears the cluster down.
     with contextlib.suppress(KeyboardInterrupt), Cluster(ClusterConfig(args.hosts, args.subnet)) as cluster:
         print(f"gateway {cluster.gateway_address} bridge {cluster.bridge}")
