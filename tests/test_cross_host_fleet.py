@@ -457,7 +457,8 @@ def wait_state(gw: ServerProcess, name: str, want: str, timeout: float) -> float
 
 def on_host(host: Host, url: str) -> str:
     """GET `url` from inside `host` (reachable while its link is cut)."""
-    return host.check_output(["curl", "-sS", "-m", "5", url], timeout=10)
+    fetch = "import sys, httpx; print(httpx.get(sys.argv[1], timeout=5).text)"
+    return host.check_output([sys.executable, "-c", fetch, url], timeout=15)
 
 
 def test_the_host_of_one_tensor_parallel_rank_cut_off_mid_step(cluster, tmp_path):
