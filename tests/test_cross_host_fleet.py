@@ -191,7 +191,7 @@ def pd(cluster, tmp_path_factory):
     h1; a gateway over the two hosts' pair, and one over h1's. h1 takes h0's host name for the
     while (and both share the kernel's boot id): only /dev/shm tells the hosts apart."""
     h0, h1 = cluster.hosts[0], cluster.hosts[1]
-    h1.check_output(["hostname", h0.name])
+    h1.check_output(["sh", "-c", f"echo {h0.name} > /proc/sys/kernel/hostname"])
     procs: list[ServerProcess] = []
     try:
         prefill = serve(h0, PD_PORTS["prefill"], "--role", "prefill", *PD_ARGS)
@@ -210,7 +210,7 @@ def pd(cluster, tmp_path_factory):
         yield dict(prefill=prefill, decode=decode, local=local, cross=cross, one_host=one_host)
     finally:
         stop_all(procs[::-1])
-        h1.check_output(["hostname", h1.name])
+        h1.check_output(["sh", "-c", f"echo {h1.name} > /proc/sys/kernel/hostname"])
 
 
 class TestDisaggregationAcrossHosts:
