@@ -64,15 +64,24 @@ def start_server(*args: str, timeout: float = 180.0) -> ServerProcess:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     key = args[args.index("--api-key") + 1] if "--api-key" in args else None
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, key)
+    try:
+        wait_ready(server, timeout)
+    except TimeoutError:
+        server.stop()
+        raise
+    return server
+
+
+def wait_ready(server: ServerProcess, timeout: float) -> None:
+    """Until the server's /ready says 200; raises if its process exits, TimeoutError past `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"shoal serve exited with {proc.returncode}: {server.log()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.url} exited with {server.proc.returncode}: {server.log()[-3000:]}")
         try:
             if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    server.stop()
-    raise RuntimeError("shoal serve did not become ready")
+    raise TimeoutError(f"{server.url} did not become ready: {server.log()[-3000:]}")

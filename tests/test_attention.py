@@ -32,13 +32,17 @@ def split_cost(lengths, groups, cost):
     return sum(cost + (end - start) * lengths[end - 1] for start, end in groups)
 
 
+def assert_a_contiguous_cover(groups, n):
+    assert groups[0][0] == 0 and groups[-1][1] == n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=7), st.integers(0, 500))
 def test_grouping_is_an_optimal_contiguous_partition(lengths, cost):
     lengths.sort()
     groups = group_by_length(lengths, cost)
-    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    assert_a_contiguous_cover(groups, len(lengths))
     n = len(lengths)
     best = min(
         split_cost(lengths, list(zip((0, *cuts), (*cuts, n))), cost)
@@ -61,8 +65,7 @@ def quadratic_split_cost(lengths, cost):
 def test_grouping_a_large_step_is_as_cheap_as_the_quadratic_recurrence(lengths, cost):
     lengths.sort()
     groups = group_by_length(lengths, cost)
-    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    assert_a_contiguous_cover(groups, len(lengths))
     assert split_cost(lengths, groups, cost) == quadratic_split_cost(lengths, cost)
 
 

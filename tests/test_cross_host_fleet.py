@@ -30,6 +30,7 @@ from tests.conftest import REF_TOKENS
 from tests.fleet_helpers import metric, replicas, spawn, wait_replicas_ready
 from tests.helpers import PROMPTS, hf_greedy
 from tests.server_helpers import ServerProcess
+from tests.server_helpers import wait_ready as server_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY, SALT = "cross-host-transfer-key", "cross-host-salt"
@@ -97,17 +98,7 @@ def serve(host: Host, port: int, *args: str, env: dict | None = None) -> ServerP
 def wait_ready(servers: list[ServerProcess], timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     for s in servers:
-        while True:
-            if s.proc.poll() is not None:
-                raise RuntimeError(f"{s.url} exited with {s.proc.returncode}: {s.log()[-3000:]}")
-            try:
-                if httpx.get(s.url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{s.url} not ready: {s.log()[-3000:]}")
-            time.sleep(0.25)
+        server_ready(s, max(0.0, deadline - time.monotonic()))
 
 
 def gateway(backends: list[str], tmp_path, name: str, **settings) -> ServerProcess:
