@@ -23,6 +23,7 @@ class ModelFiles:
 
     path: str
     stamp: str  # changes whenever a file does
+    is_dir: bool = False  # a checkpoint directory (else one file)
 
     @classmethod
     def of(cls, path: Path) -> ModelFiles:
@@ -30,7 +31,7 @@ class ModelFiles:
         for f in _files(path):
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        return cls(str(path), h.hexdigest()[:32])
+        return cls(str(path), h.hexdigest()[:32], path.is_dir())
 
     def cached(self, cache_root: Path) -> Path:
         """Where a rank keeps its copy (complete once its marker is there)."""
@@ -54,7 +55,6 @@ def send(conn: Connection, path: Path) -> None:
 def receive(conn: Connection, files: ModelFiles, cache_root: Path) -> Path:
     """Takes what `send` streams into the cache; returns the local path to load."""
     target = files.cached(cache_root)
-    is_dir = not Path(files.path).suffix  # a checkpoint directory, not a .gguf
     partial = target.parent / (target.name + f".partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -75,7 +75,7 @@ def receive(conn: Connection, files: ModelFiles, cache_root: Path) -> Path:
     if target.exists():  # another rank on this host got there first
         shutil.rmtree(partial, ignore_errors=True)
         return target
-    if is_dir:
+    if files.is_dir:
         partial.rename(target)
     else:
         (partial / target.name).rename(target)
