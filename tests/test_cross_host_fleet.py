@@ -123,15 +123,15 @@ def stop_all(procs: list[ServerProcess]) -> None:
 # --- what a replica says ---------------------------------------------------------------------
 
 
-def load(url: str) -> dict:
-    return httpx.get(url + "/load", timeout=5).json()
+def load(url: str, headers: dict | None = None) -> dict:
+    return httpx.get(url + "/load", timeout=5, headers=headers).json()
 
 
-def wait_idle(url: str, timeout: float = 30.0) -> dict:
+def wait_idle(url: str, timeout: float = 30.0, headers: dict | None = None) -> dict:
     """Nothing running, waiting or held, no KV block in use."""
     deadline = time.monotonic() + timeout
     while True:
-        now = load(url)
+        now = load(url, headers)
         if now["running"] == now["waiting"] == now.get("kv_held", 0) == 0 and now["kv_usage"] == 0:
             return now
         assert time.monotonic() < deadline, f"{url} not idle: {now}"
@@ -358,7 +358,7 @@ def stream_bodies(seed: int, tokens: int) -> list[dict]:
     ]
 
 
-def expected_on(url: str, bodies: list[dict]) -> list[list[int]]:
+def expected_on(url: str, bodies: list[dict], headers: dict | None = None) -> list[list[int]]:
     """Each request's tokens from one replica directly, uninterrupted (all at once, as they run)."""
 
     async def one(c: httpx.AsyncClient, body: dict) -> list[int]:
@@ -367,7 +367,7 @@ def expected_on(url: str, bodies: list[dict]) -> list[list[int]]:
         return r.json()["choices"][0]["token_ids"]
 
     async def go():
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=120, headers=headers) as c:
             return await asyncio.gather(*(one(c, b) for b in bodies))
 
     return asyncio.run(asyncio.wait_for(go(), 180))
@@ -397,7 +397,12 @@ async def _stream(c: httpx.AsyncClient, url: str, body: dict, seen: list[int], i
 
 
 def streams_with_fault(
-    url: str, bodies: list[dict], fault, timeout: float = 180.0, direct: tuple[tuple[str, dict], ...] = ()
+    url: str,
+    bodies: list[dict],
+    fault,
+    timeout: float = 180.0,
+    direct: tuple[tuple[str, dict], ...] = (),
+    headers: dict | None = None,
 ) -> tuple[list[dict], object]:
     """The requests streamed at once through `url` (and each of `direct`, (url, body), beside
     them, its stream last among those returned); once each has FAULT_AFTER tokens (and none is
@@ -412,7 +417,7 @@ def streams_with_fault(
         return await fault()
 
     async def go():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=10)) as c:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=10), headers=headers) as c:
             actor = asyncio.create_task(act())
             try:
                 outs = await asyncio.gather(*(_stream(c, u, b, seen, i) for i, (u, b) in enumerate(sent)))

@@ -5,6 +5,7 @@ devices the cluster made."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -226,6 +227,57 @@ def test_kill_ends_every_process_on_the_host_at_once_and_spares_the_others():
         assert h1.alive and other.poll() is None
         assert h1.check_output(["cat", "/proc/sys/kernel/hostname"]) == "h1\n"
         h0.kill()  # again: nothing left to do
+
+
+@contextlib.contextmanager
+def root_echo_server(address: str):
+    """SERVER's echo, in this (the root) namespace at `address`, on a free port: yields the port."""
+    with socket.create_server((address, 0)) as srv:
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = srv.accept()
+                except OSError:  # closed: the test is over
+                    return
+                with conn:
+                    got = 0
+                    while chunk := conn.recv(1 << 16):
+                        got += len(chunk)
+                    conn.sendall(bytes(got))
+
+        threading.Thread(target=serve, daemon=True).start()
+        yield srv.getsockname()[1]
+
+
+def test_a_killed_host_leaves_the_others_talking_to_the_root_namespace():
+    """The bridge keeps its MAC when a host's veth leaves it: were it to take the lowest of the
+    ports left (a bridge's default), the survivors' ARP entries for the root namespace would point
+    at a MAC nobody answers to for a minute. The host killed is the one whose port has the lowest
+    MAC, the one the default would have lost."""
+
+    def mac(dev: str) -> str:
+        with open(f"/sys/class/net/{dev}/address") as f:
+            return f.read().strip()
+
+    with Cluster(ClusterConfig(hosts=3)) as cluster, root_echo_server(cluster.gateway_address) as port:
+
+        def to_root(host) -> list[str]:
+            argv = [PY, "-c", CLIENT, cluster.gateway_address, str(port), "1000", "3"]
+            return host.check_output(argv).split()[:2]
+
+        for host in cluster.hosts:  # each learns the root namespace's MAC
+            assert to_root(host) == ["ok", "1000"]
+        bridge_mac = mac(cluster.bridge)
+        victim = min(cluster.hosts, key=lambda h: mac(h.link))
+        victim.kill()
+        deadline = time.monotonic() + 10
+        while victim.link in links() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert mac(cluster.bridge) == bridge_mac
+        for host in cluster.hosts:
+            if host is not victim:
+                assert to_root(host) == ["ok", "1000"], host.name
 
 
 def test_stop_removes_the_clusters_devices_and_touches_nothing_else():

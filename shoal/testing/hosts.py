@@ -268,6 +268,11 @@ class Cluster:
             self.gateway_address = f"{subnet}.1"
             self._add_link(f"shb{suffix}", "type", "bridge", "forward_delay", "0")
             self.bridge = f"shb{suffix}"
+            # A bridge otherwise takes the lowest MAC among its ports, so killing a host whose veth
+            # had it changed the bridge's MAC: the other hosts sent to the stale one for as long as
+            # their ARP entries lived (~60 s of lost traffic to this namespace). Set, it stays.
+            mac = "02:53:68:" + ":".join(suffix[i : i + 2] for i in range(0, 6, 2))
+            netns.run([netns.tool("ip"), "link", "set", "dev", self.bridge, "address", mac])
             netns.run([netns.tool("ip"), "addr", "add", f"{self.gateway_address}/24", "dev", self.bridge])
             netns.run([netns.tool("ip"), "link", "set", "dev", self.bridge, "up"])
             root_fd = os.open("/proc/self/ns/net", os.O_RDONLY)

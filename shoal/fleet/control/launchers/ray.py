@@ -5,14 +5,20 @@ and autoscaler stay in charge (not Ray Serve, whose LLM layer runs other engines
 milliseconds to every request). Ray is an optional extra: `pip install 'shoal[ray]'`.
 
 Every call from the controller returns at once (it runs on the gateway's event loop): a replica's
-address is known once its actor has started it, and its exit once a poll of the actor says so."""
+address is known once its actor has started it, and its exit once a poll of the actor says so.
+Placing a replica, and releasing a dead one's actor and placement group, are synchronous calls to
+Ray's GCS: they run on a thread of the launcher's own, so that a slow or unreachable GCS delays
+only them, never the streams on the gateway's event loop."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from shoal.fleet.control.cores import thread_env, threads_flag
 from shoal.fleet.control.launchers.base import ReplicaSpec
@@ -24,6 +30,8 @@ try:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError:  # the optional extra is not installed
     ray = None
+
+log = logging.getLogger(__name__)
 
 ACTOR_DIED = -9  # what a replica whose actor (or node) died reports as its exit
 
@@ -79,28 +87,42 @@ class RayReplica:
     """The controller's handle on one replica placed by Ray (see launcher.LocalProcess)."""
 
     def __init__(self, launcher: RayLauncher, spec: ReplicaSpec):
+        self.launcher = launcher
         self.address: tuple[str, int] | None = None
         self.pid: int | None = None
         self.node: str | None = None
         self._exit: int | None = None
         self._poll_ref = None
+        self.actor = self.pg = self._started = None
+        self._placing = launcher.in_background(self._place, spec)
+
+    def _place(self, spec: ReplicaSpec) -> tuple:
+        """On the launcher's thread: its placement group, its actor, and the actor's start call."""
         # As a local launcher shares a host's cores: the CPUs Ray reserves are the threads it runs.
-        cpus = threads_flag(spec.args) or launcher.cpus
+        cpus = threads_flag(spec.args) or self.launcher.cpus
         bundle = {"CPU": cpus}
         if spec.memory_mb:  # placed only on a node with that much memory to spare
             bundle["memory"] = spec.memory_mb * 2**20
-        self.pg = placement_group([bundle], strategy="STRICT_PACK")
+        pg = placement_group([bundle], strategy="STRICT_PACK")
         actor_cls = ray.remote(num_cpus=cpus, max_restarts=0)(ReplicaActor)
-        self.actor = actor_cls.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg), name=None
-        ).remote()
+        strategy = PlacementGroupSchedulingStrategy(pg)
+        actor = actor_cls.options(scheduling_strategy=strategy, name=None).remote()
         args = [*([spec.model] if spec.model else []), *spec.args]
         env = {**thread_env(max(1, int(cpus))), **spec.env}  # secrets travel here, not in argv
-        self._started = self.actor.start.remote(args, env, spec.log_path)
+        return pg, actor, actor.start.remote(args, env, spec.log_path)
 
     def _check_started(self) -> None:
         if self.address is not None or self._exit is not None:
             return
+        if self._started is None:
+            if not self._placing.done():
+                return
+            try:
+                self.pg, self.actor, self._started = self._placing.result()
+            except Exception as exc:  # Ray refused the placement: the replica never ran
+                log.warning("Ray could not place a replica: %s", exc)
+                self._exit = ACTOR_DIED
+                return
         ready, _ = ray.wait([self._started], timeout=0)
         if ready:
             try:
@@ -128,8 +150,15 @@ class RayReplica:
 
     def _finish(self, code: int) -> None:
         self._exit = code
-        ray.kill(self.actor, no_restart=True)
-        remove_placement_group(self.pg)
+        if self.actor is not None:
+            self.launcher.in_background(_release, self.actor, self.pg)
+        else:  # still being placed: released once it is
+            self._placing.add_done_callback(self._release_when_placed)
+
+    def _release_when_placed(self, placing: Future) -> None:
+        if placing.exception() is None:
+            pg, actor, _ = placing.result()
+            self.launcher.in_background(_release, actor, pg)
 
     def terminate(self) -> None:
         if self._exit is None:
@@ -140,7 +169,8 @@ class RayReplica:
 
     def kill(self) -> None:
         if self._exit is None:
-            self.actor.kill.remote()
+            if self.actor is not None:
+                self.actor.kill.remote()
             self._finish(ACTOR_DIED)
 
     def wait(self, timeout: float) -> int:
@@ -168,6 +198,7 @@ class RayLauncher:
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         if not ray.is_initialized():
             ray.init(address=address, namespace="shoal", log_to_driver=False, configure_logging=False)
+        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-ray-control")
 
     def port_in_use(self, port: int) -> bool:
         return False  # ports are chosen on the node, when the replica is placed
@@ -181,5 +212,26 @@ class RayLauncher:
     def spawn(self, spec: ReplicaSpec) -> RayReplica:
         return RayReplica(self, spec)
 
+    def in_background(self, fn, *args) -> Future:
+        """Runs a Ray control call off the caller's thread (the gateway's event loop), in order."""
+        return self._control.submit(_timed, fn, *args)
+
     def shutdown(self) -> None:
+        self._control.shutdown(wait=True, cancel_futures=False)
         ray.shutdown()
+
+
+def _release(actor, pg) -> None:
+    with contextlib.suppress(Exception):  # already gone with its node: nothing left to free
+        ray.kill(actor, no_restart=True)
+    with contextlib.suppress(Exception):
+        remove_placement_group(pg)
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    try:
+        return fn(*args)
+    finally:
+        if (spent := time.monotonic() - t0) > 1.0:
+            log.warning("Ray control call %s took %.1f s", fn.__name__, spent)
