@@ -107,7 +107,29 @@ def worktree(rev: str):
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
 
 
-def serve_c32(port: int, pythonpath: str | None) -> float:
+STEP_COUNTERS = (
+    "shoal:engine_steps_total",
+    "shoal:engine_step_forward_seconds_total",
+    "shoal:engine_step_host_seconds_total",
+)
+
+
+def step_counters(url: str) -> dict[str, float]:
+    """The engine's own step accounting, from /metrics (absent in a checkout that predates it)."""
+    import httpx
+
+    found = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in STEP_COUNTERS:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def serve_c32(port: int, pythonpath: str | None) -> dict:
+    """Output tok/s of the c=32 run and, where the server counts them, where its wall time went:
+    in forward passes, in the engine's host work between them, and elsewhere (the HTTP front,
+    the engine loop idle while requests arrive)."""
     from serve_throughput import shoal_server  # this script's folder is on sys.path
 
     from shoal.bench.serve import ServeBenchConfig, run_serve_bench
@@ -121,7 +143,26 @@ def serve_c32(port: int, pythonpath: str | None) -> float:
         cfg = ServeBenchConfig(
             base_url=url, num_requests=64, max_concurrency=32, input_len=32, output_len=128
         )
-        return run_serve_bench(cfg)["output_token_throughput"]
+        before, t0 = step_counters(url), time.perf_counter()
+        tok_s = run_serve_bench(cfg)["output_token_throughput"]
+        wall, after = time.perf_counter() - t0, step_counters(url)
+    out = {"tok_s": tok_s}
+    if len(after) == len(STEP_COUNTERS):
+        steps, forward, host = (after[k] - before[k] for k in STEP_COUNTERS)
+        out.update(wall_s=wall, steps=steps, forward_s=forward, host_s=host)
+    return out
+
+
+def print_served(label: str, r: dict) -> None:
+    line = f"{label}: {r['tok_s']:.0f} output tok/s"
+    if "steps" in r:
+        ms = 1000 / r["steps"]
+        rest = r["wall_s"] - r["forward_s"] - r["host_s"]
+        line += (
+            f"; per step of the run {r['wall_s'] * ms:.1f} ms of wall: {r['forward_s'] * ms:.1f} forward, "
+            f"{r['host_s'] * ms:.1f} engine host work, {rest * ms:.1f} elsewhere ({r['steps']:.0f} steps)"
+        )
+    print(line)
 
 
 def print_table(label: str, rows: list[dict]) -> None:
@@ -170,10 +211,11 @@ def main() -> None:
         ratios = " / ".join(f"{b['step_ms'] / a['step_ms']:.2f}x" for a, b in zip(after, before))
         print(f"\nstep time, before / after, B = {args.batches}: {ratios}")
     if tok_s is not None:
-        line = f"\nbundled model, `shoal serve`, c=32 W1 streamed: {tok_s:.0f} output tok/s"
+        print("\nbundled model, `shoal serve`, c=32 W1 streamed")
+        print_served("this checkout", tok_s)
         if tok_s_before is not None:
-            line += f" (at {args.before}: {tok_s_before:.0f}; {tok_s / tok_s_before:.2f}x)"
-        print(line)
+            print_served(f"at {args.before}", tok_s_before)
+            print(f"ratio: {tok_s['tok_s'] / tok_s_before['tok_s']:.2f}x")
 
 
 if __name__ == "__main__":
