@@ -30,7 +30,7 @@ class Flag:
     # A bool field that defaults to True: the flag turns it off (--no-prefix-caching).
     negate: bool = False
     metavar: str | tuple[str, ...] | None = None
-    nargs: int | None = None  # a tuple field: this many values, each through `parse`
+    nargs: int | str | None = None  # a tuple field: this many values ("+": any), each through `parse`
 
     @property
     def spellings(self) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ def engine_flag_sets() -> tuple[FlagSet, ...]:
     """The engine's flags (`serve`, `generate`, `chat`, `bench offline`), from its config dataclasses.
     Imported here, not at the top: they import torch, which the fleet's commands do without."""
     from shoal.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from shoal.engine.lora_manager import LoRAConfig, parse_lora_module
     from shoal.engine.speculative import SpeculativeConfig
 
     cache = FlagSet(
@@ -102,7 +103,22 @@ def engine_flag_sets() -> tuple[FlagSet, ...]:
             Flag("speculative_quantization", choices=QUANTIZATIONS, help="draft: how its weights run"),
         ),
     )
-    return cache, scheduler, engine, speculative
+    lora = FlagSet(
+        LoRAConfig,
+        (
+            Flag("enable_lora", help="serve LoRA adapters (PEFT folders) over the base model"),
+            Flag(
+                "lora_modules",
+                parse=parse_lora_module,
+                nargs="+",
+                metavar="NAME=PATH",
+                help="adapters served from the start; a request names one as its model",
+            ),
+            Flag("max_loras", help="adapters resident at once (their slots come out of the KV budget)"),
+            Flag("max_lora_rank", help="the largest adapter rank a slot holds"),
+        ),
+    )
+    return cache, scheduler, engine, speculative, lora
 
 
 def parallel_flag_set() -> FlagSet:

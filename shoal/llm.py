@@ -9,6 +9,7 @@ from typing import Any
 
 from shoal.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.lora_manager import LoRAConfig
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.speculative import SpeculativeConfig
@@ -19,23 +20,26 @@ Conversation = list[dict[str, Any]]
 
 def build_engine_config(model: str | None = None, **options: Any) -> EngineConfig:
     """Spreads flat keyword options (as the CLI gives them) over the nested config dataclasses."""
-    groups = {
-        "cache": CacheConfig(),
-        "scheduler": SchedulerConfig(),
-        "speculative": SpeculativeConfig(),
-        "parallel": ParallelConfig(),
+    kinds = {
+        "cache": CacheConfig,
+        "scheduler": SchedulerConfig,
+        "speculative": SpeculativeConfig,
+        "parallel": ParallelConfig,
+        "lora": LoRAConfig,
     }
+    given: dict[str, dict[str, Any]] = {group: {} for group in kinds}
     top: dict[str, Any] = {"model": model}
     for key, value in options.items():
-        for cfg in groups.values():
-            if key in {f.name for f in fields(cfg)}:
-                setattr(cfg, key, value)
+        for group, kind in kinds.items():
+            if key in {f.name for f in fields(kind)}:
+                given[group][key] = value
                 break
         else:
             if key not in {f.name for f in fields(EngineConfig)}:
                 raise TypeError(f"unknown engine option {key!r}")
             top[key] = value
-    return EngineConfig(**top, **groups)
+    # Built whole, so that each config's own checks and conversions (__post_init__) run.
+    return EngineConfig(**top, **{group: kinds[group](**given[group]) for group in kinds})
 
 
 class LLM:
@@ -59,9 +63,12 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priorities: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora`: the adapter every prompt runs with, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         params = (
             sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         )
@@ -69,7 +76,11 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = f"llm-{next(self._ids)}"
             self.engine.add_request(
-                rid, prompt, p or SamplingParams(), priority=priorities[i] if priorities else 0
+                rid,
+                prompt,
+                p or SamplingParams(),
+                priority=priorities[i] if priorities else 0,
+                lora=loras[i],
             )
             order.append(rid)
         done: dict[str, RequestOutput] = {}

@@ -81,6 +81,9 @@ def wait_ready(server: ServerProcess, timeout: float) -> None:
         try:
             if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
                 return
+            health = httpx.get(server.url + "/health", timeout=2)
+            if health.status_code == 503 and health.json().get("status") == "failed":
+                raise RuntimeError(f"{server.url} failed to load: {health.json().get('reason')}")
         except httpx.HTTPError:
             pass
         time.sleep(0.25)

@@ -261,6 +261,16 @@ class AsyncEngine:
     async def release_kv(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.release_kv(request_id))
 
+    async def add_lora(self, name: str, path: str) -> None:
+        """Reads an adapter off the engine's thread (disk, checks), then registers it between
+        two steps: requests already running do not wait for the read."""
+        core = self.engine
+        adapter = await asyncio.get_running_loop().run_in_executor(None, core.read_lora, name, path)
+        await self._call(lambda: core.register_lora(adapter))
+
+    async def remove_lora(self, name: str) -> None:
+        await self._call(lambda: self.engine.remove_lora(name))
+
     async def _call(self, fn):
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped")

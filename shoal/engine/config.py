@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shoal.engine.lora_manager import LoRAConfig
 from shoal.engine.speculative import SpeculativeConfig
 
 GiB = 1 << 30
@@ -71,3 +72,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -22,6 +22,7 @@ from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_connector.packing import PackedKV, checked
 from shoal.engine.kv_connector.scheduler_side import KVConnectorScheduler
+from shoal.engine.lora_manager import LoRAManager
 from shoal.engine.model_runner import kv_bytes_per_block
 from shoal.engine.outputs import EngineCoreOutput
 from shoal.engine.parallel.executor import ExecutorDeadError
@@ -34,6 +35,8 @@ from shoal.engine.speculative import SpecDecodeStats
 from shoal.engine.step_pipeline import StepPipeline
 from shoal.engine.step_result import EngineStats, StepResult
 from shoal.models.loader import LoadedModel, describe_model, load_model
+from shoal.models.lora import LoRAAdapter, load_adapter
+from shoal.models.lora_layers import slot_bytes
 from shoal.models.parallel import all_shards
 from shoal.protocol.block_hash import root_hash
 
@@ -87,7 +90,14 @@ class EngineCore:
             kv_bytes_per_block(shard.local_config(), cache.block_size, kv_dtype_of(config))
             for shard in all_shards(mcfg, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         )
-        num_blocks = cache.num_blocks or cache.kv_cache_memory // block_bytes
+        lora = config.lora
+        kv_budget = cache.kv_cache_memory
+        if lora.enable_lora:
+            if parallel.world_size > 1:
+                raise ValueError("LoRA adapters with tensor or pipeline parallelism are not supported yet")
+            # The adapter slots come out of the KV budget: the memory plan holds both.
+            kv_budget -= lora.max_loras * slot_bytes(mcfg, lora.max_lora_rank, dtype)
+        num_blocks = cache.num_blocks or max(0, kv_budget) // block_bytes
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory")
         model_len = config.scheduler.max_model_len or mcfg.max_position_embeddings
@@ -98,7 +108,12 @@ class EngineCore:
         self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt))
         eos = self.tokenizer.eos_token_ids
         self.kv_connector = KVConnectorScheduler()
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos, self.kv_connector)
+        self.lora = LoRAManager(lora.max_loras) if lora.enable_lora else None
+        for name, path in lora.lora_modules.items():
+            self.add_lora(name, path)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, self.max_model_len, eos, self.kv_connector, self.lora
+        )
         self.executor = build_executor(config, loaded, num_blocks, self.max_model_len)
         self.pipeline = None
         if self.executor.max_in_flight > 1:
@@ -124,6 +139,33 @@ class EngineCore:
         self.measure_occupancy = False
         self.last_kv_occupancy = (0, 0)
 
+    # --- LoRA adapters ---------------------------------------------------------------------
+
+    def read_lora(self, name: str, path: str) -> LoRAAdapter:
+        """An adapter read from disk and checked against this model: no engine state is touched,
+        so a front may call this off the engine's thread and register the result there."""
+        if self.lora is None:
+            raise RequestRejectedError("LoRA adapters are not enabled (--enable-lora)", "lora_name")
+        return load_adapter(name, path, self.loaded.config, self.config.lora.max_lora_rank)
+
+    def register_lora(self, adapter: LoRAAdapter) -> None:
+        if self.lora is None:
+            raise RequestRejectedError("LoRA adapters are not enabled (--enable-lora)", "lora_name")
+        self.lora.register(adapter)
+
+    def add_lora(self, name: str, path: str) -> None:
+        self.register_lora(self.read_lora(name, path))
+
+    def remove_lora(self, name: str) -> None:
+        """KeyError: no such adapter; AdapterInUseError: requests in the engine use it."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.unregister(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        return sorted(self.lora.adapters) if self.lora is not None else []
+
     @property
     def model_name(self) -> str:
         return self.loaded.name
@@ -145,6 +187,7 @@ class EngineCore:
         prior_output_ids: list[int] | None = None,
         hold_kv: bool = False,
         external_kv: PackedKV | None = None,
+        lora: str | None = None,
     ) -> Request:
         """`prior_output_ids` resumes a request: tokens it already produced (on another replica)
         after the prompt. They count as output for limits, penalties and the seeded draw of each
@@ -189,6 +232,8 @@ class EngineCore:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        if lora is not None and (self.lora is None or lora not in self.lora.adapters):
+            raise RequestRejectedError(f"the adapter {lora!r} does not exist", "model", "model_not_found")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(
             request_id,
@@ -199,6 +244,7 @@ class EngineCore:
             priority=priority,
             arrival_time=arrival_time,
             num_prompt_tokens=len(ids),
+            lora=lora,
         )
         if external_kv is not None:
             req.external_kv = self._check_external_kv(req, external_kv)

@@ -31,6 +31,7 @@ from shoal.engine.speculative import Proposer
 from shoal.engine.structured import GrammarBackend
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
+from shoal.models.lora_layers import LoRASlots
 
 PROMPT_LOGPROBS_ROWS = 256
 
@@ -81,9 +82,13 @@ class ModelRunner:
         proposer: Proposer | None = None,
         max_proposal_batch: int | None = None,
         stage: StageLink | None = None,
+        lora: LoRASlots | None = None,
     ):
         """`stage`: under pipeline parallelism, where this stage's input comes from and its output
-        goes. Only the last stage computes logits and samples."""
+        goes. Only the last stage computes logits and samples. `lora`: the model's adapter slots
+        (its projections wrapped to add each row's adapter)."""
+        self.lora = lora
+        self.lora_slot_of: dict[str, int] = {}  # requests that run with an adapter
         self.model = model
         self.stage = stage
         self.samples = model.shard.is_last_stage
@@ -121,7 +126,11 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         """Takes the step's changes to request state. Safe to repeat: a failed step is run again
         request by request with the same SchedulerOutput, and its sampled tokens are rolled back."""
+        if self.lora is not None:
+            for slot, adapter in so.lora_loads:
+                self.lora.load(slot, adapter)
         for rid in so.finished_ids:
+            self.lora_slot_of.pop(rid, None)
             self.states.pop(rid, None)
             self.tables.drop(rid)
             self.prompt_logprob_ids.discard(rid)
@@ -134,6 +143,8 @@ class ModelRunner:
                 continue
             if new.external_kv is not None:  # its prompt's K/V came from another engine
                 self.import_kv(new.block_ids, new.external_kv)
+            if new.lora_slot:
+                self.lora_slot_of[new.request_id] = new.lora_slot
             if not self.samples:  # an earlier pipeline stage keeps only the block table
                 self.tables.put(new.request_id, new.block_ids)
                 self._applied_step[new.request_id] = so.step_id
@@ -191,6 +202,10 @@ class ModelRunner:
         # one batched attention call. (Every pipeline stage orders them alike.)
         chunks.sort(key=lambda c: (len(c.token_ids) > 1, c.start_pos))
         input_ids, positions, md = self._prepare(chunks)
+        if self.lora is not None:
+            slot_of = self.lora_slot_of
+            rows = [slot_of.get(c.request_id, 0) for c in chunks for _ in c.token_ids]
+            self.lora.batch.set_rows(rows, self.device)
         received = None
         if self.stage is not None and self.stage.prev_rank is not None:
             received = self.stage.recv(len(input_ids))

@@ -44,6 +44,7 @@ class Request:
         group_id: str | None = None,
         index: int = 0,
         num_prompt_tokens: int | None = None,
+        lora: str | None = None,
     ):
         """`num_prompt_tokens` below len(prompt_token_ids) resumes a request: the ids past it are
         output the request already produced (elsewhere), and count as such."""
@@ -55,7 +56,11 @@ class Request:
         self.seed = seed
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.extra_keys = extra_keys
+        # The LoRA adapter it runs with (None: the base model), and its slot while it holds one.
+        self.lora = lora
+        self.lora_slot = 0
+        # Its blocks' hashes cover the adapter: two adapters never share K/V.
+        self.extra_keys = extra_keys if lora is None else (*extra_keys, ("lora", lora))
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.stop_token_ids = frozenset(params.stop_token_ids)

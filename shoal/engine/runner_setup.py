@@ -15,6 +15,7 @@ from shoal.engine.parallel.comm import StageLink
 from shoal.engine.speculative import NgramProposer, Proposer
 from shoal.engine.structured import GrammarBackend
 from shoal.models.loader import LoadedModel, load_model
+from shoal.models.lora_layers import LoRASlots
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,12 @@ def build_runner(
     device: str | None = None,
 ) -> ModelRunner:
     device = device or config.device
-    graphs = None
-    if not config.enforce_eager and config.parallel.world_size == 1:
+    graphs = lora = None
+    if config.lora.enable_lora:
+        # Before the forward paths are chosen: the wrapped projections keep the model off the
+        # fused C layer (its allow-list refuses them) and off CUDA graphs (rows change adapters).
+        lora = LoRASlots(loaded.model, config.lora.max_loras, config.lora.max_lora_rank)
+    elif not config.enforce_eager and config.parallel.world_size == 1:
         graphs = GraphOptions(min(config.scheduler.max_num_seqs, MAX_GRAPH_ROWS), max_model_len)
     tokenizer = loaded.tokenizer
     eos = tokenizer.eos_token_ids
@@ -57,6 +62,7 @@ def build_runner(
         proposer,
         config.speculative.max_batch,
         stage,
+        lora,
     )
 
 

@@ -22,6 +22,7 @@ import time
 from shoal.engine.config import SchedulerConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_connector.scheduler_side import KVConnectorScheduler
+from shoal.engine.lora_manager import LoRAManager
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler_output import (
     ModelRunnerOutput,
@@ -42,9 +43,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         connector: KVConnectorScheduler | None = None,
+        lora: LoRAManager | None = None,
     ):
         """`connector`: the KV connector's scheduler side (K/V that arrives from outside, and
-        blocks held for a handoff)."""
+        blocks held for a handoff). `lora`: the adapter slots, taken as requests are admitted."""
+        self.lora = lora
         self.cfg = cfg
         self.kv = kv
         self.max_model_len = max_model_len
@@ -116,6 +119,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        if req.lora_slot:
+            self.lora.release(req.lora)
+            req.lora_slot = 0
         if not self.connector.request_finished(req):  # else its K/V is wanted elsewhere
             self.kv.free(req)
         self.requests.pop(req.request_id, None)
@@ -256,6 +262,11 @@ class Scheduler:
             cached = [] if wants_prompt_logprobs or external else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached - external, budget)
+            if req.lora is not None and not req.lora_slot:
+                slot = self.lora.acquire(req.lora)
+                if slot is None:  # every slot holds an adapter that running requests use
+                    break
+                req.lora_slot = slot
             ok = self._allocate(req, n, cached=cached, num_external_tokens=external, reserve=self._reserve)
             if not ok:
                 victim = self._victim()
@@ -281,6 +292,8 @@ class Scheduler:
     def _build_output(self, scheduled: dict[str, int], spec: dict[str, list[int]]) -> SchedulerOutput:
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id, finished_ids=self._finished_ids)
+        if self.lora is not None:
+            out.lora_loads = self.lora.take_loads()
         self._finished_ids = []
         self.in_flight.update(scheduled)
         new_blocks, self._new_blocks = self._new_blocks, {}
@@ -298,6 +311,7 @@ class Scheduler:
                         req.output_token_ids,
                         self.kv.block_ids(rid),
                         external,
+                        req.lora_slot,
                     )
                 )
             start = req.num_computed_tokens
@@ -387,6 +401,8 @@ class Scheduler:
                 index=index,
             )
             child.pending_children = 0
+            if parent.lora_slot:  # resident: its parent holds it
+                child.lora, child.lora_slot = parent.lora, self.lora.acquire(parent.lora)
             self.requests[child.request_id] = child
             self.groups[parent.group_id].append(child)
             self._unseen.add(child.request_id)

@@ -24,6 +24,7 @@ class NewRequestData:
     # The packed K/V of its first tokens, computed by another engine: loaded into its blocks before
     # the step runs (see engine.kv_connector).
     external_kv: Any = None
+    lora_slot: int = 0  # the model's adapter slot for its rows (0: the base model alone)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # runner state to drop
     num_batched_tokens: int = 0
+    # (slot, LoRAAdapter or None) to put in the model's adapter slots before the step runs
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -12,13 +12,22 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from shoal.engine.lora_manager import AdapterInUseError
+from shoal.models.lora import AdapterError
 from shoal.protocol.auth import bearer_matches
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, parse_json_object
 from shoal.protocol.errors import APIError, error_body, install_error_handlers, validation_message
 from shoal.server.chat import chat_prompt, create_chat_completion
 from shoal.server.common import ServingContext
 from shoal.server.completions import create_completion
-from shoal.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from shoal.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+)
 
 # Routes anyone may call even when an API key is set: probes, scrapes and the API's own schema.
 # /load and /kv_events are the fleet's internal routes and need the key like the API does.
@@ -127,14 +136,42 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         ctx = state.serving()
-        card = {
-            "id": ctx.model_name,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "shoal",
-            "max_model_len": ctx.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        base = {"object": "model", "created": int(state.started), "owned_by": "shoal"}
+        cards = [{"id": ctx.model_name, **base, "parent": None, "max_model_len": ctx.max_model_len}]
+        for name, path in sorted((ctx.adapters or {}).items()):
+            cards.append({"id": name, **base, "root": path, "parent": ctx.model_name})
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/load_lora_adapter", **documented(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(raw: Request):
+        """vLLM's route: an adapter (a PEFT folder on this host) served from now on."""
+        body = await body_of(raw, LoadLoRAAdapterRequest)
+        ctx = state.serving()
+        if ctx.adapters is None:
+            raise APIError(400, "LoRA adapters are not enabled on this server (--enable-lora)", "lora_name")
+        name = body.lora_name
+        if name == ctx.model_name or name in ctx.adapters:
+            raise APIError(400, f"the model '{name}' is already served; unload it first", "lora_name")
+        try:
+            await ctx.engine.add_lora(name, body.lora_path)
+        except AdapterError as exc:
+            raise APIError(400, str(exc), "lora_path") from None
+        ctx.adapters[name] = body.lora_path
+        return {"object": "lora_adapter", "id": name, "status": "loaded"}
+
+    @app.post("/v1/unload_lora_adapter", **documented(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(raw: Request):
+        body = await body_of(raw, UnloadLoRAAdapterRequest)
+        ctx = state.serving()
+        name = body.lora_name
+        if ctx.adapters is None or name not in ctx.adapters:
+            raise APIError(404, f"no adapter '{name}' is loaded", "lora_name", "model_not_found")
+        try:
+            await ctx.engine.remove_lora(name)
+        except AdapterInUseError as exc:
+            raise APIError(409, str(exc), "lora_name", "adapter_in_use") from None
+        del ctx.adapters[name]
+        return {"object": "lora_adapter", "id": name, "status": "unloaded"}
 
     @app.post("/tokenize", **documented(TokenizeRequest))
     async def tokenize(raw: Request):

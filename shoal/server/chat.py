@@ -80,7 +80,7 @@ def _content_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> list[dict
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: ServingContext):
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -102,10 +102,10 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt, req.active_tools)
     rid = request_id("chatcmpl")
     streams = await open_streams(
-        ctx, rid, [prompt], params, req.priority, resume, req.kv_transfer_params, raw
+        ctx, rid, [prompt], params, req.priority, resume, req.kv_transfer_params, raw, lora
     )
     timer = ctx.metrics.timer(raw.state.arrival)
-    head = {"id": rid, "created": now_s(), "model": ctx.model_name}
+    head = {"id": rid, "created": now_s(), "model": lora or ctx.model_name}
     # A resumed stream answers for one choice of the original request, under that choice's index.
     first_index = resume.index if resume is not None else 0
     texts = [""] * req.n  # content: the text, less any tool calls read out of it

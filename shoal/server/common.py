@@ -40,6 +40,9 @@ class ServingContext:
     trust_request_priority: bool = False
     tool_format: ToolFormat = SMOLLM2
     kv: KVConnector | None = None  # prefill/decode handoff; None: kv_transfer_params are refused
+    # The LoRA adapters a request may name as its model (kept by the load and unload routes); None:
+    # adapters are not enabled.
+    adapters: dict[str, str] | None = None
     # Tokenizing a long prompt takes a while: it must never stall the event loop (and with it
     # /health and every other stream), so it runs here.
     text_pool: ThreadPoolExecutor = field(
@@ -71,14 +74,19 @@ class ServingContext:
         """Lower runs first, 0 is the default: an untrusted client may only lower its own."""
         return requested if self.trust_request_priority else max(requested, 0)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model), or a 404."""
+        if model is None or model == self.model_name:
+            return None
+        if self.adapters is not None and model in self.adapters:
+            return model
+        served = [self.model_name, *sorted(self.adapters or ())]
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves {', '.join(map(repr, served))}",
+            "model",
+            "model_not_found",
+        )
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -108,6 +116,7 @@ async def open_streams(
     resume: Resume | None = None,
     kv: KVTransferParams | None = None,
     raw: Request | None = None,
+    lora: str | None = None,
 ) -> list[RequestStream]:
     """Admits one engine request per prompt, all or none. `kv`: the request's part in a prefill/
     decode handoff (see server.kv_connector)."""
@@ -115,6 +124,8 @@ async def open_streams(
     extra = {}
     if resume is not None:
         extra = {"prior_output_ids": resume.output_token_ids, "prior_text_sent": resume.text_offset}
+    if lora is not None:
+        extra["lora"] = lora
     if kv is not None:
         if ctx.kv is None:
             raise APIError(400, "this server takes no kv_transfer_params", "kv_transfer_params")
@@ -170,7 +181,8 @@ def engine_error(exc: BaseException) -> BaseException:
     if isinstance(exc, RequestFailedError):
         return APIError(500, f"the request failed in the engine: {exc}", code="internal_error")
     if isinstance(exc, RequestRejectedError):
-        return APIError(400, str(exc), exc.param, exc.code)
+        status = 404 if exc.code == "model_not_found" else 400  # an adapter unloaded meanwhile
+        return APIError(status, str(exc), exc.param, exc.code)
     if isinstance(exc, EngineOverloadedError):
         return overloaded(str(exc))
     if isinstance(exc, EngineDeadError):

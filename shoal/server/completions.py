@@ -77,7 +77,7 @@ def _check(req: CompletionRequest) -> None:
 
 
 async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingContext):
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     _check(req)
     resume = req.resume
     echo = req.echo and resume is None
@@ -94,7 +94,9 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
     if any(not p for p in prompts):
         raise APIError(400, "prompt is empty", "prompt")
     rid = request_id("cmpl")
-    streams = await open_streams(ctx, rid, prompts, params, req.priority, resume, req.kv_transfer_params, raw)
+    streams = await open_streams(
+        ctx, rid, prompts, params, req.priority, resume, req.kv_transfer_params, raw, lora
+    )
     start = raw.state.arrival
     timers = [ctx.metrics.timer(start) for _ in streams]
     lp = _Logprobs(ctx) if req.logprobs is not None else None
@@ -104,7 +106,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
         _Choice(first_index + i, prompt=i // req.n, num_tokens=prior) for i in range(len(prompts) * req.n)
     ]
     cached = [0] * len(prompts)
-    head = {"id": rid, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
+    head = {"id": rid, "object": "text_completion", "created": now_s(), "model": lora or ctx.model_name}
 
     def echo_prefix(p: int, c: _Choice, out) -> dict | None:
         """Prompt text (and its logprobs) that opens an echoed choice."""

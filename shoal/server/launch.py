@@ -69,6 +69,7 @@ def load_serving_context(engine_config: EngineConfig, server_config: ServerConfi
         trust_request_priority=server_config.trust_request_priority,
         tool_format=tool_format(server_config.tool_call_parser, engine.tokenizer.chat_template),
         kv=KVConnector(kv, front, metrics.registry, server_config.api_key),
+        adapters=None if engine.lora is None else {n: a.path for n, a in engine.lora.adapters.items()},
     )
 
 

@@ -349,6 +349,15 @@ class TokenizeRequest(_Request):
     add_generation_prompt: StrictBool = True
 
 
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
 class DetokenizeRequest(_Request):
     model: StrictStr | None = None
     tokens: list[Annotated[StrictInt, Field(ge=0)]]

@@ -1,0 +1,165 @@
+"""LoRA adapters (PEFT's format) on random checkpoints, against HF transformers with peft applying
+the same adapter: each row of a batch that mixes several adapters and the base model gets the
+tokens and logprobs HF gives that adapter alone; more adapters than slots cycle through them; two
+adapters never share K/V; adapters that do not fit the model are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from shoal.engine.core import RequestRejectedError
+from shoal.engine.sampling_params import SamplingParams
+from shoal.llm import LLM
+from shoal.models.loader import load_model
+from shoal.models.lora import AdapterError
+from tests.helpers import assert_pool_whole, hf_greedy
+from tests.test_hf_parity import _check_logprobs, make_random_checkpoint
+
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 10
+# name -> (rank, alpha, target modules, rslora)
+ADAPTERS = {
+    "all": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    "attn": (16, 8, ["q_proj", "v_proj"], True),
+    "mlp": (4, 8, ["gate_proj", "up_proj", "down_proj"], False),
+    "kv_o": (8, 32, ["k_proj", "v_proj", "o_proj"], False),
+}
+
+
+def make_adapter(hf_model, path, name: str, seed: int) -> None:
+    """A random adapter (A and B both random, so it changes the output) saved as PEFT saves it."""
+    rank, alpha, targets, rslora = ADAPTERS[name]
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+    )
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(hf_model, config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)
+    model.save_pretrained(path)
+    model.unload()  # the base model without the adapter's layers, for the next one
+
+
+def reference(base_dir, adapter_dir, prompts) -> list[tuple[list[int], torch.Tensor]]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        hf = peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
+    return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tmp_path_factory):
+    """A random checkpoint, four adapters for it, and HF's greedy tokens for each prompt under
+    each adapter (and under none)."""
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = root / "base"
+    hf = make_random_checkpoint(request.param, base)
+    dirs = {}
+    for i, name in enumerate(ADAPTERS):
+        dirs[name] = root / name
+        make_adapter(hf, dirs[name], name, seed=10 + i)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (6, 19, 33)]
+    refs = {None: reference(base, None, prompts)}
+    for name, d in dirs.items():
+        refs[name] = reference(base, d, prompts)
+    return base, dirs, prompts, refs
+
+
+def engine(base, dirs, **options) -> LLM:
+    options = {"num_blocks": 128, "max_num_batched_tokens": 256, **options}
+    modules = {name: str(d) for name, d in dirs.items()}
+    return LLM(loaded=load_model(str(base)), enable_lora=True, lora_modules=modules, **options)
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+
+
+def check(outs, wanted) -> None:
+    for out, (tokens, logprobs) in zip(outs, wanted, strict=True):
+        assert out.outputs[0].token_ids == tokens
+        _check_logprobs(out.outputs[0], logprobs)
+
+
+def test_one_batch_mixing_four_adapters_and_the_base_gives_each_row_its_own(setup):
+    base, dirs, prompts, refs = setup
+    llm = engine(base, dirs, max_loras=4)
+    names = [None, *ADAPTERS]
+    # Every adapter (and the base) on every prompt, all in one batch.
+    batch = [(name, i) for name in names for i in range(len(prompts))]
+    outs = llm.generate([prompts[i] for _, i in batch], PARAMS, lora=[name for name, _ in batch])
+    for (name, i), out in zip(batch, outs):
+        check([out], [refs[name][i]])
+    # The adapters do change the output: no row's tokens equal the base model's everywhere.
+    for name in ADAPTERS:
+        assert [refs[name][i][0] for i in range(len(prompts))] != [refs[None][i][0] for i in range(3)]
+    assert_pool_whole(llm.engine)
+    manager = llm.engine.core.lora
+    assert manager.users == {} and set(manager.idle) == set(ADAPTERS)
+
+
+def test_more_adapters_than_slots_cycle_through_them(setup):
+    base, dirs, prompts, refs = setup
+    llm = engine(base, dirs, max_loras=2, max_num_seqs=4)
+    names = [name for name in ADAPTERS for _ in range(2)] + [None, None]
+    outs = llm.generate([prompts[k % 3] for k in range(len(names))], PARAMS, lora=names)
+    for k, (name, out) in enumerate(zip(names, outs)):
+        check([out], [refs[name][k % 3]])
+    manager = llm.engine.core.lora
+    assert manager.loads >= 4 and manager.evictions >= 2
+    assert manager.users == {} and len(manager.slot_of) <= 2
+    assert_pool_whole(llm.engine)
+    # Again, one at a time: each loads into a slot another left.
+    for k, name in enumerate(ADAPTERS):
+        check(llm.generate([prompts[k % 3]], PARAMS, lora=name), [refs[name][k % 3]])
+
+
+def test_two_adapters_never_share_kv_and_one_reuses_its_own(setup):
+    base, dirs, prompts, refs = setup
+    llm = engine(base, dirs, max_loras=2, block_size=4)
+    prompt = prompts[2]  # 33 tokens: 8 full blocks
+    first = llm.generate([prompt], PARAMS, lora="all")[0]
+    other = llm.generate([prompt], PARAMS, lora="attn")[0]
+    again = llm.generate([prompt], PARAMS, lora="all")[0]
+    base_out = llm.generate([prompt], PARAMS)[0]
+    assert first.num_cached_tokens == 0
+    assert other.num_cached_tokens == 0  # the same tokens, another adapter: nothing reused
+    assert again.num_cached_tokens == 32  # its own blocks
+    assert base_out.num_cached_tokens == 0
+    check([first, other, again, base_out], [refs["all"][2], refs["attn"][2], refs["all"][2], refs[None][2]])
+
+
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(setup, tmp_path):
+    base, dirs, prompts, _ = setup
+    llm = engine(base, {"all": dirs["all"]}, max_loras=1, max_lora_rank=8)
+    core = llm.engine.core
+    with pytest.raises(RequestRejectedError, match="'nope' does not exist"):
+        llm.generate([prompts[0]], PARAMS, lora="nope")
+    with pytest.raises(AdapterError, match="rank 16 is above --max-lora-rank 8"):
+        core.add_lora("attn", str(dirs["attn"]))
+    # An adapter trained on a model of another shape.
+    other = tmp_path / "other-base"
+    hf = make_random_checkpoint("llama", other, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    make_adapter(hf, tmp_path / "misfit", "mlp", seed=1)
+    with pytest.raises(AdapterError, match="trained on another model"):
+        core.add_lora("misfit", str(tmp_path / "misfit"))
+    dora = tmp_path / "dora"
+    shutil.copytree(dirs["mlp"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(AdapterError, match="DoRA"):
+        core.add_lora("dora", str(dora))
+    with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
+        core.add_lora("empty", str(tmp_path))
+    # None of it changed what is served.
+    assert core.lora_names == ["all"]
+    check(llm.generate([prompts[0]], PARAMS, lora="all"), [setup[3]["all"][0]])
