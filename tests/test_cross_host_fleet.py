@@ -61,6 +61,7 @@ STREAMS = 8
 # cut-off replica when its link comes back.
 PARTITION_TOKENS = 256
 FAULT_AFTER = 8  # tokens every stream has when the fault comes
+STAGGER_S = 0.02  # between the openings of the streams of one fault test
 DOWN_BOUND_S = 15.0  # a cut link is seen as a replica down within this (measured: ~2-3 s)
 # The tensor-parallel replica: its driver and rank 0 on h0, rank 1 on h2 (whose link is cut).
 TP_PORT, TP_DIST_PORT = 8200, 29600
@@ -406,7 +407,9 @@ def streams_with_fault(
 ) -> tuple[list[dict], object]:
     """The requests streamed at once through `url` (and each of `direct`, (url, body), beside
     them, its stream last among those returned); once each has FAULT_AFTER tokens (and none is
-    done), `fault()` (a coroutine) runs beside them. Returns the streams and what fault returned."""
+    done), `fault()` (a coroutine) runs beside them. Returns the streams and what fault returned.
+    They open STAGGER_S apart, in order: a round-robin gateway then gives stream i the replica it
+    gave stream i the last time (concurrent connections would reach it in any order)."""
     sent = [(url, b) for b in bodies] + list(direct)
     seen = [0] * len(sent)
 
@@ -416,11 +419,15 @@ def streams_with_fault(
         assert max(seen) < min(b["max_tokens"] for _, b in sent), seen  # every stream is midway
         return await fault()
 
+    async def opened(c: httpx.AsyncClient, i: int, u: str, b: dict) -> dict:
+        await asyncio.sleep(i * STAGGER_S)
+        return await _stream(c, u, b, seen, i)
+
     async def go():
         async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=10), headers=headers) as c:
             actor = asyncio.create_task(act())
             try:
-                outs = await asyncio.gather(*(_stream(c, u, b, seen, i) for i, (u, b) in enumerate(sent)))
+                outs = await asyncio.gather(*(opened(c, i, u, b) for i, (u, b) in enumerate(sent)))
             except BaseException:
                 actor.cancel()
                 raise

@@ -23,6 +23,8 @@ from shoal.models.checkpoint import load_tokenizer
 class ServeBenchConfig:
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None  # the id to send; default: the endpoint's first model
+    # Several ids, request i sending models[i % len(models)] (LoRA adapters mixed in one batch)
+    models: tuple[str, ...] = ()
     tokenizer: str | None = None  # checkpoint whose tokenizer sizes prompts; default: bundled
     endpoint: str = "completions"  # or "chat"
     num_requests: int = 64
@@ -125,14 +127,15 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict:
         gate = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         rng = random.Random(cfg.seed)
 
-        async def limited(req: BenchRequest) -> RequestRecord:
+        async def limited(req: BenchRequest, name: str) -> RequestRecord:
             async with gate:
-                return await _one(client, cfg, model, req, t0)
+                return await _one(client, cfg, name, req, t0)
 
         t0 = time.perf_counter()
         tasks = []
-        for req in requests:
-            tasks.append(asyncio.create_task(limited(req)))
+        for i, req in enumerate(requests):
+            name = cfg.models[i % len(cfg.models)] if cfg.models else model
+            tasks.append(asyncio.create_task(limited(req, name)))
             if math.isfinite(cfg.request_rate):
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         records = await asyncio.gather(*tasks)

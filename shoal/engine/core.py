@@ -475,6 +475,7 @@ class EngineCore:
             num_steps=self.num_steps,
             forward_seconds=self.forward_seconds,
             host_seconds=self.host_seconds,
+            lora=self.lora.stats() if self.lora is not None else None,
         )
 
     def take_kv_events(self) -> list:

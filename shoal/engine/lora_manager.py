@@ -7,7 +7,7 @@ on the front's thread), never in a step: a step only copies registered weights i
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from shoal.models.lora import LoRAAdapter
@@ -41,6 +41,14 @@ class AdapterInUseError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class LoRAStats:
+    resident: tuple[str, ...]  # adapters in the model's slots
+    loads: int  # adapters put in a slot
+    evictions: int  # resident adapters displaced by another
+    requests: dict[str, int]  # requests admitted, by adapter
+
+
 class LoRAManager:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
@@ -52,6 +60,7 @@ class LoRAManager:
         self.pending_loads: list[tuple[int, LoRAAdapter | None]] = []  # for the next step
         self.loads = 0
         self.evictions = 0
+        self.requests: Counter[str] = Counter()
 
     def register(self, adapter: LoRAAdapter) -> None:
         """Adds an adapter, or replaces an unused one of the same name."""
@@ -84,6 +93,7 @@ class LoRAManager:
             self.loads += 1
         self.idle.pop(name, None)
         self.users[name] = self.users.get(name, 0) + 1
+        self.requests[name] += 1
         return slot
 
     def release(self, name: str) -> None:
@@ -94,6 +104,9 @@ class LoRAManager:
         self.users.pop(name, None)
         if name in self.slot_of:
             self.idle[name] = None  # most recently used last
+
+    def stats(self) -> LoRAStats:
+        return LoRAStats(tuple(sorted(self.slot_of)), self.loads, self.evictions, dict(self.requests))
 
     def take_loads(self) -> list[tuple[int, LoRAAdapter | None]]:
         loads, self.pending_loads = self.pending_loads, []

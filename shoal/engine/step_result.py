@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.engine.block_pool import KVEvent
+from shoal.engine.lora_manager import LoRAStats
 from shoal.engine.outputs import EngineCoreOutput
 from shoal.engine.parallel.messages import RankStats
 from shoal.engine.speculative import SpecDecodeStats
@@ -29,6 +30,7 @@ class EngineStats:
     # Of the steps' time so far: the model's forward and sampling, and the engine's work around it.
     forward_seconds: float = 0.0
     host_seconds: float = 0.0
+    lora: LoRAStats | None = None  # with adapters enabled
 
 
 @dataclass

@@ -83,6 +83,37 @@ class _EngineCollector:
             yield per_pos
         if s.ranks:
             yield from self._rank_metrics(s.ranks)
+        if s.lora is not None:
+            yield from self._lora_metrics(s.lora)
+
+    def _lora_metrics(self, lora):
+        label = [self.model_name]
+        resident = GaugeMetricFamily(
+            "shoal:lora_adapter_resident",
+            "1 for each LoRA adapter in the model's slots.",
+            labels=["model_name", "adapter"],
+        )
+        for name in lora.resident:
+            resident.add_metric([self.model_name, name], 1)
+        yield resident
+        loads = CounterMetricFamily(
+            "shoal:lora_adapter_loads", "LoRA adapters put in a slot.", labels=["model_name"]
+        )
+        loads.add_metric(label, lora.loads)
+        yield loads
+        evictions = CounterMetricFamily(
+            "shoal:lora_adapter_evictions",
+            "Resident LoRA adapters displaced by another.",
+            labels=["model_name"],
+        )
+        evictions.add_metric(label, lora.evictions)
+        yield evictions
+        requests = CounterMetricFamily(
+            "shoal:lora_requests", "Requests admitted, by LoRA adapter.", labels=["model_name", "adapter"]
+        )
+        for name, n in sorted(lora.requests.items()):
+            requests.add_metric([self.model_name, name], n)
+        yield requests
 
     def _rank_metrics(self, ranks):
         """Each tensor/pipeline-parallel rank's profile: where its step time goes."""
