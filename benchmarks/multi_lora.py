@@ -72,8 +72,8 @@ def measure(url: str, conc: int, per_stream: int, models: tuple[str, ...] = ()) 
     s = run_serve_bench(cfg)
     return {
         "tok_s": s["output_token_throughput"],
-        "ttft_p50": s["ttft_ms"]["p50"],
-        "ttft_p99": s["ttft_ms"]["p99"],
+        "ttft_p50": 1000 * s["ttft_s"]["p50"],
+        "ttft_p99": 1000 * s["ttft_s"]["p99"],
     }
 
 
