@@ -14,11 +14,8 @@ every projection of every layer.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ from pathlib import Path
 import httpx
 import torch
 from safetensors.torch import save_file
-from serve_throughput import wait_until_ok  # this script's folder is on sys.path
+from serve_throughput import shoal_server  # this script's folder is on sys.path
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.models.loader import load_model
@@ -51,19 +48,8 @@ def write_adapter(path: Path, cfg, rank: int, seed: int) -> None:
     (path / "adapter_config.json").write_text(json.dumps(config))
 
 
-@contextlib.contextmanager
-def server(port: int, *args: str):
-    import subprocess
-
-    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), "--api-key", KEY, *args]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_ok(url + "/ready", proc, "shoal serve", timeout=300)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def server(port: int, *flags: str):
+    return shoal_server(port, "auto", extra=("--api-key", KEY, *flags))
 
 
 def measure(url: str, conc: int, per_stream: int, models: tuple[str, ...] = ()) -> dict:

@@ -33,11 +33,11 @@ SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx
 
 
 @contextlib.contextmanager
-def shoal_server(port: int, mode: str, env: dict | None = None):
-    """`shoal serve` of the bundled model; `env` replaces the environment (another checkout's
-    PYTHONPATH, say)."""
+def shoal_server(port: int, mode: str, env: dict | None = None, extra: tuple[str, ...] = ()):
+    """`shoal serve` of the bundled model, with `extra` flags; `env` replaces the environment
+    (another checkout's PYTHONPATH, say)."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), "--quantization", mode]
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), "--quantization", mode, *extra]
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -9,6 +9,7 @@ without the fault. The host kill comes last: that host is gone for the rest of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -70,16 +71,23 @@ TP_STREAMS, TP_TOKENS = 2, 64  # through the gateway; one more streams from the 
 TP_ARGS = (*COMMON_ARGS, "--quantization", "none")
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@contextlib.contextmanager
+def host_cluster(hosts: int):
+    """A module's test hosts, or a skip where they cannot be made. The session's kernel and model
+    cache (conftest) stays visible on them: their replicas load what this process built instead
+    of building it again."""
     reason = available()
     if reason is not None:
         pytest.skip(f"no test hosts here: {reason}")
-    # The session's kernel and model cache (conftest) stays visible on the hosts: their replicas
-    # load what this process built instead of building it again.
     cache = os.environ.get("SHOAL_CACHE_DIR")
     keep = (*netns.default_keep(), *([cache] if cache else []))
-    with Cluster(ClusterConfig(hosts=3, keep=keep)) as c:
+    with Cluster(ClusterConfig(hosts=hosts, keep=keep)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with host_cluster(3) as c:
         yield c
 
 

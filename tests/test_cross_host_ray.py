@@ -12,17 +12,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from shoal.testing import netns
-from shoal.testing.hosts import Cluster, ClusterConfig, Host, available
+from shoal.testing.hosts import Host
 from tests.fleet_helpers import auth, metric, replicas
 from tests.server_helpers import ServerProcess
 from tests.test_cross_host_fleet import (
     assert_streams_exact,
     expected_on,
+    host_cluster,
     stream_bodies,
     streams_with_fault,
     wait_idle,
@@ -42,12 +43,7 @@ LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = available()
-    if reason is not None:
-        pytest.skip(f"no test hosts here: {reason}")
-    cache = os.environ.get("SHOAL_CACHE_DIR")
-    keep = (*netns.default_keep(), *([cache] if cache else []))
-    with Cluster(ClusterConfig(hosts=4, keep=keep)) as c:
+    with host_cluster(4) as c:
         yield c
 
 
@@ -70,8 +66,8 @@ def fleet(cluster):
     """The gateway on GATEWAY (a CPU-less Ray node), two replicas placed by Ray."""
     hosts = cluster.hosts
     ray_node(hosts[HEAD], hosts[HEAD], 1)
-    ray_node(hosts[WORKER], hosts[HEAD], 1)
-    ray_node(hosts[GATEWAY], hosts[HEAD], 0)
+    with ThreadPoolExecutor(2) as pool:  # the other nodes join at once
+        list(pool.map(ray_node, (hosts[WORKER], hosts[GATEWAY]), (hosts[HEAD],) * 2, (1, 0)))
     gw_host = hosts[GATEWAY]
     fd, log_path = tempfile.mkstemp(prefix="shoal-ray-gw-", suffix=".log")
     args = ["fleet", "up", "--launcher", "ray", "--address", f"{hosts[HEAD].address}:{RAY_PORT}"]
@@ -152,7 +148,7 @@ def test_a_worker_host_killed_under_streaming_load_loses_nothing_and_its_replica
     reps = ready_replicas(fleet)
     victim = next(n for n, r in reps.items() if host_of(r["url"]) == hosts[WORKER].address)
     survivor = next(r for n, r in reps.items() if n != victim)
-    bodies = stream_bodies(5000, 160)
+    bodies = stream_bodies(5000, 96)
     expected = expected_on(survivor["url"], bodies, HEADERS)
     wait_idle(survivor["url"], headers=HEADERS)
 

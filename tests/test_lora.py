@@ -105,6 +105,12 @@ def test_one_batch_mixing_four_adapters_and_the_base_gives_each_row_its_own(setu
     assert_pool_whole(llm.engine)
     manager = llm.engine.core.lora
     assert manager.users == {} and set(manager.idle) == set(ADAPTERS)
+    # n > 1: the forked choices run with their parent's adapter, and give its slot back too.
+    forked = SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    out = llm.generate([prompts[1]], forked, lora="mlp")[0]
+    assert [c.token_ids for c in out.outputs] == [refs["mlp"][1][0]] * 2
+    assert manager.users == {}
+    assert_pool_whole(llm.engine)
 
 
 def test_more_adapters_than_slots_cycle_through_them(setup):
