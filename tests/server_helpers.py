@@ -88,3 +88,16 @@ def wait_ready(server: ServerProcess, timeout: float) -> None:
             pass
         time.sleep(0.25)
     raise TimeoutError(f"{server.url} did not become ready: {server.log()[-3000:]}")
+
+
+async def stream_gaps(client: httpx.AsyncClient, url: str, body: dict, gaps: list[float], **kw) -> None:
+    """Streams `body` to `url` (stream on), appending each gap between two SSE events to `gaps`."""
+    last = None
+    async with client.stream("POST", url, json={**body, "stream": True}, **kw) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now

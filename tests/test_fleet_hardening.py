@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from shoal.protocol.block_hash import hash_blocks, root_hash
 from tests.fleet_helpers import FLEET_KEY as KEY
 from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
-from tests.server_helpers import free_port
+from tests.server_helpers import free_port, stream_gaps
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -96,16 +96,8 @@ def test_a_huge_prompt_stalls_neither_health_nor_other_streams(big_gateway):
         async with httpx.AsyncClient(base_url=big_gateway.url, timeout=120, headers=auth(KEY)) as c:
             gaps: list[float] = []
 
-            async def stream():
-                last = None
-                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            now = time.monotonic()
-                            if last is not None:
-                                gaps.append(now - last)
-                            last = now
+            def stream():
+                return stream_gaps(c, "/v1/completions", body, gaps)
 
             async def health():
                 worst = 0.0

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import time
 
 import httpx
 import pytest
 import torch
 
 from tests.helpers import hf_greedy
-from tests.server_helpers import start_server
+from tests.server_helpers import start_server, stream_gaps
 
 peft = pytest.importorskip("peft")
 
@@ -116,16 +115,8 @@ def test_adapters_load_and_unload_at_run_time_while_streams_go_on(server, adapte
         gaps: list[float] = []
         body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 96, "ignore_eos": True, "stream": True}
 
-        async def stream(c: httpx.AsyncClient) -> None:
-            last = None
-            async with c.stream("POST", server.url + "/v1/completions", json=body, headers=H) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        now = time.monotonic()
-                        if last is not None:
-                            gaps.append(now - last)
-                        last = now
+        def stream(c: httpx.AsyncClient):
+            return stream_gaps(c, server.url + "/v1/completions", body, gaps, headers=H)
 
         async with httpx.AsyncClient(timeout=60) as c:
             streams = [asyncio.create_task(stream(c)) for _ in range(3)]
