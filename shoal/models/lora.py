@@ -42,12 +42,7 @@ class LoRAAdapter:
     name: str
     path: str
     rank: int
-    scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -132,8 +127,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         ranks.add(r)
         scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
         weights[(layer, module)] = (a.contiguous(), (b * scale).contiguous())
-    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    return LoRAAdapter(name, str(path), max(ranks), scaling, weights)
+    return LoRAAdapter(name, str(path), max(ranks), weights)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -99,10 +99,6 @@ class LoRASlots:
                     offset += fan_out
                 setattr(layer, fused, LoRAProjection(getattr(layer, fused), parts, self.batch))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.a.nbytes + s.b.nbytes for s in self.stacks.values())
-
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Puts an adapter's weights in a slot (None empties it)."""
         if not 1 <= slot <= self.num_slots:
