@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from shoal.engine.core import RequestRejectedError
+from shoal.engine.cpu_decode import CpuFusedDecoder
 from shoal.engine.sampling_params import SamplingParams
+from shoal.kernels.cpu import cpu_kernels
 from shoal.llm import LLM
 from shoal.models.loader import load_model
 from shoal.models.lora import AdapterError
+from shoal.models.lora_layers import LoRABatch, LoRAStack
 from tests.helpers import assert_pool_whole, hf_greedy
 from tests.test_hf_parity import _check_logprobs, make_random_checkpoint
 
@@ -90,9 +93,52 @@ def check(outs, wanted) -> None:
         _check_logprobs(out.outputs[0], logprobs)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_the_c_kernel_and_the_segmented_torch_product_match_a_float64_reference(rows):
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no CPU kernels here")
+    g = torch.Generator().manual_seed(rows)
+    fan_in, fan_out, offset = 72, 52, 3  # not multiples of the vector widths; a part inside a wider output
+    stack = LoRAStack(5, 16, fan_in, fan_out, torch.float32, "cpu")
+    for slot, rank in [(1, 16), (2, 4), (4, 9)]:  # slot 3: an adapter that leaves this module alone
+        stack.put(slot, torch.randn(rank, fan_in, generator=g), torch.randn(fan_out, rank, generator=g))
+    stack.put(3, None, None)
+    x = torch.randn(rows, fan_in, generator=g)
+    row_slots = torch.randint(0, 5, (rows,), generator=g)
+    row_slots[0] = 1
+    base = torch.randn(rows, offset + fan_out + 5, generator=g)
+    want = base.double()
+    for i, s in enumerate(row_slots.tolist()):
+        r = int(stack.ranks[s])
+        if s and r:
+            delta = stack.b[s, :r].double().t() @ (stack.a[s, :r].double() @ x[i].double())
+            want[i, offset : offset + fan_out] += delta
+    params = kernels.lora_params(stack.a, stack.b, stack.ranks, offset)
+    got = base.clone()
+    kernels.lora_apply(params, x, row_slots, got)
+    batch = LoRABatch()
+    batch.set_rows(row_slots.tolist(), torch.device("cpu"))
+    by_torch = base.clone()
+    stack.add_torch(x, by_torch, offset, batch.segments())
+    for y in (got, by_torch):
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    untouched = (row_slots == 0) | (row_slots == 3)
+    assert torch.equal(got[untouched], base[untouched])
+    assert torch.equal(got[:, :offset], base[:, :offset]) and torch.equal(
+        got[:, offset + fan_out :], base[:, -5:]
+    )
+    for i in range(rows):  # a row's bits do not depend on the rows beside it
+        alone = base[i : i + 1].clone()
+        kernels.lora_apply(params, x[i : i + 1], row_slots[i : i + 1], alone)
+        assert torch.equal(alone, got[i : i + 1])
+
+
 def test_one_batch_mixing_four_adapters_and_the_base_gives_each_row_its_own(setup):
     base, dirs, prompts, refs = setup
     llm = engine(base, dirs, max_loras=4)
+    if cpu_kernels() is not None:  # the decode steps run the fused C layer, adapters included
+        assert isinstance(llm.engine.core.executor.runner.fused_decoder, CpuFusedDecoder)
     names = [None, *ADAPTERS]
     # Every adapter (and the base) on every prompt, all in one batch.
     batch = [(name, i) for name in names for i in range(len(prompts))]

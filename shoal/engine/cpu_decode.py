@@ -16,11 +16,12 @@ import logging
 import torch
 
 from shoal.engine.attention import AttentionMetadata
-from shoal.engine.cpu_decode_gate import Projection, fused_refusal, projection_weights
+from shoal.engine.cpu_decode_gate import Projection, base_projection, fused_refusal, projection_weights
 from shoal.engine.parallel.comm import CommError
 from shoal.kernels.abi import LayerParams, ProjectionParams
 from shoal.kernels.cpu import F32_ROWS_FORMAT_ID, INT8_ROWS_FORMAT_ID, KV_TYPE_IDS, CpuKernels
 from shoal.models.llama import PROJECTIONS, LlamaForCausalLM
+from shoal.models.lora_layers import LoRABatch, LoRAProjection
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,10 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _projection(linear: Projection) -> ProjectionParams:
+def _projection(kernels: CpuKernels, module: Projection | LoRAProjection) -> ProjectionParams:
+    linear = base_projection(module)
     fmt, values, scales, mins = projection_weights(linear)
-    return ProjectionParams(
+    params = ProjectionParams(
         format=fmt,
         n=linear.out_features,
         k=linear.in_features,
@@ -40,15 +42,27 @@ def _projection(linear: Projection) -> ProjectionParams:
         mn=_pointer(mins),
         bias=_pointer(linear.bias),
     )
+    if isinstance(module, LoRAProjection):
+        params.lora_parts = len(module.parts)
+        for i, (offset, stack) in enumerate(module.parts):
+            params.lora[i] = kernels.lora_params(stack.a, stack.b, stack.ranks, offset)
+    return params
 
 
 class CpuFusedDecoder:
     """Runs the decoder layers of decode-only steps through `shoal_decode_layer`."""
 
-    def __init__(self, kernels: CpuKernels, model: LlamaForCausalLM, params: list[LayerParams]):
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        model: LlamaForCausalLM,
+        params: list[LayerParams],
+        lora: LoRABatch | None = None,
+    ):
         self.kernels = kernels
         self.model = model
         self.params = params
+        self.lora = lora  # the step's adapter rows, when the model has adapter slots
         self.scratch = torch.empty(0, dtype=torch.uint8)
         # int8 and float32 layers: from some batch size (measured on this CPU) torch's matmuls are
         # the faster path, and the model's own forward takes those steps.
@@ -86,7 +100,7 @@ class CpuFusedDecoder:
         params = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             projections = {
-                name.removesuffix("_proj"): _projection(getattr(layer, name)) for name in PROJECTIONS
+                name.removesuffix("_proj"): _projection(kernels, getattr(layer, name)) for name in PROJECTIONS
             }
             params.append(
                 LayerParams(
@@ -109,7 +123,8 @@ class CpuFusedDecoder:
                     **projections,  # qkv, o, gate_up, down
                 )
             )
-        return cls(kernels, model, params)
+        wrapped = [m for m in model.modules() if isinstance(m, LoRAProjection)]
+        return cls(kernels, model, params, wrapped[0].batch if wrapped else None)
 
     def _scratch(self, rows: int) -> torch.Tensor:
         """The layers' shared work area, grown to the largest step so far and then reused: a step
@@ -147,10 +162,12 @@ class CpuFusedDecoder:
         batch = md.token_batch
         scratch = self._scratch(batch.rows)
         delta = None
+        lora_rows = None if self.lora is None else self.lora.row_slots
         for params in self.params:
             delta = self.kernels.decode_layer(
-                params, x, delta, cos, sin, md.slot_mapping, batch.block_tables, batch.context_lens, scratch
-            )
+                params, x, delta, cos, sin, md.slot_mapping, batch.block_tables, batch.context_lens, scratch,
+                lora_rows,
+            )  # fmt: skip
         if self.model.comm is not None and self.model.comm.failed:
             raise CommError("a tensor-parallel peer did not join an all-reduce in time")
         return x.add_(delta)

@@ -27,6 +27,7 @@ from shoal.kernels.cpu import (
     decode_attention_supports,
 )
 from shoal.models.llama import PROJECTIONS, DecoderLayer, LlamaForCausalLM, RMSNorm
+from shoal.models.lora_layers import LoRAProjection
 from shoal.models.quant import BlockQuantLinear, Int8Linear
 
 
@@ -64,9 +65,15 @@ MODEL_FEATURES: dict[str, Callable[[Any], bool]] = {
 }
 # The children of a DecoderLayer the C layer reads; another child (q_norm, an adapter) refuses.
 LAYER_CHILDREN = {"input_layernorm", "post_attention_layernorm", *PROJECTIONS}
-# Projection classes by exact type: a subclass may compute something else (a LoRA wrapper would).
+# Projection classes by exact type: a subclass may compute something else. A LoRAProjection
+# around one of them is taken too: cpu_lora.c adds its adapters (ProjectionParams.lora).
 PROJECTION_TYPES = (nn.Linear, BlockQuantLinear, Int8Linear)
 Projection = nn.Linear | BlockQuantLinear | Int8Linear
+
+
+def base_projection(m: nn.Module) -> nn.Module:
+    """The projection under a LoRA wrapper (the module itself when it has none)."""
+    return m.base if type(m) is LoRAProjection else m
 
 
 def projection_weights(
@@ -117,6 +124,14 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _projection_refusal(where: str, m: nn.Module) -> Refusal | None:
+    if type(m) is LoRAProjection:
+        if _hooked(m) or "forward" in vars(m):
+            return Refusal(f"{where} forward", "hooked or replaced")
+        if any(stack.a.dtype != torch.float32 or stack.a.device.type != "cpu" for _, stack in m.parts):
+            return Refusal(f"{where} adapters", "not float32 on the CPU")
+        where, m = f"{where}.base", m.base
+        if _hooked(m) or "forward" in vars(m):
+            return Refusal(f"{where} forward", "hooked or replaced")
     if type(m) not in PROJECTION_TYPES:
         return Refusal(f"{where} type", type(m).__name__)
     if isinstance(m, BlockQuantLinear) and m.format not in BLOCK_FORMAT_IDS:
@@ -162,8 +177,9 @@ def _layer_refusal(i: int, layer: nn.Module) -> Refusal | None:
         refusal = _projection_refusal(f"{where}.{name}", children[name])
         if refusal is not None:
             return refusal
-        _, values, scales, mins = projection_weights(children[name])
-        parts = {"values": values, "scales": scales, "minimums": mins, "bias": children[name].bias}
+        base = base_projection(children[name])
+        _, values, scales, mins = projection_weights(base)
+        parts = {"values": values, "scales": scales, "minimums": mins, "bias": base.bias}
         read.update({f"{name}.{part}": t for part, t in parts.items()})
     return _tensor_refusal(where, read)
 

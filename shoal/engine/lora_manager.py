@@ -47,6 +47,7 @@ class LoRAStats:
     loads: int  # adapters put in a slot
     evictions: int  # resident adapters displaced by another
     requests: dict[str, int]  # requests admitted, by adapter
+    slots: int  # adapters that fit in the model at once
 
 
 class LoRAManager:
@@ -106,7 +107,9 @@ class LoRAManager:
             self.idle[name] = None  # most recently used last
 
     def stats(self) -> LoRAStats:
-        return LoRAStats(tuple(sorted(self.slot_of)), self.loads, self.evictions, dict(self.requests))
+        return LoRAStats(
+            tuple(sorted(self.slot_of)), self.loads, self.evictions, dict(self.requests), self.num_slots
+        )
 
     def take_loads(self) -> list[tuple[int, LoRAAdapter | None]]:
         loads, self.pending_loads = self.pending_loads, []

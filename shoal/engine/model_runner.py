@@ -204,8 +204,11 @@ class ModelRunner:
         input_ids, positions, md = self._prepare(chunks)
         if self.lora is not None:
             slot_of = self.lora_slot_of
-            rows = [slot_of.get(c.request_id, 0) for c in chunks for _ in c.token_ids]
-            self.lora.batch.set_rows(rows, self.device)
+            if slot_of:
+                rows = [slot_of.get(c.request_id, 0) for c in chunks for _ in c.token_ids]
+                self.lora.batch.set_rows(rows, self.device)
+            else:
+                self.lora.batch.clear()
         received = None
         if self.stage is not None and self.stage.prev_rank is not None:
             received = self.stage.recv(len(input_ids))

@@ -40,8 +40,8 @@ def build_runner(
     device = device or config.device
     graphs = lora = None
     if config.lora.enable_lora:
-        # Before the forward paths are chosen: the wrapped projections keep the model off the
-        # fused C layer (its allow-list refuses them) and off CUDA graphs (rows change adapters).
+        # Before the forward paths are chosen (the fused C layer reads the wrapped projections'
+        # slots). No CUDA graphs: a step's rows change adapters.
         lora = LoRASlots(loaded.model, config.lora.max_loras, config.lora.max_lora_rank)
     elif not config.enforce_eager and config.parallel.world_size == 1:
         graphs = GraphOptions(min(config.scheduler.max_num_seqs, MAX_GRAPH_ROWS), max_model_len)

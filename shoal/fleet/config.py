@@ -69,6 +69,11 @@ class GatewayConfig:
     # replica that saw it first; 8 spreads them while a conversation's own history still holds it.
     load_weight: float = 8.0
     imbalance_limit: int = 16
+    # LoRA adapters: an adapter's requests go to the replicas holding it; a holder with this many
+    # outstanding requests is busy, and when every holder is, the adapter is loaded on one more
+    # replica. A fleet-wide unload waits this long for the requests using the adapter to end.
+    adapter_busy_at: int = 16
+    adapter_unload_drain_s: float = 30.0
     block_size: int = 16  # until a replica reports its own
     # Prefill/decode disaggregation, where some replicas have the prefill role: a prompt with fewer
     # tokens than this left to compute on the chosen decode worker (short, or mostly cached there)

@@ -41,6 +41,7 @@ from shoal.fleet.replicas.health import HealthMonitor
 from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routes import Edge, build_app
+from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import make_policy
 from shoal.fleet.routing.prompt_keys import PromptKeys
 from shoal.fleet.routing.tiers import TierRouter
@@ -72,6 +73,10 @@ class Gateway:
         )
         self.demand = DemandSignals()
         self.canary = CanarySplit()
+        self.client = UpstreamClient(config)
+        self.adapters = AdapterDirectory(
+            table, self.client.http, metrics, config.adapter_busy_at, lambda: self.dispatch.notify_nowait()
+        )
         fair = FairQueue({t.name: t.config.weight for t in tenants.all.values()})
         self.dispatch = Dispatcher(
             config,
@@ -84,6 +89,7 @@ class Gateway:
             self.demand,
             self.canary,
             self.catalog.wakes,
+            self.adapters,
         )
         poison = PoisonGuard(config.poison_ttl_s)
         # A replica that was unreachable and came back with the process it had was cut off, not
@@ -93,7 +99,6 @@ class Gateway:
         )
         self.usage = UsageLedger(tenants)
         # The proxy.
-        self.client = UpstreamClient(config)
         judge = FailureJudge(table, self.health, poison, metrics)
         prefill = Disaggregator(config, table, self.dispatch, self.client, judge, metrics)
         parts = RelayParts(
@@ -111,9 +116,17 @@ class Gateway:
         self.proxy = Proxy(parts)
         # The edge.
         self.pipeline = Pipeline(
-            config, self.catalog, tenants, self.keys, self.tiers, self.dispatch, self.proxy, metrics
+            config,
+            self.catalog,
+            tenants,
+            self.keys,
+            self.tiers,
+            self.dispatch,
+            self.proxy,
+            metrics,
+            self.adapters,
         )
-        self.listing = ModelListing(table, self.catalog, self.tiers, self.client)
+        self.listing = ModelListing(table, self.catalog, self.tiers, self.client, self.adapters)
         self.batches = BatchService(
             config, self.dispatch, tenants.all, self.pipeline.run_internal, self.catalog.multi_model
         )
@@ -154,6 +167,7 @@ class Gateway:
                 self.usage,
                 self.batches,
                 self.controller,
+                self.adapters,
             )
         )
 

@@ -1,5 +1,6 @@
-"""`/v1/models`: what the ready replicas serve, every configured model (also one scaled to zero)
-and the tiers models, as far as the tenant may use them."""
+"""`/v1/models`: what the ready replicas serve, every configured model (also one scaled to zero),
+every LoRA adapter the fleet serves (also one no ready replica holds now: a request for it loads
+it) and the tiers models, as far as the tenant may use them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from shoal.fleet.admission.tenants import Tenant
 from shoal.fleet.catalog import ModelCatalog
 from shoal.fleet.proxy.upstream import UpstreamClient
 from shoal.fleet.replicas.table import ReplicaTable
+from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.tiers import TierRouter
 
 
@@ -19,11 +21,19 @@ def card(name: str) -> dict[str, Any]:
 
 
 class ModelListing:
-    def __init__(self, table: ReplicaTable, catalog: ModelCatalog, tiers: TierRouter, client: UpstreamClient):
+    def __init__(
+        self,
+        table: ReplicaTable,
+        catalog: ModelCatalog,
+        tiers: TierRouter,
+        client: UpstreamClient,
+        adapters: AdapterDirectory,
+    ):
         self.table = table
         self.catalog = catalog
         self.tiers = tiers
         self.client = client
+        self.adapters = adapters
 
     async def list(self, tenant: Tenant, headers: dict[str, str]) -> dict[str, Any]:
         answers = await asyncio.gather(
@@ -44,6 +54,13 @@ class ModelListing:
                         cards.setdefault(c["id"], c)
         for name in self.catalog.listed():  # a model at zero replicas is still there to ask for
             cards.setdefault(name, card(name))
+        self.adapters.learn()
+        bases = [c["id"] for c in cards.values() if c.get("parent") is None]
+        for name, entry in self.adapters.entries.items():
+            parent = entry.model or (bases[0] if bases else None)
+            cards.setdefault(name, {**card(name), "root": entry.path, "parent": parent})
+        for name in self.adapters.withdrawn:
+            cards.pop(name, None)
         for t in self.tiers.routes:
             cards[t] = card(t)
         return {"object": "list", "data": [c for c in cards.values() if tenant.may_use(c["id"])]}

@@ -149,5 +149,18 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.adapter_loads = Counter(
+            "shoal:gateway_adapter_loads",
+            "LoRA adapters the gateway loaded on a replica, by why (load_route, none_held, busy).",
+            ["adapter", "reason"],
+            registry=r,
+        )
+        self.replica_adapters = Gauge(
+            "shoal:gateway_replica_adapters",
+            "LoRA adapters each replica holds (registered) and has in its slots (resident).",
+            ["replica", "state"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

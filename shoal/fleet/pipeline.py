@@ -25,6 +25,7 @@ from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.proxy.forward import Forward
 from shoal.fleet.proxy.proxy import Proxy
+from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import RouteRequest
 from shoal.fleet.routing.prompt_keys import PromptKeys
 from shoal.fleet.routing.tiers import TierConfig, TierRouter
@@ -55,6 +56,7 @@ class Pipeline:
         dispatch: Dispatcher,
         proxy: Proxy,
         metrics: GatewayMetrics,
+        adapters: AdapterDirectory,
     ):
         self.config = config
         self.catalog = catalog
@@ -64,6 +66,7 @@ class Pipeline:
         self.dispatch = dispatch
         self.proxy = proxy
         self.metrics = metrics
+        self.adapters = adapters
         self.priority_base = min([0, *(t.config.priority for t in tenants.all.values())])
 
     async def forward(self, raw: Request, path: str) -> Response:
@@ -130,10 +133,17 @@ class Pipeline:
         return 2 * (cls - self.priority_base) + int(over_share)
 
     async def route_keys(self, path: str, body: dict, headers) -> RouteRequest:
-        """The model the request goes to (404 for one this fleet does not serve), its session,
-        and its prompt's keys."""
+        """The model the request goes to (404 for one this fleet does not serve), the LoRA adapter
+        over it that the request names, its session, and its prompt's keys."""
         session = headers.get(self.config.session_header) or body.get("user")
+        session = session if isinstance(session, str) else None
         model = None
+        name = body.get("model")
+        entry = self.adapters.lookup(name)
+        if entry is not None and not self._names_a_base(name):
+            model = entry.model if self.catalog.multi_model else None
+            await self.adapters.ensure_holder(name, model)
+            return await self.keys.route(path, body, session, model, adapter=name)
         if self.catalog.multi_model:
             model = body.get("model")
             if not self.catalog.serves(model):
@@ -144,7 +154,12 @@ class Pipeline:
                     "model",
                     "model_not_found",
                 )
-        return await self.keys.route(path, body, session if isinstance(session, str) else None, model)
+        return await self.keys.route(path, body, session, model)
+
+    def _names_a_base(self, name) -> bool:
+        if self.catalog.multi_model:
+            return self.catalog.serves(name)
+        return name in self.catalog.listed()
 
     def upstream_headers(self, raw: Request | None = None) -> dict[str, str]:
         """The replica's key when the gateway has one; else the client's own passes through."""

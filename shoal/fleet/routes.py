@@ -20,6 +20,7 @@ from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.pipeline import Pipeline
 from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.table import ReplicaTable
+from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import Policy
 from shoal.fleet.status_page import status_html
 from shoal.protocol.auth import bearer_matches
@@ -44,6 +45,7 @@ class Edge:
     usage: UsageLedger
     batches: BatchService
     controller: FleetController | None
+    adapters: AdapterDirectory
 
     def check_key(self, raw: Request):
         return self.pipeline.authenticate(raw)
@@ -104,6 +106,31 @@ def build_app(self: Edge) -> FastAPI:
     async def models(raw: Request):
         tenant = self.check_key(raw)
         return await self.listing.list(tenant, self.pipeline.upstream_headers(raw))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw: Request):
+        """vLLM's route, fleet-wide: the adapter is served by the whole fleet from now on, loaded
+        on one replica now and on others as its traffic needs them."""
+        self.check_admin(raw)
+        body = parse_json_object(await raw.body())
+        name, path = adapter_field(body, "lora_name"), adapter_field(body, "lora_path")
+        model = body.get("model")
+        if self.catalog.multi_model and not self.catalog.serves(model):
+            raise APIError(
+                400, "name the base model the adapter is for (model), one this fleet serves", "model"
+            )
+        if (self.catalog.multi_model and self.catalog.serves(name)) or name in self.catalog.listed():
+            raise APIError(400, f"the model '{name}' is already served", "lora_name")
+        held = await self.adapters.load(name, path, model if self.catalog.multi_model else None)
+        return {"object": "lora_adapter", "id": name, "status": "loaded", "replicas": held}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw: Request):
+        """Unloads the adapter from every replica, once the requests using it have ended."""
+        self.check_admin(raw)
+        name = adapter_field(parse_json_object(await raw.body()), "lora_name")
+        left = await self.adapters.unload(name, self.config.adapter_unload_drain_s)
+        return {"object": "lora_adapter", "id": name, "status": "unloaded", "replicas": left}
 
     @app.get("/fleet/usage")
     async def usage(raw: Request):
@@ -184,3 +211,10 @@ def build_app(self: Edge) -> FastAPI:
 
     install_batch_routes(app, self.batches, self.check_key, self.config.batch_max_file_bytes)
     return app
+
+
+def adapter_field(body: dict, name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not 0 < len(value) <= 4096:
+        raise APIError(400, f"{name} must be a non-empty string", name)
+    return value

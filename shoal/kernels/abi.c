@@ -16,7 +16,10 @@ typedef struct {
 static const AbiField FIELDS[] = {
     FIELD(ProjectionParams, format), FIELD(ProjectionParams, n), FIELD(ProjectionParams, k),
     FIELD(ProjectionParams, qs), FIELD(ProjectionParams, d), FIELD(ProjectionParams, mn),
-    FIELD(ProjectionParams, bias),
+    FIELD(ProjectionParams, bias), FIELD(ProjectionParams, lora_parts), FIELD(ProjectionParams, lora),
+
+    FIELD(LoRAParams, k), FIELD(LoRAParams, n), FIELD(LoRAParams, max_rank), FIELD(LoRAParams, offset),
+    FIELD(LoRAParams, a), FIELD(LoRAParams, b), FIELD(LoRAParams, ranks),
 
     FIELD(LayerParams, hidden), FIELD(LayerParams, heads), FIELD(LayerParams, kv_heads),
     FIELD(LayerParams, head_dim), FIELD(LayerParams, intermediate), FIELD(LayerParams, block_size),
@@ -34,6 +37,7 @@ static const struct {
     const char *name;
     int64_t size;
 } TYPES[] = {
+    {"LoRAParams", sizeof(LoRAParams)},
     {"ProjectionParams", sizeof(ProjectionParams)},
     {"LayerParams", sizeof(LayerParams)},
     {"ShmComm", sizeof(ShmComm)},
@@ -48,6 +52,7 @@ static const struct {
     CONSTANT(FORMAT_Q4_1),      CONSTANT(FORMAT_Q8_0),   CONSTANT(FORMAT_INT8_ROWS),
     CONSTANT(FORMAT_F32_ROWS),  CONSTANT(FORMAT_Q4_1X8), CONSTANT(FORMAT_Q8_0X8),
     CONSTANT(KV_F32),           CONSTANT(KV_F16),        CONSTANT(KV_BF16),
+    CONSTANT(LORA_PARTS),       CONSTANT(LORA_MAX_RANK),
 };
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))

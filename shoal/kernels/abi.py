@@ -13,7 +13,7 @@ import logging
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 1  # shoal_abi.h's SHOAL_ABI_VERSION
+ABI_VERSION = 2  # shoal_abi.h's SHOAL_ABI_VERSION
 
 # Weight formats (ProjectionParams.format) and KV element types, as shoal_abi.h numbers them.
 FORMAT_Q4_1 = 0
@@ -25,16 +25,31 @@ FORMAT_Q8_0X8 = 5
 KV_F32 = 0
 KV_F16 = 1
 KV_BF16 = 2
+LORA_PARTS = 3  # the most HF modules one projection fuses (q, k, v)
+LORA_MAX_RANK = 512
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
 
 
-class ProjectionParams(ctypes.Structure):
-    """A projection's weights (a FORMAT_* id, shapes, pointers)."""
+class LoRAParams(ctypes.Structure):
+    """One LoRA target module's adapter slots: A [slots, max_rank, k], B transposed [slots, max_rank,
+    n], each slot's rank [slots] (int64), and where the module's output starts in its projection's."""
 
-    _fields_ = [("format", _I), ("n", _I), ("k", _I), ("qs", _P), ("d", _P), ("mn", _P), ("bias", _P)]
+    _fields_ = [("k", _I), ("n", _I), ("max_rank", _I), ("offset", _I), ("a", _P), ("b", _P), ("ranks", _P)]
+
+
+class ProjectionParams(ctypes.Structure):
+    """A projection's weights (a FORMAT_* id, shapes, pointers), and the adapters of the HF modules it
+    fuses (lora_parts of them; 0 without adapters)."""
+
+    _fields_ = [
+        *((name, _I) for name in ("format", "n", "k")),
+        *((name, _P) for name in ("qs", "d", "mn", "bias")),
+        ("lora_parts", _I),
+        ("lora", LoRAParams * LORA_PARTS),
+    ]
 
 
 class LayerParams(ctypes.Structure):
@@ -74,6 +89,7 @@ class ShmCommState(ctypes.Structure):
 
 # What each library shares with Python, by C name.
 CPU_STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "LoRAParams": LoRAParams,
     "ProjectionParams": ProjectionParams,
     "LayerParams": LayerParams,
 }
@@ -88,6 +104,8 @@ CPU_CONSTANTS = {
     "KV_F32": KV_F32,
     "KV_F16": KV_F16,
     "KV_BF16": KV_BF16,
+    "LORA_PARTS": LORA_PARTS,
+    "LORA_MAX_RANK": LORA_MAX_RANK,
 }
 
 _DESCRIBE = {

@@ -27,7 +27,16 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("cpu_quant.c", "cpu_x8.c", "cpu_int8.c", "cpu_f32.c", "cpu_ops.c", "cpu_layer.c", "abi.c")
+    for n in (
+        "cpu_quant.c",
+        "cpu_x8.c",
+        "cpu_int8.c",
+        "cpu_f32.c",
+        "cpu_ops.c",
+        "cpu_lora.c",
+        "cpu_layer.c",
+        "abi.c",
+    )
 ]
 ABI_HEADER = Path(__file__).with_name("shoal_abi.h")  # what both libraries share with Python
 HEADERS = [Path(__file__).with_name("simd.h"), ABI_HEADER]

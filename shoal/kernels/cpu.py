@@ -17,7 +17,9 @@ from shoal.kernels.abi import (
     KV_BF16,
     KV_F16,
     KV_F32,
+    LORA_MAX_RANK,
     LayerParams,
+    LoRAParams,
 )
 from shoal.kernels.build import load_cpu_library
 from shoal.kernels.tuning import KernelChoices, KernelTuner
@@ -54,7 +56,8 @@ _SIGNATURES = {
     "shoal_int8_rescale": [_P, _P, _P, _I, _I, _P],
     "shoal_add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "shoal_silu_mul": [_P, _I, _I, _P],
-    "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P],
+    "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P],
+    "shoal_lora_apply": [ctypes.POINTER(LoRAParams), _P, _I, _P, _P, _I],
     "shoal_decode_layer_scratch": [ctypes.POINTER(LayerParams), _I],
     "shoal_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P],
 }
@@ -78,6 +81,7 @@ class CpuKernels:
         self._add_rms_norm = lib.shoal_add_rms_norm
         self._silu_mul = lib.shoal_silu_mul
         self._decode_attention = lib.shoal_paged_decode_attention
+        self._lora_apply = lib.shoal_lora_apply
         self.tuner = KernelTuner(self)  # it times these kernels
 
     @property
@@ -183,6 +187,26 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
+    @staticmethod
+    def lora_params(a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, offset: int = 0) -> LoRAParams:
+        """One target module's adapter slots as the C kernels read them: a [S, R, k] and b [S, R, n]
+        float32, ranks [S] int64 (the tensors must outlive the result)."""
+        if a.shape[1] > LORA_MAX_RANK:
+            raise ValueError(f"LoRA rank {a.shape[1]} is past the kernels' {LORA_MAX_RANK}")
+        return LoRAParams(
+            k=a.shape[2], n=b.shape[2], max_rank=a.shape[1], offset=offset,
+            a=a.data_ptr(), b=b.data_ptr(), ranks=ranks.data_ptr(),
+        )  # fmt: skip
+
+    def lora_apply(
+        self, params: LoRAParams, x: torch.Tensor, row_slots: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        """y[i, offset:offset+n] += B[s] @ (A[s] @ x[i]) for each row i with slot s = row_slots[i] > 0,
+        in place. x [M, k] float32 contiguous, row_slots [M] int64, y [M, *] contiguous."""
+        self._lora_apply(
+            ctypes.byref(params), x.data_ptr(), x.shape[0], row_slots.data_ptr(), y.data_ptr(), y.shape[1]
+        )
+
     def decode_layer_scratch(self, params: LayerParams, rows: int) -> int:
         """Bytes of scratch `decode_layer` needs for `rows` rows."""
         return self._decode_layer_scratch(ctypes.byref(params), rows)
@@ -198,15 +222,18 @@ class CpuKernels:
         tables: torch.Tensor,
         lens: torch.Tensor,
         scratch: torch.Tensor,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decoder layer for single-token rows (see cpu_layer.c): x [M, hidden] gets delta added
         in place; returns this layer's output [M, hidden]. cos/sin [M, D]; slots, tables, lens int64;
-        scratch: at least decode_layer_scratch(params, M) bytes, 64-byte aligned."""
+        scratch: at least decode_layer_scratch(params, M) bytes, 64-byte aligned; lora_slots [M]
+        int64: each row's adapter slot (None: no row has one)."""
         out = torch.empty_like(x)
+        lora = 0 if lora_slots is None else lora_slots.data_ptr()
         self._decode_layer(
             ctypes.byref(params), x.data_ptr(), 0 if delta is None else delta.data_ptr(), x.shape[0],
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), scratch.data_ptr(), out.data_ptr(),
+            lens.data_ptr(), lora, scratch.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         return out
 

@@ -32,8 +32,9 @@ static void store_kv(void *dst, const float *src, int64_t n, int64_t kv) {
     }
 }
 
-static void project(const ProjectionParams *p, const float *x, int64_t M, int8_t *xq, float *dx, float *sx,
-                    float *y) {
+/* lora_slots [M]: each row's adapter slot (0: none), or NULL when no row of the step has one. */
+static void project(const ProjectionParams *p, const float *x, int64_t M, const int64_t *lora_slots, int8_t *xq,
+                    float *dx, float *sx, float *y) {
     if (p->format == FORMAT_F32_ROWS)
         shoal_f32_linear(x, M, p->k, (const float *)p->qs, p->n, y);
     else if (p->format == FORMAT_INT8_ROWS)
@@ -43,6 +44,8 @@ static void project(const ProjectionParams *p, const float *x, int64_t M, int8_t
     if (p->bias)
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < p->n; j++) y[i * p->n + j] += p->bias[j];
+    if (lora_slots)
+        for (int64_t part = 0; part < p->lora_parts; part++) shoal_lora_apply(&p->lora[part], x, M, lora_slots, y, p->n);
 }
 
 /* Carves the layer's buffers for M rows out of one scratch area (NULL: only counts); returns its bytes. */
@@ -71,12 +74,13 @@ int64_t shoal_decode_layer_scratch(const LayerParams *p, int64_t M) {
 /* x [M, hidden]: the residual stream, updated in place (x += delta first, when delta is given).
  * cos, sin [M, head_dim]: rope tables for each row's position, sin with rotate_half's sign folded in.
  * slots [M]: where each row's K/V goes; tables [M, max_blocks], lens [M]: its context.
+ * lora_slots [M]: each row's LoRA adapter slot, or NULL when no row has one.
  * scratch: shoal_decode_layer_scratch(p, M) bytes, 64-byte aligned, reused from call to call (no
  * allocation, and no page faults, per layer per step).
  * out [M, hidden]: this layer's output, not yet added to x. */
 void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int64_t M, const float *cos,
                         const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
-                        const int64_t *lens, void *scratch, float *out) {
+                        const int64_t *lens, const int64_t *lora_slots, void *scratch, float *out) {
     const int64_t H = p->hidden, D = p->head_dim, Hq = p->heads, Hk = p->kv_heads, I = p->intermediate;
     const int64_t nqkv = p->qkv.n;
     float *h, *qkv, *attn, *gu, *act, *dx, *sx;
@@ -84,7 +88,7 @@ void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int6
     layout(p, M, scratch, &h, &qkv, &attn, &gu, &act, &xq, &dx, &sx);
 
     shoal_add_rms_norm(x, delta, p->input_norm, M, H, p->eps, h);
-    project(&p->qkv, h, M, xq, dx, sx, qkv);
+    project(&p->qkv, h, M, lora_slots, xq, dx, sx, qkv);
     /* Rope on q and k heads (adjacent in each row), rotate_half layout: x*cos + roll(x, D/2)*sin. */
     const int64_t half = D / 2;
     for (int64_t i = 0; i < M; i++) {
@@ -102,11 +106,11 @@ void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int6
     }
     shoal_paged_decode_attention(qkv, nqkv, p->k_cache, p->v_cache, tables, max_blocks, lens, M, Hq, Hk, D,
                                  p->block_size, p->window, p->scale, p->kv_type, attn);
-    project(&p->o, attn, M, xq, dx, sx, out);
+    project(&p->o, attn, M, lora_slots, xq, dx, sx, out);
     if (p->allreduce) p->allreduce(p->comm, out, M * H);
     shoal_add_rms_norm(x, out, p->post_norm, M, H, p->eps, h);
-    project(&p->gate_up, h, M, xq, dx, sx, gu);
+    project(&p->gate_up, h, M, lora_slots, xq, dx, sx, gu);
     shoal_silu_mul(gu, M, I, act);
-    project(&p->down, act, M, xq, dx, sx, out);
+    project(&p->down, act, M, lora_slots, xq, dx, sx, out);
     if (p->allreduce) p->allreduce(p->comm, out, M * H);
 }

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define SHOAL_ABI_VERSION 1
+#define SHOAL_ABI_VERSION 2
 
 /* Weight formats of a projection (ProjectionParams.format). */
 enum {
@@ -27,11 +27,26 @@ enum {
 /* Element types of the KV cache. */
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
-/* A projection's weights: y = x @ W^T (+ bias), W [n, k] in `format`. */
+/* The most HF modules one projection fuses (q, k and v into qkv), and the largest adapter rank. */
+#define LORA_PARTS 3
+#define LORA_MAX_RANK 512
+
+/* One LoRA target module's adapter slots (cpu_lora.c): for a row using slot s,
+ * y[offset : offset + n] += B[s] @ (A[s] @ x), over the slot's first ranks[s] ranks. */
+typedef struct {
+    int64_t k, n, max_rank, offset;
+    const float *a;       /* [slots, max_rank, k] */
+    const float *b;       /* [slots, max_rank, n]: the expand transposed, so a rank adds one row */
+    const int64_t *ranks; /* [slots]: 0 where the slot's adapter leaves this module alone */
+} LoRAParams;
+
+/* A projection's weights: y = x @ W^T (+ bias), W [n, k] in `format`; then its adapters, if any. */
 typedef struct {
     int64_t format, n, k;
     const void *qs;
     const float *d, *mn, *bias;
+    int64_t lora_parts; /* 0 without adapters */
+    LoRAParams lora[LORA_PARTS];
 } ProjectionParams;
 
 /* One decoder layer's shapes, weights and KV cache (cpu_layer.c). */
@@ -98,11 +113,15 @@ void shoal_paged_decode_attention(const float *q, int64_t q_stride, const void *
                                   int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t window, float scale,
                                   int64_t kv, float *out);
 
+/* cpu_lora.c */
+void shoal_lora_apply(const LoRAParams *p, const float *x, int64_t M, const int64_t *row_slots, float *y,
+                      int64_t ldy);
+
 /* cpu_layer.c */
 int64_t shoal_decode_layer_scratch(const LayerParams *p, int64_t M);
 void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int64_t M, const float *cos,
                         const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
-                        const int64_t *lens, void *scratch, float *out);
+                        const int64_t *lens, const int64_t *lora_slots, void *scratch, float *out);
 
 /* shm_comm.c (its own library, built for any CPU) */
 int64_t shoal_shm_bytes(int64_t world, int64_t slot_bytes);

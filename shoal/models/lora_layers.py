@@ -1,16 +1,17 @@
 """Several LoRA adapters in one batch: each projection an adapter may target holds a stack of slots
 (slot 0 is no adapter), and each row of a step names its slot.
 
-The product is segmented, as Punica's SGMV is: the rows of each adapter present in the step go
-through one shrink (x @ A^T) and one expand (@ B^T) of that adapter's slot, and the result is
-added to the base projection's output for those rows. The base projection runs once for the
-whole batch, whatever its weights (fp32, int8, int4): adapters stay in floating point."""
+Each row adds B @ (A @ x) of its own slot to the base projection's output (Punica's BGMV): in C on
+CPU (shoal/kernels/cpu_lora.c, also inside the fused decode layer), elsewhere segmented in torch,
+one shrink and one expand per adapter present. The base projection runs once for the whole batch,
+whatever its weights (fp32, int8, int4): adapters stay in floating point."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from shoal.kernels.cpu import kernels_for
 from shoal.models.llama import PACKED_PARTS, PROJECTIONS, LlamaForCausalLM
 from shoal.models.lora import LoRAAdapter, module_shapes
 
@@ -19,36 +20,55 @@ class LoRABatch:
     """Which slot each row of the current step uses; the runner sets it before each forward."""
 
     def __init__(self):
-        self.segments: list[tuple[int, torch.Tensor]] = []  # (slot, row indices), slot > 0
+        self.row_slots: torch.Tensor | None = None  # int64 [rows]; None when no row has an adapter
+        self._segments: list[tuple[int, torch.Tensor]] | None = None
 
     def set_rows(self, slots: list[int], device: torch.device) -> None:
-        self.segments = []
-        if not any(slots):
-            return
-        rows = torch.tensor(slots, dtype=torch.int64)
-        for slot in sorted(set(slots) - {0}):
-            self.segments.append((slot, (rows == slot).nonzero().flatten().to(device)))
+        self.row_slots = torch.tensor(slots, dtype=torch.int64, device=device) if any(slots) else None
+        self._segments = None
 
     def clear(self) -> None:
-        self.segments = []
+        self.row_slots = None
+        self._segments = None
+
+    def segments(self) -> list[tuple[int, torch.Tensor]]:
+        """(slot, row indices) for each adapter present, computed once per step."""
+        if self._segments is None:
+            rows = self.row_slots
+            slots = [] if rows is None else sorted(set(rows.tolist()) - {0})
+            self._segments = [(slot, (rows == slot).nonzero().flatten()) for slot in slots]
+        return self._segments
 
 
 class LoRAStack:
-    """One target module's slots: A [S, r_max, in], B [S, out, r_max] (zero in unused columns)."""
+    """One target module's slots: A [S, r_max, in], B transposed [S, r_max, out] (zero past each
+    slot's rank), and each slot's rank (int64 [S], 0 when its adapter leaves the module alone)."""
 
     def __init__(self, num_slots: int, max_rank: int, fan_in: int, fan_out: int, dtype, device):
         self.a = torch.zeros(num_slots, max_rank, fan_in, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, fan_out, max_rank, dtype=dtype, device=device)
-        self.ranks = [0] * num_slots
+        self.b = torch.zeros(num_slots, max_rank, fan_out, dtype=dtype, device=device)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int64)  # read by C, so on the host
+        self.fan_out = fan_out
 
     def put(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """a [r, in] and b [out, r] as PEFT stores them (b already scaled), or None to empty."""
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.ranks[slot] = 0 if a is None else a.shape[0]
         if a is not None:
             r = a.shape[0]
             self.a[slot, :r].copy_(a)
-            self.b[slot, :, :r].copy_(b)
+            self.b[slot, :r].copy_(b.t())
+
+    def add_torch(self, x: torch.Tensor, y: torch.Tensor, offset: int, segments) -> None:
+        """The reference: each adapter's rows through one shrink and one expand."""
+        ranks = self.ranks.tolist()
+        for slot, rows in segments:
+            r = ranks[slot]
+            if r == 0:
+                continue
+            delta = (x.index_select(0, rows) @ self.a[slot, :r].t()) @ self.b[slot, :r]
+            y[:, offset : offset + self.fan_out].index_add_(0, rows, delta.to(y.dtype))
 
 
 class LoRAProjection(nn.Module):
@@ -60,18 +80,22 @@ class LoRAProjection(nn.Module):
         self.base = base
         self.parts = parts
         self.batch = batch
+        self._kernel_params = None  # the parts as C reads them, made on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self.batch.segments:
-            xs = x.index_select(0, rows)
+        rows = self.batch.row_slots
+        if rows is None:
+            return y
+        kernels = kernels_for(x, y, self.parts[0][1].a)
+        if kernels is None:
             for offset, stack in self.parts:
-                r = stack.ranks[slot]
-                if r == 0:  # this adapter leaves this module alone
-                    continue
-                a, b = stack.a[slot, :r], stack.b[slot, :, :r]
-                delta = (xs @ a.t()) @ b.t()
-                y[:, offset : offset + b.shape[0]].index_add_(0, rows, delta.to(y.dtype))
+                stack.add_torch(x, y, offset, self.batch.segments())
+            return y
+        if self._kernel_params is None:
+            self._kernel_params = [kernels.lora_params(s.a, s.b, s.ranks, offset) for offset, s in self.parts]
+        for params in self._kernel_params:
+            kernels.lora_apply(params, x, rows, y)
         return y
 
 

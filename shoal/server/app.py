@@ -226,7 +226,16 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/load")
     async def load():
-        return {**state.serving().engine.load(), "role": state.role}
+        ctx = state.serving()
+        out = {**ctx.engine.load(), "role": state.role}
+        if ctx.adapters is not None:  # what the fleet's gateway routes adapters by
+            lora = ctx.engine.stats().lora
+            out["lora"] = {
+                "adapters": dict(ctx.adapters),
+                "resident": list(lora.resident),
+                "slots": lora.slots,
+            }
+        return out
 
     @app.post("/kv/pull")
     async def kv_pull(raw: Request):

@@ -104,7 +104,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     streams = await open_streams(
         ctx, rid, [prompt], params, req.priority, resume, req.kv_transfer_params, raw, lora
     )
-    timer = ctx.metrics.timer(raw.state.arrival)
+    timer = ctx.metrics.timer(raw.state.arrival, lora)
     head = {"id": rid, "created": now_s(), "model": lora or ctx.model_name}
     # A resumed stream answers for one choice of the original request, under that choice's index.
     first_index = resume.index if resume is not None else 0

@@ -98,7 +98,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
         ctx, rid, prompts, params, req.priority, resume, req.kv_transfer_params, raw, lora
     )
     start = raw.state.arrival
-    timers = [ctx.metrics.timer(start) for _ in streams]
+    timers = [ctx.metrics.timer(start, lora) for _ in streams]
     lp = _Logprobs(ctx) if req.logprobs is not None else None
     prior = len(resume.output_token_ids) if resume is not None else 0
     first_index = resume.index if resume is not None else 0

@@ -160,6 +160,15 @@ class ServerMetrics:
             [*labels, "finished_reason"],
             registry=self.registry,
         )
+        adapter_labels = [*labels, "adapter"]
+        self.lora_prompt_tokens = Counter(
+            "shoal:lora_prompt_tokens", "Prompt tokens processed, by LoRA adapter.", adapter_labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.lora_generation_tokens = Counter(
+            "shoal:lora_generation_tokens", "Output tokens generated, by LoRA adapter.", adapter_labels,
+            registry=self.registry,
+        )  # fmt: skip
         self.request_errors = Counter(
             "shoal:request_errors",
             "Requests refused or failed, by HTTP status.",
@@ -174,16 +183,17 @@ class ServerMetrics:
     def error(self, status: int) -> None:
         self.request_errors.labels(self.model_name, str(status)).inc()
 
-    def timer(self, start: float) -> RequestTimer:
-        return RequestTimer(self, start)
+    def timer(self, start: float, adapter: str | None = None) -> RequestTimer:
+        return RequestTimer(self, start, adapter)
 
 
 class RequestTimer:
     """Observes one engine request's latencies from the step times stamped on its outputs."""
 
-    def __init__(self, metrics: ServerMetrics, start: float):
+    def __init__(self, metrics: ServerMetrics, start: float, adapter: str | None = None):
         self.m = metrics
         self.start = start
+        self.adapter = adapter  # the LoRA adapter the request runs with, if any
         self.last: float | None = None
         self.done = False
 
@@ -201,10 +211,14 @@ class RequestTimer:
                 m.itl.labels(name).observe(now - self.last)
             self.last = now
             m.generation_tokens.labels(name).inc(tokens)
+            if self.adapter is not None:
+                m.lora_generation_tokens.labels(name, self.adapter).inc(tokens)
         if out.finished:
             self.done = True
             m.e2e.labels(name).observe(now - self.start)
             m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+            if self.adapter is not None:
+                m.lora_prompt_tokens.labels(name, self.adapter).inc(len(out.prompt_token_ids))
             for o in out.outputs:
                 m.request_success.labels(name, o.finish_reason or "abort").inc()
 

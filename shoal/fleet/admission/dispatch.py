@@ -18,6 +18,7 @@ from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import SERVING_ROLES, Replica
 from shoal.fleet.replicas.table import ReplicaTable
+from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Dispatcher:
         demand: DemandSignals,
         canary: CanarySplit,
         cold_start: Callable[[str | None], bool],
+        adapters: AdapterDirectory,
     ):
         self.config = config
         self.table = table
@@ -51,6 +53,7 @@ class Dispatcher:
         self.demand = demand
         self.canary = canary
         self.cold_start = cold_start  # whether a model with no replica up gets one if we wait
+        self.adapters = adapters  # which replicas a request for an adapter may go to
         self._waiters = 0
 
     async def acquire(
@@ -90,7 +93,12 @@ class Dispatcher:
                 preferred = [r for r in routable if r.role in roles]
                 if preferred or only_roles:
                     routable = preferred
-                if not routable and not cold:
+                adapter_wait = False
+                if req.adapter is not None and routable:
+                    routable = self.adapters.narrow(routable, req.adapter)
+                    # None holds it and one is loading it (narrow saw to that): wait for it.
+                    adapter_wait = not routable and self.adapters.loading(req.adapter)
+                if not routable and not cold and not adapter_wait:
                     if only_roles or not self.cold_start(model):
                         raise NoReplicaError("no replica is ready")
                     cold = True  # one is starting or standing by: wait for it, not 503

@@ -312,10 +312,16 @@ class StreamRelay:
         if prompt_ids is None:
             raise StopRelay(502, "the replica failed mid-stream before its prompt was known")
         body, tag = state.resume_body(index, prompt_ids)
-        hashes = self.p.keys.hash_ids(prompt_ids + c.ids)
         r = self.fwd.route
+        hashes = self.p.keys.hash_ids(prompt_ids + c.ids, r.adapter)
         route = RouteRequest(
-            hashes, r.session, model=r.model, tenant=r.tenant, priority=r.priority, charged=True
+            hashes,
+            r.session,
+            model=r.model,
+            adapter=r.adapter,
+            tenant=r.tenant,
+            priority=r.priority,
+            charged=True,
         )
         up = await self.open(tag, route, body, budget=False)
         if isinstance(up, Response) and up.status_code < 500:

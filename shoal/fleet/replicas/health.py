@@ -183,6 +183,10 @@ class HealthMonitor:
             role = r.load.get("role")
             if isinstance(role, str):
                 r.role = role
+            lora = r.load.get("lora")
+            if isinstance(lora, dict):
+                for state, key in (("registered", "adapters"), ("resident", "resident")):
+                    self.metrics.replica_adapters.labels(r.name, state).set(len(lora.get(key) or ()))
 
     async def _poll_kv(self, r: Replica) -> None:
         if r.state in (Health.DOWN, Health.PORT_IN_USE):

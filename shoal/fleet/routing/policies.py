@@ -18,6 +18,7 @@ class RouteRequest:
     session: str | None = None
     cached_blocks: int = 0  # set by dispatch: leading blocks the chosen replica already held
     model: str | None = None  # the model asked for, in a fleet of several (None: the only one)
+    adapter: str | None = None  # the LoRA adapter it names, over `model` (routing/adapters.py)
     # Admission: whose request, at which priority (lower first), about how many prompt tokens
     # (charged to the tenant's fair share once, when it is first dispatched).
     tenant: str = "anonymous"

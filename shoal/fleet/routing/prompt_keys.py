@@ -62,12 +62,16 @@ class PromptKeys:
         except Exception as exc:  # a foreign model: route on text blocks instead
             log.warning("no tokenizer for prefix routing (%s); hashing prompt text instead", exc)
 
-    def hash_ids(self, ids: list[int]) -> list[int]:
-        return hash_blocks(ids, self.table.block_size, root=self.kv_root)
+    def hash_ids(self, ids: list[int], adapter: str | None = None) -> list[int]:
+        # An adapter's blocks are its own on the replicas (their hashes cover it): so here too.
+        extra = () if adapter is None else (("lora", adapter),)
+        return hash_blocks(ids, self.table.block_size, extra, root=self.kv_root)
 
-    async def route(self, path: str, body: dict, session: str | None, model: str | None) -> RouteRequest:
-        hashes, tokens = await asyncio.to_thread(self.hashes, path, body)
-        return RouteRequest(hashes, session, model=model, tokens=tokens)
+    async def route(
+        self, path: str, body: dict, session: str | None, model: str | None, adapter: str | None = None
+    ) -> RouteRequest:
+        hashes, tokens = await asyncio.to_thread(self.hashes, path, body, adapter)
+        return RouteRequest(hashes, session, model=model, adapter=adapter, tokens=tokens)
 
     def prompt_ids(self, path: str, body: dict) -> list[int] | None:
         tok = self.tokenizer
@@ -92,7 +96,7 @@ class PromptKeys:
             return tok.encode(prompt)
         return None
 
-    def hashes(self, path: str, body: dict) -> tuple[list[int], int]:
+    def hashes(self, path: str, body: dict, adapter: str | None = None) -> tuple[list[int], int]:
         """The prompt's block hashes and about how many tokens it has. Runs on a worker thread.
         A prompt too long for any context is not tokenized: the replica refuses it anyway, and
         tokenizing megabytes would hold a thread for seconds."""
@@ -105,11 +109,12 @@ class PromptKeys:
             except Exception:  # a prompt the template refuses: the replica will say why
                 ids = None
         if ids is not None:
-            return self.hash_ids(ids[:limit]), len(ids)
+            return self.hash_ids(ids[:limit], adapter), len(ids)
         prompt = body.get("messages") or body.get("prompt") or ""
         if isinstance(prompt, str):
             text = prompt[:limit]
         else:
             text = json.dumps(prompt, sort_keys=True, ensure_ascii=False)[:limit]
         # About four characters a token, for admission's token estimate.
-        return hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES), chars // 4
+        extra = () if adapter is None else (("lora", adapter),)
+        return hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES, extra), chars // 4
