@@ -6,9 +6,12 @@ batch (request i names adapter i % N), at rank 8 and 16; the time to load an ada
 serve instead (fp32 base: merge, generate the request alone, unmerge).
 
 Adapters are random, written in PEFT's layout (adapter_config.json, adapter_model.safetensors) for
-every projection of every layer.
+every projection of every layer (--targets narrows them: q_proj,v_proj is PEFT's default for Llama).
+The served base is the bundled int4 model, so adapters are held in float16 (--lora-dtype auto);
+--lora-dtype float32 measures them in float32.
 
     python benchmarks/multi_lora.py [--ranks 8,16] [--adapters 1,8,32] [--requests-per-stream 2]
+        [--targets q_proj,v_proj] [--lora-dtype float32]
 """
 
 from __future__ import annotations
@@ -34,17 +37,19 @@ MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 KEY = "multi-lora-bench"
 
 
-def write_adapter(path: Path, cfg, rank: int, seed: int) -> None:
+def write_adapter(path: Path, cfg, rank: int, seed: int, targets: list[str]) -> None:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
         for module, (fan_in, fan_out) in module_shapes(cfg).items():
+            if module not in targets:
+                continue
             prefix = f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.02
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES)}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
     (path / "adapter_config.json").write_text(json.dumps(config))
 
 
@@ -117,6 +122,8 @@ def main() -> None:
     ap.add_argument("--adapters", default="1,8,32")
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--port", type=int, default=8131)
+    ap.add_argument("--targets", default=",".join(MODULES), help="modules each adapter changes")
+    ap.add_argument("--lora-dtype", default="auto", choices=("auto", "float32", "float16"))
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     counts = [int(n) for n in args.adapters.split(",")]
@@ -130,9 +137,10 @@ def main() -> None:
         for rank in ranks:
             names = [f"r{rank}-{i}" for i in range(max(counts))]
             for i, name in enumerate(names):
-                write_adapter(root / name, cfg, rank, seed=1000 * rank + i)
+                write_adapter(root / name, cfg, rank, seed=1000 * rank + i, targets=args.targets.split(","))
             first, rest = names[0], names[1:]
-            flags = ["--enable-lora", "--max-loras", str(max(counts)), "--max-lora-rank", str(max(ranks))]
+            flags = ["--enable-lora", "--max-loras", str(max(counts)), "--max-lora-rank", str(max(ranks)),
+                     "--lora-dtype", args.lora_dtype]  # fmt: skip
             with server(args.port, *flags, "--lora-modules", f"{first}={root / first}") as url:
                 loads = [load_at_run_time(url, name, root / name) for name in rest]
                 print(f"rank {rank}: load_lora_adapter median {1000 * statistics.median(loads):.1f} ms "

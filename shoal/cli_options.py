@@ -116,6 +116,11 @@ def engine_flag_sets() -> tuple[FlagSet, ...]:
             ),
             Flag("max_loras", help="adapters resident at once (their slots come out of the KV budget)"),
             Flag("max_lora_rank", help="the largest adapter rank a slot holds"),
+            Flag(
+                "lora_dtype",
+                choices=("auto", "float32", "float16"),
+                help="adapter weights' type (auto: the model's; float16 over an int4 or int8 base)",
+            ),
         ),
     )
     return cache, scheduler, engine, speculative, lora

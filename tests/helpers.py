@@ -88,22 +88,25 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, torch.stack(logprobs).cpu()
 
 
-def closeness_to_reference(llm, reference: dict, new_tokens: int) -> dict:
-    """How close `llm` stays to HF fp32 on PROMPTS. Teacher-forced on HF's greedy continuations: the
-    share of positions where its top token is HF's, and |its logprob of HF's token - HF's|. Free
-    running: how many first tokens of its own greedy continuation match HF's."""
+def closeness_to_reference(llm, reference: dict, new_tokens: int, lora: str | None = None) -> dict:
+    """How close `llm` (with the LoRA adapter `lora`, if given) stays to HF fp32 on PROMPTS.
+    Teacher-forced on HF's greedy continuations: the share of positions where its top token is HF's,
+    and |its logprob of HF's token - HF's|. Free running: how many first tokens of its own greedy
+    continuation match HF's."""
     agree = total = 0
     errors, prefixes = [], []
     for prompt in PROMPTS:
         ids, tokens, logprobs = reference[prompt]
-        out = llm.generate(ids + tokens, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+        forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+        out = llm.generate(ids + tokens, forced, lora=lora)[0]
         for j, (tok, ref_lp) in enumerate(zip(tokens, logprobs)):
             lp = out.prompt_logprobs[len(ids) + j]
             assert lp.token_id == tok
             agree += lp.top[0][0] == tok
             total += 1
             errors.append(abs(lp.logprob - float(ref_lp[tok])))
-        greedy = llm.generate(ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        greedy = llm.generate(ids, params, lora=lora)[0]
         got = greedy.outputs[0].token_ids
         prefixes.append(next((j for j, (a, b) in enumerate(zip(got, tokens)) if a != b), len(tokens)))
     return {

@@ -76,9 +76,9 @@ def split_engine(
     return llm, procs
 
 
-def greedy_tokens(llm: LLM, reference: dict) -> list[list[int]]:
+def greedy_tokens(llm: LLM, reference: dict, prompts: list[str] = PROMPTS) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True)
-    outs = llm.generate([reference[p][0] for p in PROMPTS], params)
+    outs = llm.generate([reference[p][0] for p in prompts], params)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -138,7 +138,7 @@ def test_ranks_on_hosts_without_the_model_fetch_it_from_the_driver_once(cluster,
             logs = [stack.enter_context(open(p, "w")) for p in paths]
             llm, procs = split_engine(cluster, [0, 1], logs=logs, tensor_parallel_size=2, model=str(model))
             try:
-                assert greedy_tokens(llm, reference)[:2] == [reference[p][1] for p in PROMPTS[:2]]
+                assert greedy_tokens(llm, reference, PROMPTS[:2]) == [reference[p][1] for p in PROMPTS[:2]]
             finally:
                 llm.shutdown()
                 for p in procs:

@@ -25,7 +25,7 @@ PROMPT = "The best way to learn a new language is"
 TOKENS = 12
 
 
-def make_adapter(hf_model, path, seed: int, targets: list[str], rank: int):
+def make_adapter(hf_model, path, seed: int, targets: list[str], rank: int, std: float = 0.08):
     """A random adapter saved as PEFT saves it; returns the model with it applied (a copy)."""
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
     torch.manual_seed(seed)
@@ -33,7 +33,7 @@ def make_adapter(hf_model, path, seed: int, targets: list[str], rank: int):
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_" in n:
-                p.normal_(0, 0.08)
+                p.normal_(0, std)
     model.save_pretrained(path)
     return model.eval()
 

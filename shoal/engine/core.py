@@ -96,7 +96,8 @@ class EngineCore:
             if parallel.world_size > 1:
                 raise ValueError("LoRA adapters with tensor or pipeline parallelism are not supported yet")
             # The adapter slots come out of the KV budget: the memory plan holds both.
-            kv_budget -= lora.max_loras * slot_bytes(mcfg, lora.max_lora_rank, dtype)
+            adapter_dtype = lora.weights_dtype(dtype, self.loaded.quantization is not None)
+            kv_budget -= lora.max_loras * slot_bytes(mcfg, lora.max_lora_rank, adapter_dtype)
         num_blocks = cache.num_blocks or max(0, kv_budget) // block_bytes
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory")

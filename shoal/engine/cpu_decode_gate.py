@@ -23,6 +23,7 @@ from shoal.kernels.cpu import (
     F32_ROWS_FORMAT_ID,
     INT8_ROWS_FORMAT_ID,
     KV_TYPE_IDS,
+    LORA_DTYPE_IDS,
     QK,
     decode_attention_supports,
 )
@@ -127,8 +128,8 @@ def _projection_refusal(where: str, m: nn.Module) -> Refusal | None:
     if type(m) is LoRAProjection:
         if _hooked(m) or "forward" in vars(m):
             return Refusal(f"{where} forward", "hooked or replaced")
-        if any(stack.a.dtype != torch.float32 or stack.a.device.type != "cpu" for _, stack in m.parts):
-            return Refusal(f"{where} adapters", "not float32 on the CPU")
+        if any(stack.a.dtype not in LORA_DTYPE_IDS or stack.a.device.type != "cpu" for _, stack in m.parts):
+            return Refusal(f"{where} adapters", "not float32 or float16 on the CPU")
         where, m = f"{where}.base", m.base
         if _hooked(m) or "forward" in vars(m):
             return Refusal(f"{where} forward", "hooked or replaced")

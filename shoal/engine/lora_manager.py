@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from shoal.models.lora import LoRAAdapter
+
+LORA_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass
@@ -20,13 +24,25 @@ class LoRAConfig:
     max_lora_rank: int = 16
     # name -> folder of a PEFT adapter, registered at start
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # What adapter weights are held in (vLLM's --lora-dtype). auto: the model's dtype, but float16
+    # over an int4 or int8 base, whose own rounding is far coarser: half the bytes a step reads
+    # for rows of distinct adapters (see benchmarks/multi_lora.py).
+    lora_dtype: str = "auto"
 
     def __post_init__(self):
         self.lora_modules = dict(self.lora_modules)  # from flags: (name, path) pairs
         if self.lora_modules and not self.enable_lora:
             self.enable_lora = True  # naming adapters asks for them
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if not 1 <= self.max_loras <= 1023 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("max_loras must be in 1..1023 and max_lora_rank in 1..512")
+        if self.lora_dtype != "auto" and self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be auto or one of {', '.join(LORA_DTYPES)}")
+
+    def weights_dtype(self, model_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+        """What the adapter slots hold, for a model of this dtype (quantized or not)."""
+        if self.lora_dtype != "auto":
+            return LORA_DTYPES[self.lora_dtype]
+        return torch.float16 if quantized and model_dtype == torch.float32 else model_dtype
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -44,8 +60,8 @@ class AdapterInUseError(RuntimeError):
 @dataclass(frozen=True)
 class LoRAStats:
     resident: tuple[str, ...]  # adapters in the model's slots
-    loads: int  # adapters put in a slot
-    evictions: int  # resident adapters displaced by another
+    loads: dict[str, int]  # times each adapter was put in a slot
+    evictions: dict[str, int]  # times each was displaced by another
     requests: dict[str, int]  # requests admitted, by adapter
     slots: int  # adapters that fit in the model at once
 
@@ -59,8 +75,8 @@ class LoRAManager:
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident, unused; least recent first
         self.free_slots = list(range(num_slots, 0, -1))
         self.pending_loads: list[tuple[int, LoRAAdapter | None]] = []  # for the next step
-        self.loads = 0
-        self.evictions = 0
+        self.loads: Counter[str] = Counter()
+        self.evictions: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
 
     def register(self, adapter: LoRAAdapter) -> None:
@@ -86,12 +102,13 @@ class LoRAManager:
             if not self.free_slots:
                 if not self.idle:
                     return None
-                self._evict(next(iter(self.idle)))
-                self.evictions += 1
+                victim = next(iter(self.idle))
+                self._evict(victim)
+                self.evictions[victim] += 1
             slot = self.free_slots.pop()
             self.slot_of[name] = slot
             self.pending_loads.append((slot, self.adapters[name]))
-            self.loads += 1
+            self.loads[name] += 1
         self.idle.pop(name, None)
         self.users[name] = self.users.get(name, 0) + 1
         self.requests[name] += 1
@@ -108,7 +125,11 @@ class LoRAManager:
 
     def stats(self) -> LoRAStats:
         return LoRAStats(
-            tuple(sorted(self.slot_of)), self.loads, self.evictions, dict(self.requests), self.num_slots
+            tuple(sorted(self.slot_of)),
+            dict(self.loads),
+            dict(self.evictions),
+            dict(self.requests),
+            self.num_slots,
         )
 
     def take_loads(self) -> list[tuple[int, LoRAAdapter | None]]:

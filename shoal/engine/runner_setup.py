@@ -42,7 +42,8 @@ def build_runner(
     if config.lora.enable_lora:
         # Before the forward paths are chosen (the fused C layer reads the wrapped projections'
         # slots). No CUDA graphs: a step's rows change adapters.
-        lora = LoRASlots(loaded.model, config.lora.max_loras, config.lora.max_lora_rank)
+        dtype = config.lora.weights_dtype(loaded.model.dtype, loaded.quantization is not None)
+        lora = LoRASlots(loaded.model, config.lora.max_loras, config.lora.max_lora_rank, dtype)
     elif not config.enforce_eager and config.parallel.world_size == 1:
         graphs = GraphOptions(min(config.scheduler.max_num_seqs, MAX_GRAPH_ROWS), max_model_len)
     tokenizer = loaded.tokenizer

@@ -248,6 +248,9 @@ class Scheduler:
             i += 1
 
         # After a preemption the pool is short: admitting new work now would only thrash.
+        # A request whose adapter finds no slot (each holds an adapter in use) steps aside for the
+        # requests behind it (the base model's, or a resident adapter's) and keeps its place.
+        no_slot: list[Request] = []
         while (
             self.waiting
             and budget > 0
@@ -264,8 +267,9 @@ class Scheduler:
             n = min(req.num_tokens - num_cached - external, budget)
             if req.lora is not None and not req.lora_slot:
                 slot = self.lora.acquire(req.lora)
-                if slot is None:  # every slot holds an adapter that running requests use
-                    break
+                if slot is None:
+                    no_slot.append(self.waiting.pop(0))
+                    continue
                 req.lora_slot = slot
             ok = self._allocate(req, n, cached=cached, num_external_tokens=external, reserve=self._reserve)
             if not ok:
@@ -286,6 +290,7 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = n
             budget -= n
+        self.waiting[:0] = no_slot
 
         return self._build_output(scheduled, spec)
 

@@ -19,7 +19,8 @@ static const AbiField FIELDS[] = {
     FIELD(ProjectionParams, bias), FIELD(ProjectionParams, lora_parts), FIELD(ProjectionParams, lora),
 
     FIELD(LoRAParams, k), FIELD(LoRAParams, n), FIELD(LoRAParams, max_rank), FIELD(LoRAParams, offset),
-    FIELD(LoRAParams, a), FIELD(LoRAParams, b), FIELD(LoRAParams, ranks),
+    FIELD(LoRAParams, slots), FIELD(LoRAParams, dtype), FIELD(LoRAParams, a), FIELD(LoRAParams, b),
+    FIELD(LoRAParams, ranks),
 
     FIELD(LayerParams, hidden), FIELD(LayerParams, heads), FIELD(LayerParams, kv_heads),
     FIELD(LayerParams, head_dim), FIELD(LayerParams, intermediate), FIELD(LayerParams, block_size),
@@ -52,7 +53,8 @@ static const struct {
     CONSTANT(FORMAT_Q4_1),      CONSTANT(FORMAT_Q8_0),   CONSTANT(FORMAT_INT8_ROWS),
     CONSTANT(FORMAT_F32_ROWS),  CONSTANT(FORMAT_Q4_1X8), CONSTANT(FORMAT_Q8_0X8),
     CONSTANT(KV_F32),           CONSTANT(KV_F16),        CONSTANT(KV_BF16),
-    CONSTANT(LORA_PARTS),       CONSTANT(LORA_MAX_RANK),
+    CONSTANT(LORA_PARTS),       CONSTANT(LORA_MAX_RANK), CONSTANT(LORA_MAX_SLOTS),
+    CONSTANT(LORA_F32),         CONSTANT(LORA_F16),
 };
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))

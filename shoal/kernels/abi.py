@@ -27,6 +27,9 @@ KV_F16 = 1
 KV_BF16 = 2
 LORA_PARTS = 3  # the most HF modules one projection fuses (q, k, v)
 LORA_MAX_RANK = 512
+LORA_MAX_SLOTS = 1024  # slot 0 (no adapter) included
+LORA_F32 = 0  # LoRAParams.dtype
+LORA_F16 = 1
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -35,9 +38,13 @@ _F = ctypes.c_float
 
 class LoRAParams(ctypes.Structure):
     """One LoRA target module's adapter slots: A [slots, max_rank, k], B transposed [slots, max_rank,
-    n], each slot's rank [slots] (int64), and where the module's output starts in its projection's."""
+    n] (float32 or float16: dtype), each slot's rank [slots] (int64), and where the module's output
+    starts in its projection's."""
 
-    _fields_ = [("k", _I), ("n", _I), ("max_rank", _I), ("offset", _I), ("a", _P), ("b", _P), ("ranks", _P)]
+    _fields_ = [
+        *((name, _I) for name in ("k", "n", "max_rank", "offset", "slots", "dtype")),
+        *((name, _P) for name in ("a", "b", "ranks")),
+    ]
 
 
 class ProjectionParams(ctypes.Structure):
@@ -106,6 +113,9 @@ CPU_CONSTANTS = {
     "KV_BF16": KV_BF16,
     "LORA_PARTS": LORA_PARTS,
     "LORA_MAX_RANK": LORA_MAX_RANK,
+    "LORA_MAX_SLOTS": LORA_MAX_SLOTS,
+    "LORA_F32": LORA_F32,
+    "LORA_F16": LORA_F16,
 }
 
 _DESCRIBE = {

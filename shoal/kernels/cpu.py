@@ -17,7 +17,10 @@ from shoal.kernels.abi import (
     KV_BF16,
     KV_F16,
     KV_F32,
+    LORA_F16,
+    LORA_F32,
     LORA_MAX_RANK,
+    LORA_MAX_SLOTS,
     LayerParams,
     LoRAParams,
 )
@@ -43,6 +46,7 @@ BLOCK_FORMAT_IDS = {
 KV_TYPE_IDS = {torch.float32: KV_F32, torch.float16: KV_F16, torch.bfloat16: KV_BF16}
 INT8_ROWS_FORMAT_ID = FORMAT_INT8_ROWS  # int8 weights with one scale per output row (cpu_int8.c)
 F32_ROWS_FORMAT_ID = FORMAT_F32_ROWS  # float32 weights (cpu_f32.c)
+LORA_DTYPE_IDS = {torch.float32: LORA_F32, torch.float16: LORA_F16}  # adapter weights (cpu_lora.c)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -190,12 +194,14 @@ class CpuKernels:
     @staticmethod
     def lora_params(a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, offset: int = 0) -> LoRAParams:
         """One target module's adapter slots as the C kernels read them: a [S, R, k] and b [S, R, n]
-        float32, ranks [S] int64 (the tensors must outlive the result)."""
-        if a.shape[1] > LORA_MAX_RANK:
-            raise ValueError(f"LoRA rank {a.shape[1]} is past the kernels' {LORA_MAX_RANK}")
+        float32 or float16, ranks [S] int64 (the tensors must outlive the result)."""
+        if a.shape[1] > LORA_MAX_RANK or a.shape[0] > LORA_MAX_SLOTS:
+            raise ValueError(f"the kernels take LoRA ranks to {LORA_MAX_RANK} and {LORA_MAX_SLOTS - 1} slots")
+        if a.dtype not in LORA_DTYPE_IDS or b.dtype != a.dtype:
+            raise ValueError(f"the kernels take LoRA weights in float32 or float16, not {a.dtype}")
         return LoRAParams(
-            k=a.shape[2], n=b.shape[2], max_rank=a.shape[1], offset=offset,
-            a=a.data_ptr(), b=b.data_ptr(), ranks=ranks.data_ptr(),
+            k=a.shape[2], n=b.shape[2], max_rank=a.shape[1], offset=offset, slots=a.shape[0],
+            dtype=LORA_DTYPE_IDS[a.dtype], a=a.data_ptr(), b=b.data_ptr(), ranks=ranks.data_ptr(),
         )  # fmt: skip
 
     def lora_apply(

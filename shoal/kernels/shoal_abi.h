@@ -27,16 +27,22 @@ enum {
 /* Element types of the KV cache. */
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
-/* The most HF modules one projection fuses (q, k and v into qkv), and the largest adapter rank. */
+/* The most HF modules one projection fuses (q, k and v into qkv), the largest adapter rank, and
+ * the most adapter slots (slot 0, no adapter, included). */
 #define LORA_PARTS 3
 #define LORA_MAX_RANK 512
+#define LORA_MAX_SLOTS 1024
+
+/* Element types of adapter weights (LoRAParams.dtype). */
+enum { LORA_F32 = 0, LORA_F16 = 1 };
 
 /* One LoRA target module's adapter slots (cpu_lora.c): for a row using slot s,
  * y[offset : offset + n] += B[s] @ (A[s] @ x), over the slot's first ranks[s] ranks. */
 typedef struct {
-    int64_t k, n, max_rank, offset;
-    const float *a;       /* [slots, max_rank, k] */
-    const float *b;       /* [slots, max_rank, n]: the expand transposed, so a rank adds one row */
+    int64_t k, n, max_rank, offset, slots;
+    int64_t dtype;        /* of a and b: LORA_F32 or LORA_F16 */
+    const void *a;        /* [slots, max_rank, k] */
+    const void *b;        /* [slots, max_rank, n]: the expand transposed, so a rank adds one row */
     const int64_t *ranks; /* [slots]: 0 where the slot's adapter leaves this module alone */
 } LoRAParams;
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.kernels.cpu import kernels_for
+from shoal.kernels.cpu import LORA_DTYPE_IDS, kernels_for
 from shoal.models.llama import PACKED_PARTS, PROJECTIONS, LlamaForCausalLM
 from shoal.models.lora import LoRAAdapter, module_shapes
 
@@ -67,7 +67,8 @@ class LoRAStack:
             r = ranks[slot]
             if r == 0:
                 continue
-            delta = (x.index_select(0, rows) @ self.a[slot, :r].t()) @ self.b[slot, :r]
+            a, b = self.a[slot, :r].to(x.dtype), self.b[slot, :r].to(x.dtype)
+            delta = (x.index_select(0, rows) @ a.t()) @ b
             y[:, offset : offset + self.fan_out].index_add_(0, rows, delta.to(y.dtype))
 
 
@@ -87,7 +88,8 @@ class LoRAProjection(nn.Module):
         rows = self.batch.row_slots
         if rows is None:
             return y
-        kernels = kernels_for(x, y, self.parts[0][1].a)
+        a = self.parts[0][1].a
+        kernels = kernels_for(x, y) if a.device.type == "cpu" and a.dtype in LORA_DTYPE_IDS else None
         if kernels is None:
             for offset, stack in self.parts:
                 stack.add_torch(x, y, offset, self.batch.segments())
@@ -102,7 +104,9 @@ class LoRAProjection(nn.Module):
 class LoRASlots:
     """The model's adapter slots (1..num_slots; 0 is the base alone) and the batch they serve."""
 
-    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int):
+    def __init__(
+        self, model: LlamaForCausalLM, num_slots: int, max_rank: int, dtype: torch.dtype | None = None
+    ):
         if model.shard.tp_size > 1 or model.shard.pp_size > 1:
             raise ValueError("LoRA adapters with tensor or pipeline parallelism are not supported yet")
         self.num_slots = num_slots
@@ -110,7 +114,7 @@ class LoRASlots:
         self.batch = LoRABatch()
         cfg = model.cfg
         shapes = module_shapes(cfg)
-        dtype, device = model.dtype, next(model.parameters()).device
+        dtype, device = dtype or model.dtype, next(model.parameters()).device
         self.stacks: dict[tuple[int, str], LoRAStack] = {}
         for i, layer in enumerate(model.layers):
             for fused in PROJECTIONS:

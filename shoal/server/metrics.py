@@ -87,7 +87,6 @@ class _EngineCollector:
             yield from self._lora_metrics(s.lora)
 
     def _lora_metrics(self, lora):
-        label = [self.model_name]
         resident = GaugeMetricFamily(
             "shoal:lora_adapter_resident",
             "1 for each LoRA adapter in the model's slots.",
@@ -96,24 +95,19 @@ class _EngineCollector:
         for name in lora.resident:
             resident.add_metric([self.model_name, name], 1)
         yield resident
-        loads = CounterMetricFamily(
-            "shoal:lora_adapter_loads", "LoRA adapters put in a slot.", labels=["model_name"]
-        )
-        loads.add_metric(label, lora.loads)
-        yield loads
-        evictions = CounterMetricFamily(
-            "shoal:lora_adapter_evictions",
-            "Resident LoRA adapters displaced by another.",
-            labels=["model_name"],
-        )
-        evictions.add_metric(label, lora.evictions)
-        yield evictions
-        requests = CounterMetricFamily(
-            "shoal:lora_requests", "Requests admitted, by LoRA adapter.", labels=["model_name", "adapter"]
-        )
-        for name, n in sorted(lora.requests.items()):
-            requests.add_metric([self.model_name, name], n)
-        yield requests
+        for name, doc, counts in (
+            ("shoal:lora_adapter_loads", "Times a LoRA adapter was put in a slot.", lora.loads),
+            (
+                "shoal:lora_adapter_evictions",
+                "Times a resident LoRA adapter was displaced by another.",
+                lora.evictions,
+            ),
+            ("shoal:lora_requests", "Requests admitted, by LoRA adapter.", lora.requests),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name", "adapter"])
+            for adapter, n in sorted(counts.items()):
+                family.add_metric([self.model_name, adapter], n)
+            yield family
 
     def _rank_metrics(self, ranks):
         """Each tensor/pipeline-parallel rank's profile: where its step time goes."""

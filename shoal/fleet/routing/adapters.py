@@ -68,11 +68,17 @@ class AdapterDirectory:
         self.entries: dict[str, AdapterEntry] = {}
         self.withdrawn: set[str] = set()  # being unloaded fleet-wide: not routed to
         self._loading: dict[str, asyncio.Task] = {}  # adapter -> its load on one more replica
+        self._learned_at = -1.0
 
     # --- what the fleet serves ---------------------------------------------------------------
 
-    def learn(self) -> None:
-        """Adapters the replicas report that the directory does not know yet."""
+    def learn(self, every_s: float = 0.0) -> None:
+        """Adapters the replicas report that the directory does not know yet (not again within
+        `every_s` of the last look: reports change at the /load poll's pace)."""
+        now = time.monotonic()
+        if now - self._learned_at < every_s:
+            return
+        self._learned_at = now
         for r in self.table.replicas.values():
             report = lora_report(r)
             for name, path in ((report or {}).get("adapters") or {}).items():
@@ -84,7 +90,7 @@ class AdapterDirectory:
         if not isinstance(name, str) or name in self.withdrawn:
             return None
         if name not in self.entries:
-            self.learn()
+            self.learn(every_s=0.1)  # most requests name the base model: not a scan each
         return self.entries.get(name)
 
     # --- where its requests go -----------------------------------------------------------
