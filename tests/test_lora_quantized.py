@@ -1,7 +1,8 @@
-"""A LoRA adapter over each base mode of the bundled model, against HF fp32 with peft applying the
-same adapter: over fp32 weights it agrees as the fp32 base does; over int4 and int8 weights (where
-the adapter is held in float16, `--lora-dtype auto`) it stays within the agreement documented for
-that base mode alone (README: Quantization), measured as tests/test_quantization.py measures it."""
+"""A LoRA adapter over the int4 and int8 bases of the bundled model, against HF fp32 with peft
+applying the same adapter: held in float16 (`--lora-dtype auto`), it stays within the agreement
+documented for that base mode alone (README: Quantization), measured as
+tests/test_quantization.py measures it. (Over fp32 weights, tests/test_lora_server.py checks
+HF's tokens exactly.)"""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # The base modes' own bars (tests/test_quantization.py), for the model with the adapter applied.
-AGREEMENT = {"none": 0.99, "int4": 0.95, "int8": 0.85}
-MEAN_PREFIX = {"none": REF_TOKENS - 1, "int4": 10, "int8": 3}
+AGREEMENT = {"int4": 0.95, "int8": 0.85}
+MEAN_PREFIX = {"int4": 10, "int8": 3}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,12 @@ def adapted(tmp_path_factory, hf_bundled, bundled, reference):
     return path, ref
 
 
-@pytest.mark.parametrize("method", ["none", "int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8"])
 def test_an_adapter_over_each_base_mode_stays_as_close_to_hf_as_that_mode_does(method, adapted):
     path, ref = adapted
     llm = LLM(loaded=load_model(quantization=method), enable_lora=True, lora_modules={"adapter": str(path)})
     c = closeness_to_reference(llm, ref, REF_TOKENS, lora="adapter")
     print("\n" + describe_closeness(f"{method} base + adapter", c, REF_TOKENS))
     assert c["agreement"] >= AGREEMENT[method]
-    assert c["mean_error"] < (0.01 if method == "none" else 0.2)
+    assert c["mean_error"] < 0.2
     assert c["mean_prefix"] >= MEAN_PREFIX[method]

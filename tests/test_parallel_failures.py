@@ -178,7 +178,7 @@ def test_ranks_started_by_hand_join_a_driver_that_waits_for_them():
 def test_a_two_replica_fleet_finishes_the_stream_when_a_rank_dies():
     gw = start_fleet(2, "--replica-args", " ".join(SERVE_ARGS))
     try:
-        body = {**LONG, "max_tokens": 120}
+        body = {**LONG, "max_tokens": 48}
         expected = _stream_text(gw.url, body)
         pids = {name: r["pid"] for name, r in replicas(gw).items()}
         killed = threading.Event()

@@ -284,7 +284,7 @@ def test_health_answers_fast_while_the_engine_is_saturated(server, model):
             body = {
                 "model": model,
                 "prompt": "Write an essay about rivers.",
-                "max_tokens": 96,
+                "max_tokens": 48,
                 "ignore_eos": True,
             }
             work = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(32)]

@@ -13,7 +13,6 @@ replica only when every holder is busy."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.errors import APIError
 
 log = logging.getLogger(__name__)
+
+RETRY_LOAD_AFTER_S = 10.0  # after an adapter failed to load on a replica, before trying again
 
 
 def lora_report(r: Replica) -> dict | None:
@@ -69,6 +70,7 @@ class AdapterDirectory:
         self.withdrawn: set[str] = set()  # being unloaded fleet-wide: not routed to
         self._loading: dict[str, asyncio.Task] = {}  # adapter -> its load on one more replica
         self._learned_at = -1.0
+        self.failed: dict[str, tuple[float, str]] = {}  # adapter -> (when, why) its last load failed
 
     # --- what the fleet serves ---------------------------------------------------------------
 
@@ -121,10 +123,14 @@ class AdapterDirectory:
         return task is not None and not task.done()
 
     def spread(self, adapter: str, to: Replica, reason: str) -> asyncio.Task | None:
-        """Loads `adapter` on `to` in the background (one such load per adapter at a time)."""
+        """Loads `adapter` on `to` in the background (one such load per adapter at a time, and
+        none for a while after one failed)."""
         task = self._loading.get(adapter)
         if task is not None and not task.done():
             return task
+        failed = self.failed.get(adapter)
+        if failed is not None and time.monotonic() - failed[0] < RETRY_LOAD_AFTER_S:
+            return None
         task = asyncio.get_running_loop().create_task(self._load_on(adapter, to, reason))
         self._loading[adapter] = task
         return task
@@ -140,8 +146,11 @@ class AdapterDirectory:
         if not able:
             return  # none is up yet, or none takes adapters: dispatch waits or fails as for any model
         task = self.spread(adapter, min(able, key=lambda r: r.outstanding), "none_held")
-        with contextlib.suppress(Exception):  # a failure is logged there; dispatch says the rest
+        if task is not None:
             await asyncio.shield(task)
+        if not any(holds(r, adapter) for r in self.table.serving(model, time.monotonic())):
+            why = self.failed.get(adapter, (0, "no replica could load it"))[1]
+            raise APIError(503, f"the adapter {adapter!r} is not loaded on any replica: {why}", "model")
 
     async def _load_on(self, adapter: str, r: Replica, reason: str) -> bool:
         entry = self.entries.get(adapter)
@@ -155,12 +164,11 @@ class AdapterDirectory:
                 timeout=60,
             )
         except httpx.HTTPError as exc:
-            log.warning("loading adapter %s on %s failed: %s", adapter, r.name, exc)
-            return False
+            return self._load_failed(adapter, r, f"{type(exc).__name__}: {exc}")
         ok = resp.status_code == 200 or (resp.status_code == 400 and "already served" in resp.text)
         if not ok:
-            log.warning("loading adapter %s on %s: %s %s", adapter, r.name, resp.status_code, resp.text[:300])
-            return False
+            return self._load_failed(adapter, r, f"{resp.status_code} {resp.text[:300]}")
+        self.failed.pop(adapter, None)
         report = lora_report(r)
         if report is not None:  # until its next /load answer says so itself
             report.setdefault("adapters", {})[adapter] = entry.path
@@ -170,6 +178,11 @@ class AdapterDirectory:
         )
         self.on_loaded()
         return True
+
+    def _load_failed(self, adapter: str, r: Replica, why: str) -> bool:
+        log.warning("loading adapter %s on %s failed: %s", adapter, r.name, why)
+        self.failed[adapter] = (time.monotonic(), f"{r.name} answered {why}")
+        return False
 
     # --- the fleet-wide load and unload routes ------------------------------------------------
 
@@ -191,9 +204,8 @@ class AdapterDirectory:
                 del self.entries[name]
             else:
                 self.entries[name] = previous
-            raise APIError(
-                400, f"the replica {target.name} could not load {path!r}; see its log", "lora_path"
-            )
+            why = self.failed.get(name, (0, "it did not say why"))[1]
+            raise APIError(400, f"could not load {path!r}: {why}", "lora_path")
         return [r.name for r in self.table.replicas.values() if holds(r, name)]
 
     async def unload(self, name: str, drain_s: float) -> list[str]:
