@@ -5,30 +5,10 @@ config dataclasses (cli_flags), so their defaults are the dataclasses' own."""
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 from shoal.cli_flags import Flag, FlagSet, add_flags, given
-
-_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'2GiB', '512M', '1073741824' -> bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 512MiB)")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
-    return int(float(m.group(1)) * scale)
-
-
-def format_size(n: int) -> str:
-    """2147483648 -> '2GiB' (the largest unit that divides it)."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
-
+from shoal.protocol.sizes import format_size, parse_size
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -51,6 +31,20 @@ def engine_flag_sets() -> tuple[FlagSet, ...]:
                 choices=("auto", "float32", "float16", "bfloat16"),
                 help="KV cache element type; auto: the model's. 16 bits: half the attention reads, "
                 "twice the tokens",
+            ),
+            Flag(
+                "kv_offload_memory",
+                parse=parse_size,
+                show=format_size,
+                help="host memory for prefix blocks evicted from the pool (0: none)",
+            ),
+            Flag(
+                "kv_offload_disk",
+                nargs=2,
+                parse=str,
+                metavar=("PATH", "SIZE"),
+                show=lambda _: "none",
+                help="a folder on local disk for evicted prefix blocks, up to SIZE bytes",
             ),
             Flag(
                 "enable_prefix_caching",

@@ -7,7 +7,7 @@ evicts the least recently freed cached block and emits a `removed` event.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -79,6 +79,9 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}
         self.events: list[KVEvent] = []
         self.num_evictions = 0
+        # Told (block id, hash) of each cached block that allocation reuses, before it is reused:
+        # the offload tiers keep its K/V (engine.kv_tiers).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +100,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from shoal.engine.lora_manager import LoRAConfig
 from shoal.engine.speculative import SpeculativeConfig
+from shoal.protocol.sizes import parse_size
 
 GiB = 1 << 30
 
@@ -23,6 +24,27 @@ class CacheConfig:
     enable_kv_events: bool = False
     # Secret root of the block-hash chains (see shoal.protocol.block_hash.root_hash).
     hash_salt: bytes = b""
+    # Offload tiers below the pool (engine.kv_tiers): evicted prefix blocks kept in this many bytes
+    # of host memory, then in a folder on local disk up to a size ((PATH, SIZE), as typed).
+    kv_offload_memory: int = 0
+    kv_offload_disk: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        self.kv_offload_disk = tuple(self.kv_offload_disk)
+        if self.kv_offload_disk:
+            if len(self.kv_offload_disk) != 2:
+                raise ValueError("kv_offload_disk is (PATH, SIZE)")
+            parse_size(self.kv_offload_disk[1])  # refused now, not at the first eviction
+        if self.kv_offload_memory < 0:
+            raise ValueError("kv_offload_memory must be at least 0")
+
+    @property
+    def offload_disk_path(self) -> str | None:
+        return self.kv_offload_disk[0] if self.kv_offload_disk else None
+
+    @property
+    def offload_disk_bytes(self) -> int:
+        return parse_size(self.kv_offload_disk[1]) if self.kv_offload_disk else 0
 
 
 @dataclass

@@ -22,12 +22,12 @@ from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_connector.packing import PackedKV, checked
 from shoal.engine.kv_connector.scheduler_side import KVConnectorScheduler
+from shoal.engine.kv_tiers import KVTierIndex
 from shoal.engine.lora_manager import LoRAManager
-from shoal.engine.model_runner import kv_bytes_per_block
 from shoal.engine.outputs import EngineCoreOutput
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.request import Request
-from shoal.engine.runner_setup import DTYPES, kv_dtype_of
+from shoal.engine.runner_setup import DTYPES, kv_dtype_of, pool_block_bytes, tier_spec
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -37,7 +37,6 @@ from shoal.engine.step_result import EngineStats, StepResult
 from shoal.models.loader import LoadedModel, describe_model, load_model
 from shoal.models.lora import LoRAAdapter, load_adapter
 from shoal.models.lora_layers import slot_bytes
-from shoal.models.parallel import all_shards
 from shoal.protocol.block_hash import root_hash
 
 log = logging.getLogger(__name__)
@@ -84,12 +83,7 @@ class EngineCore:
         # hook of tests, decodes a prompt).
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
-        # Under tensor parallelism each rank's pool holds only its KV heads (and under pipeline
-        # parallelism only its layers): the budget is per rank, and the largest rank sets the count.
-        block_bytes = max(
-            kv_bytes_per_block(shard.local_config(), cache.block_size, kv_dtype_of(config))
-            for shard in all_shards(mcfg, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-        )
+        block_bytes = pool_block_bytes(config, mcfg)
         lora = config.lora
         kv_budget = cache.kv_cache_memory
         if lora.enable_lora:
@@ -106,7 +100,9 @@ class EngineCore:
         if self.max_model_len < model_len:
             log.warning("max_model_len lowered to %d: the KV pool holds no more", self.max_model_len)
         pool = BlockPool(num_blocks, cache.enable_prefix_caching, cache.enable_kv_events)
-        self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt))
+        tiers = tier_spec(config, mcfg) if cache.enable_prefix_caching else None
+        index = KVTierIndex(tiers.host_blocks, tiers.disk_blocks) if tiers is not None else None
+        self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt), index)
         eos = self.tokenizer.eos_token_ids
         self.kv_connector = KVConnectorScheduler()
         self.lora = LoRAManager(lora.max_loras) if lora.enable_lora else None
@@ -477,6 +473,8 @@ class EngineCore:
             forward_seconds=self.forward_seconds,
             host_seconds=self.host_seconds,
             lora=self.lora.stats() if self.lora is not None else None,
+            kv_offload_saved=dict(tiers.saved) if (tiers := self.kv.tiers) is not None else None,
+            kv_offload_loaded=dict(tiers.loaded) if tiers is not None else None,
         )
 
     def take_kv_events(self) -> list:

@@ -78,7 +78,7 @@ class UniprocExecutor:
         pass  # a step that fails here raises in the step itself
 
     def shutdown(self) -> None:
-        pass
+        self.runner.close()
 
 
 def build_executor(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shoal.engine.block_pool import BlockPool, KVBlock
+from shoal.engine.kv_tiers import KVTierIndex
 from shoal.engine.request import Request
 from shoal.protocol.block_hash import NONE_HASH, hash_blocks
 
@@ -12,8 +13,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, root_hash: int = NONE_HASH):
+    def __init__(
+        self, pool: BlockPool, block_size: int, root_hash: int = NONE_HASH, tiers: KVTierIndex | None = None
+    ):
         self.pool = pool
+        self.tiers = tiers  # where evicted prefix blocks go, and come back from
+        if tiers is not None:
+            pool.on_evict = tiers.evicted
         self.block_size = block_size
         self.root_hash = root_hash
         self.tables: dict[str, list[KVBlock]] = {}
@@ -48,6 +54,25 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def find_tiered(self, req: Request, num_cached_blocks: int) -> int:
+        """How many full blocks after the request's cached prefix the offload tiers hold."""
+        if self.tiers is None or not self.pool.enable_caching:
+            return 0
+        return self.tiers.find(self._hashes(req, req.num_tokens - 1)[num_cached_blocks:])
+
+    def load_tiered(self, req: Request, first: int, count: int) -> int:
+        """Orders blocks first..first+count of the request's table filled from the tiers; returns
+        how many leading ones are (a block the same admission pushed out of every tier, and
+        those after it, are computed instead)."""
+        table = self.tables[req.request_id]
+        hashes = self._hashes(req, (first + count) * self.block_size)
+        loaded = 0
+        for i in range(first, first + count):
+            if not self.tiers.load(hashes[i], table[i].block_id):
+                break
+            loaded += 1
+        return loaded
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens

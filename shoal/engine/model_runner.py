@@ -8,6 +8,7 @@ import mmap
 import time
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,8 @@ from shoal.engine.attention import (
 from shoal.engine.block_tables import BlockTables
 from shoal.engine.forward_paths import ForwardPath, GraphOptions, build_forward_paths
 from shoal.engine.kv_connector.worker_side import KVConnectorWorker
+from shoal.engine.kv_tier_store import KVTierStore
+from shoal.engine.kv_tiers import TierSpec
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.parallel.comm import StageLink
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
@@ -83,10 +86,12 @@ class ModelRunner:
         max_proposal_batch: int | None = None,
         stage: StageLink | None = None,
         lora: LoRASlots | None = None,
+        kv_tiers: TierSpec | None = None,
     ):
         """`stage`: under pipeline parallelism, where this stage's input comes from and its output
         goes. Only the last stage computes logits and samples. `lora`: the model's adapter slots
-        (its projections wrapped to add each row's adapter)."""
+        (its projections wrapped to add each row's adapter). `kv_tiers`: the KV offload tiers this
+        runner keeps the bytes of."""
         self.lora = lora
         self.lora_slot_of: dict[str, int] = {}  # requests that run with an adapter
         self.model = model
@@ -110,6 +115,14 @@ class ModelRunner:
         ]
         self.kv_connector = KVConnectorWorker(block_size, self.device)
         self.kv_connector.register(self.kv_caches)
+        self.tier_store = None
+        if kv_tiers is not None:
+            root = None
+            if kv_tiers.disk_blocks:  # each rank its own folder: it holds its own shard
+                shard = model.shard
+                root = str(Path(kv_tiers.disk_root) / f"tp{shard.tp_rank}-pp{shard.pp_rank}")
+            self.tier_store = KVTierStore(self.kv_caches, block_size, kv_tiers.host_blocks, root)
+        self._tier_step = -1  # the step whose tier moves ran (a retried step must not move twice)
         self.forward_paths = build_forward_paths(
             model, self.kv_caches, block_size, self.device, graphs if use_graphs else None, num_blocks
         )
@@ -126,6 +139,10 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         """Takes the step's changes to request state. Safe to repeat: a failed step is run again
         request by request with the same SchedulerOutput, and its sampled tokens are rolled back."""
+        if so.kv_tier_moves and self._tier_step != so.step_id:
+            # First: a block evicted this step is saved before anything this step writes in it.
+            self._tier_step = so.step_id
+            self.tier_store.apply(so.kv_tier_moves)
         if self.lora is not None:
             for slot, adapter in so.lora_loads:
                 self.lora.load(slot, adapter)
@@ -372,6 +389,11 @@ class ModelRunner:
                 self.model.compute_logits(hidden).argmax(dim=-1).tolist()
                 times.append(time.perf_counter() - t0)
         return sorted(times[2:])[len(times[2:]) // 2]
+
+    def close(self) -> None:
+        """Lets go of what outlives the process otherwise (the disk tier's folder)."""
+        if self.tier_store is not None:
+            self.tier_store.close()
 
     @property
     def fused_decoder(self):

@@ -10,12 +10,15 @@ import torch
 from shoal.engine.config import EngineConfig
 from shoal.engine.draft_proposer import DraftProposer
 from shoal.engine.forward_paths import GraphOptions
-from shoal.engine.model_runner import ModelRunner
+from shoal.engine.kv_tiers import TierSpec
+from shoal.engine.model_runner import ModelRunner, kv_bytes_per_block
 from shoal.engine.parallel.comm import StageLink
 from shoal.engine.speculative import NgramProposer, Proposer
 from shoal.engine.structured import GrammarBackend
+from shoal.models.config import ModelConfig
 from shoal.models.loader import LoadedModel, load_model
 from shoal.models.lora_layers import LoRASlots
+from shoal.models.parallel import all_shards
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,24 @@ MAX_GRAPH_ROWS = 256
 def kv_dtype_of(config: EngineConfig) -> torch.dtype:
     kv = config.cache.kv_cache_dtype
     return DTYPES[config.dtype] if kv == "auto" else DTYPES[kv]
+
+
+def pool_block_bytes(config: EngineConfig, mcfg: ModelConfig) -> int:
+    """Bytes of one KV block on the largest rank: under tensor parallelism each rank's pool holds
+    only its KV heads (under pipeline parallelism only its layers), and budgets are per rank."""
+    p = config.parallel
+    return max(
+        kv_bytes_per_block(shard.local_config(), config.cache.block_size, kv_dtype_of(config))
+        for shard in all_shards(mcfg, p.tensor_parallel_size, p.pipeline_parallel_size)
+    )
+
+
+def tier_spec(config: EngineConfig, mcfg: ModelConfig) -> TierSpec | None:
+    """The KV offload tiers' sizes, alike in the scheduler's index and in every rank's store."""
+    c = config.cache
+    return TierSpec.of(
+        c.kv_offload_memory, c.offload_disk_path, c.offload_disk_bytes, pool_block_bytes(config, mcfg)
+    )
 
 
 def build_runner(
@@ -64,6 +85,7 @@ def build_runner(
         config.speculative.max_batch,
         stage,
         lora,
+        tier_spec(config, loaded.config) if config.cache.enable_prefix_caching else None,
     )
 
 

@@ -264,14 +264,19 @@ class Scheduler:
             external = self.connector.num_external_tokens(req)
             cached = [] if wants_prompt_logprobs or external else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - num_cached - external, budget)
+            # Blocks past the pool's prefix that an offload tier holds arrive like external K/V.
+            tiered = 0 if wants_prompt_logprobs or external else self.kv.find_tiered(req, len(cached))
+            tiered_tokens = tiered * self.kv.block_size
+            n = min(req.num_tokens - num_cached - external - tiered_tokens, budget)
             if req.lora is not None and not req.lora_slot:
                 slot = self.lora.acquire(req.lora)
                 if slot is None:
                     no_slot.append(self.waiting.pop(0))
                     continue
                 req.lora_slot = slot
-            ok = self._allocate(req, n, cached=cached, num_external_tokens=external, reserve=self._reserve)
+            ok = self._allocate(
+                req, n, cached=cached, num_external_tokens=external + tiered_tokens, reserve=self._reserve
+            )
             if not ok:
                 victim = self._victim()
                 if victim is not None and victim.priority > req.priority:
@@ -279,6 +284,8 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop(0)
+            if tiered:
+                num_cached += self.kv.load_tiered(req, len(cached), tiered) * self.kv.block_size
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 if not external:
@@ -297,6 +304,8 @@ class Scheduler:
     def _build_output(self, scheduled: dict[str, int], spec: dict[str, list[int]]) -> SchedulerOutput:
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id, finished_ids=self._finished_ids)
+        if self.kv.tiers is not None:
+            out.kv_tier_moves = self.kv.tiers.take_moves()
         if self.lora is not None:
             out.lora_loads = self.lora.take_loads()
         self._finished_ids = []

@@ -53,6 +53,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # (slot, LoRAAdapter or None) to put in the model's adapter slots before the step runs
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)
+    # K/V moved between the pool and the offload tiers before the step runs (engine.kv_tiers)
+    kv_tier_moves: list[Any] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -31,6 +31,9 @@ class EngineStats:
     forward_seconds: float = 0.0
     host_seconds: float = 0.0
     lora: LoRAStats | None = None  # with adapters enabled
+    # With KV offload tiers: blocks put in and taken back from each tier ("host", "disk").
+    kv_offload_saved: dict[str, int] | None = None
+    kv_offload_loaded: dict[str, int] | None = None
 
 
 @dataclass

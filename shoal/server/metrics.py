@@ -85,6 +85,23 @@ class _EngineCollector:
             yield from self._rank_metrics(s.ranks)
         if s.lora is not None:
             yield from self._lora_metrics(s.lora)
+        if s.kv_offload_saved is not None:
+            for name, doc, counts in (
+                (
+                    "shoal:kv_offload_saved_blocks",
+                    "KV blocks evicted from the pool into each tier.",
+                    s.kv_offload_saved,
+                ),
+                (
+                    "shoal:kv_offload_loaded_blocks",
+                    "KV blocks loaded back from each tier instead of computed.",
+                    s.kv_offload_loaded,
+                ),
+            ):
+                family = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+                for tier in ("host", "disk"):
+                    family.add_metric([self.model_name, tier], counts.get(tier, 0))
+                yield family
 
     def _lora_metrics(self, lora):
         resident = GaugeMetricFamily(

@@ -162,6 +162,7 @@ class Rank:
                 self.stage.flush()
         if self.comm is not None:
             self.comm.close()
+        self.runner.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
