@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.engine.kv_tiers import KVTierIndex
 from shoal.engine.sampling_params import SamplingParams
 from shoal.llm import LLM
 from shoal.server.metrics import ServerMetrics
@@ -73,6 +74,8 @@ def test_an_evicted_prompt_comes_back_from_its_tier_exactly(bundled, prompts, tm
     assert before.num_cached_tokens == 0
     assert again.num_cached_tokens == 64  # its 4 full blocks before the last token
     same(before, again)
+    costs = llm.engine.core.kv.tiers.costs  # timed at start: a load against computing the block
+    assert costs[loaded_from] < costs["compute"]
     stats = llm.engine.stats()
     assert stats.kv_offload_loaded == {loaded_from: 4}
     assert stats.kv_offload_saved[loaded_from] >= 4
@@ -85,3 +88,15 @@ def test_an_evicted_prompt_comes_back_from_its_tier_exactly(bundled, prompts, tm
         assert any(folder.iterdir())  # the blocks' files
         llm.engine.shutdown()
         assert not Path(folder).exists()
+
+
+def test_a_tier_measured_slower_than_computing_is_not_loaded_from():
+    index = KVTierIndex(host_blocks=2, disk_blocks=4)
+    for block_id, block_hash in enumerate([11, 12, 13]):
+        index.evicted(block_id, block_hash)  # the third passes the first on to disk
+    assert list(index.host) == [12, 13] and list(index.disk) == [11]
+    assert [m.kind for m in index.take_moves()] == ["save", "save", "demote", "save"]
+    assert index.find([11, 12, 13]) == 3
+    index.calibrate({"host": 0.5, "disk": 0.001, "compute": 0.01})
+    assert index.usable == {"disk"}
+    assert index.find([11, 12, 13]) == 1  # block 12 sits in host memory, slower than computing it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,6 +57,19 @@ class KVTierStore:
             else:
                 raise ValueError(f"unknown tier move {m.kind!r}")
 
+    def time_loads(self, repeats: int) -> dict[str, float]:
+        """Median seconds to load one block into the pool from each tier this store has, with pool
+        block 0 and host slot 0 as scratch: only before any request runs."""
+        costs = {}
+        if self.host.shape[0]:
+            costs["host"] = _median(lambda: self._write_block(0, self.host[0]), repeats)
+        if self.folder is not None:
+            scratch = 0  # no block of a real prompt has it (its chance: one in 2**64)
+            self._write_file(scratch, self._read_block(0).cpu())
+            costs["disk"] = _median(lambda: self._write_block(0, self._read_file(scratch)), repeats)
+            self._path(scratch).unlink(missing_ok=True)
+        return costs
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
@@ -93,3 +107,12 @@ class KVTierStore:
         write = self._pending.pop(block_hash, None)
         if write is not None:
             write.result()
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # one to warm up
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]

@@ -12,8 +12,11 @@ loaded before the forward reads it."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,18 @@ class KVTierIndex:
         self.moves: list[TierMove] = []  # for the next step, in order
         self.saved: Counter[str] = Counter()  # blocks put in each tier
         self.loaded: Counter[str] = Counter()  # blocks taken back from each tier
+        # The tiers loaded from: those that bring a block back faster than computing it does.
+        self.usable = {"host", "disk"}
+        self.costs: dict[str, float] = {}  # seconds a block, as measured at start
+
+    def calibrate(self, costs: dict[str, float]) -> None:
+        """Loads from a tier only where that was measured cheaper than computing the block."""
+        self.costs = dict(costs)
+        self.usable = {t for t in ("host", "disk") if t in costs and costs[t] < costs["compute"]}
+        ms = ", ".join(f"{t} {1000 * s:.2f} ms" for t, s in costs.items())
+        log.info(
+            "KV offload tiers, one block: %s; loading from: %s", ms, ", ".join(sorted(self.usable)) or "none"
+        )
 
     def evicted(self, block_id: int, block_hash: int) -> None:
         """A pool block holding the cached block `block_hash` is being reused: keep its K/V."""
@@ -79,9 +94,9 @@ class KVTierIndex:
         used, so that the evictions of the same admission do not push them out."""
         n = 0
         for h in hashes:
-            if h in self.host:
+            if h in self.host and "host" in self.usable:
                 self.host.move_to_end(h)
-            elif h in self.disk:
+            elif h in self.disk and "disk" in self.usable:
                 self.disk.move_to_end(h)
             else:
                 break

@@ -370,15 +370,24 @@ class ModelRunner:
         tokens each: forward, logits and argmax over inputs prepared once, with none of the
         engine's bookkeeping (benchmarks/step_cost.py sets a step's time against it). Writes
         K/V into the first blocks of the pool: only for a runner with no requests."""
+        chunks = [ScheduledChunk(str(r), [r + 7], context - 1, True) for r in range(batch)]
+        return self._time_forward(chunks, context, repeats, logits=True)
+
+    def time_bare_prefill(self, num_tokens: int, repeats: int) -> float:
+        """Median seconds of the model's forward over a prompt of `num_tokens` tokens, as one
+        chunk (what loading its K/V from an offload tier saves). Only for a runner with no requests."""
+        chunk = ScheduledChunk("prompt", [7 + i for i in range(num_tokens)], 0, False)
+        return self._time_forward([chunk], num_tokens, repeats, logits=False)
+
+    def _time_forward(self, chunks: list[ScheduledChunk], context: int, repeats: int, logits: bool) -> float:
+        """Writes K/V into the first blocks of the pool (each chunk's own): the pool must be idle."""
         per_row = -(-context // self.block_size)
-        tables = BlockTables(batch, per_row)
-        for r in range(batch):
-            tables.put(str(r), [(r * per_row + j) % self.num_blocks for j in range(per_row)])
+        tables = BlockTables(len(chunks), per_row)
+        for r, c in enumerate(chunks):
+            tables.put(c.request_id, [(r * per_row + j) % self.num_blocks for j in range(per_row)])
         keep, self.tables = self.tables, tables
         try:
-            ids, pos, md = self._prepare(
-                [ScheduledChunk(str(r), [r + 7], context - 1, True) for r in range(batch)]
-            )
+            ids, pos, md = self._prepare(chunks)
         finally:
             self.tables = keep
         times = []
@@ -386,9 +395,17 @@ class ModelRunner:
             for _ in range(repeats + 2):  # two to warm up
                 t0 = time.perf_counter()
                 hidden = self.forward_paths.pick(md).forward(ids, pos, md, None)
-                self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+                if logits:
+                    self.model.compute_logits(hidden).argmax(dim=-1).tolist()
                 times.append(time.perf_counter() - t0)
         return sorted(times[2:])[len(times[2:]) // 2]
+
+    def tier_costs(self) -> dict[str, float]:
+        """Seconds to bring one block into the pool from each offload tier, and to compute one
+        ("compute"), measured now; only before any request runs."""
+        costs = self.tier_store.time_loads(repeats=5) if self.tier_store is not None else {}
+        costs["compute"] = self.time_bare_prefill(self.block_size, repeats=3)
+        return costs
 
     def close(self) -> None:
         """Lets go of what outlives the process otherwise (the disk tier's folder)."""
