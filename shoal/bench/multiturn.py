@@ -37,7 +37,7 @@ class MultiTurnConfig:
     json_path: str | None = None
 
 
-async def _turn(
+async def chat_turn(
     client: httpx.AsyncClient, model: str, messages: list, cfg: MultiTurnConfig, t0: float, n_in: int
 ):
     body = {
@@ -97,7 +97,7 @@ async def run_multiturn_async(cfg: MultiTurnConfig) -> dict:
             for turn in range(cfg.turns):
                 user = openers[i] if turn == 0 else followups[i][turn]
                 messages.append({"role": "user", "content": user})
-                rec, reply = await _turn(client, model, messages, cfg, t0, 0)
+                rec, reply = await chat_turn(client, model, messages, cfg, t0, 0)
                 records.append(rec)
                 if not rec.ok:
                     return
