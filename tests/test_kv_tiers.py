@@ -100,3 +100,30 @@ def test_a_tier_measured_slower_than_computing_is_not_loaded_from():
     index.calibrate({"host": 0.5, "disk": 0.001, "compute": 0.01})
     assert index.usable == {"disk"}
     assert index.find([11, 12, 13]) == 1  # block 12 sits in host memory, slower than computing it
+
+
+def test_a_block_in_a_tier_is_still_held_in_the_kv_events_until_the_tiers_let_it_go(bundled, prompts):
+    """The fleet routes by these events: a prefix pushed down to a tier is still this replica's."""
+    first, others = prompts
+
+    def stored_and_removed(llm):
+        events = llm.engine.take_kv_events()
+        return {e.block_hash for e in events if e.kind == "stored"}, {
+            e.block_hash for e in events if e.kind == "removed"
+        }
+
+    kept = LLM(loaded=bundled, num_blocks=POOL_BLOCKS, enable_kv_events=True, kv_offload_memory=64 * MiB)
+    kept.generate([first], PARAMS)
+    mine, _ = stored_and_removed(kept)
+    for o in others:
+        kept.generate([o], PARAMS)
+    _, removed = stored_and_removed(kept)
+    assert kept.engine.stats().kv_offload_saved["host"] >= len(mine) and not removed  # all held below
+    # With room for two blocks below, the tier lets most go, and says so.
+    small = LLM(loaded=bundled, num_blocks=POOL_BLOCKS, enable_kv_events=True, kv_offload_memory=2 * MiB)
+    small.generate([first], PARAMS)
+    mine, _ = stored_and_removed(small)
+    for o in others:
+        small.generate([o], PARAMS)
+    _, removed = stored_and_removed(small)
+    assert mine <= removed

@@ -80,8 +80,9 @@ class BlockPool:
         self.events: list[KVEvent] = []
         self.num_evictions = 0
         # Told (block id, hash) of each cached block that allocation reuses, before it is reused:
-        # the offload tiers keep its K/V (engine.kv_tiers).
-        self.on_evict: Callable[[int, int], None] | None = None
+        # the offload tiers keep its K/V (engine.kv_tiers), and say True when they do: then the
+        # block is not reported removed (it is, once the tiers let it go: `tier_dropped`).
+        self.on_evict: Callable[[int, int], bool] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,9 +101,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if self.on_evict is not None and block.block_hash is not None:
-                self.on_evict(block.block_id, block.block_hash)
-            self._evict(block)
+            kept = self.on_evict is not None and block.block_hash is not None
+            kept = kept and self.on_evict(block.block_id, block.block_hash)
+            self._evict(block, report=not kept)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -144,7 +145,13 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self._evict(b)
 
-    def _evict(self, block: KVBlock) -> None:
+    def tier_dropped(self, block_hash: int) -> None:
+        """The offload tiers let go of a block the pool had passed down: reported removed, unless
+        the pool holds it again."""
+        if self.enable_events and block_hash not in self.cached:
+            self.events.append(KVEvent("removed", block_hash))
+
+    def _evict(self, block: KVBlock, report: bool = True) -> None:
         h = block.block_hash
         if h is None:
             return
@@ -152,5 +159,5 @@ class BlockPool:
         if self.cached.get(h) is block:
             del self.cached[h]
             self.num_evictions += 1
-            if self.enable_events:
+            if self.enable_events and report:
                 self.events.append(KVEvent("removed", h))

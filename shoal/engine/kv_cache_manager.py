@@ -20,6 +20,7 @@ class KVCacheManager:
         self.tiers = tiers  # where evicted prefix blocks go, and come back from
         if tiers is not None:
             pool.on_evict = tiers.evicted
+            tiers.on_drop = pool.tier_dropped
         self.block_size = block_size
         self.root_hash = root_hash
         self.tables: dict[str, list[KVBlock]] = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class KVTierIndex:
         # The tiers loaded from: those that bring a block back faster than computing it does.
         self.usable = {"host", "disk"}
         self.costs: dict[str, float] = {}  # seconds a block, as measured at start
+        # Told each hash that leaves the last tier holding it (the replica no longer has it).
+        self.on_drop: Callable[[int], None] | None = None
 
     def calibrate(self, costs: dict[str, float]) -> None:
         """Loads from a tier only where that was measured cheaper than computing the block."""
@@ -69,25 +72,26 @@ class KVTierIndex:
             "KV offload tiers, one block: %s; loading from: %s", ms, ", ".join(sorted(self.usable)) or "none"
         )
 
-    def evicted(self, block_id: int, block_hash: int) -> None:
-        """A pool block holding the cached block `block_hash` is being reused: keep its K/V."""
+    def evicted(self, block_id: int, block_hash: int) -> bool:
+        """A pool block holding the cached block `block_hash` is being reused: keeps its K/V
+        (True: the replica still holds the block, below its pool)."""
         if block_hash in self.host:  # the tier has it already (it was loaded from there)
             self.host.move_to_end(block_hash)
-            return
+            return True
         if block_hash in self.disk and not self.host_blocks:
             self.disk.move_to_end(block_hash)
-            return
+            return True
         if not self.host_blocks:
-            if self.disk_blocks:
-                self._add_disk(block_hash)
-                self.moves.append(TierMove("save_disk", block_hash, block_id))
-            return
+            self._add_disk(block_hash)
+            self.moves.append(TierMove("save_disk", block_hash, block_id))
+            return True
         if not self.free_slots:
             self._demote_oldest()
         slot = self.free_slots.pop()
         self.host[block_hash] = slot
         self.moves.append(TierMove("save", block_hash, block_id, slot))
         self.saved["host"] += 1
+        return True
 
     def find(self, hashes: list[int]) -> int:
         """How many of `hashes`, from the first, the tiers hold; those are kept as most recently
@@ -118,6 +122,10 @@ class KVTierIndex:
             return True
         return False
 
+    def _dropped(self, h: int) -> None:
+        if self.on_drop is not None:
+            self.on_drop(h)
+
     def take_moves(self) -> list[TierMove]:
         moves, self.moves = self.moves, []
         return moves
@@ -127,11 +135,15 @@ class KVTierIndex:
         if self.disk_blocks and h not in self.disk:
             self._add_disk(h)
             self.moves.append(TierMove("demote", h, host_slot=slot))
+        elif h not in self.disk:
+            self._dropped(h)
         self.free_slots.append(slot)
 
     def _add_disk(self, h: int) -> None:
         while len(self.disk) >= self.disk_blocks:
             old, _ = self.disk.popitem(last=False)
             self.moves.append(TierMove("drop", old))
+            if old not in self.host:
+                self._dropped(old)
         self.disk[h] = None
         self.saved["disk"] += 1
