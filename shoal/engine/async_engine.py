@@ -258,6 +258,13 @@ class AsyncEngine:
         """The K/V a finished request held (`hold_kv`), packed; taken on the engine thread."""
         return await self._call(lambda: self.engine.export_kv(request_id))
 
+    async def export_prefix(self, hashes: list[int]):
+        """The K/V this engine holds of a prompt's leading blocks (engine.core), on its thread."""
+        return await self._call(lambda: self.engine.export_prefix(hashes))
+
+    def prompt_hashes(self, ids: list[int], lora: str | None = None) -> list[int]:
+        return self.engine.prompt_hashes(ids, lora)
+
     async def release_kv(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.release_kv(request_id))
 

@@ -37,7 +37,7 @@ from shoal.engine.step_result import EngineStats, StepResult
 from shoal.models.loader import LoadedModel, describe_model, load_model
 from shoal.models.lora import LoRAAdapter, load_adapter
 from shoal.models.lora_layers import slot_bytes
-from shoal.protocol.block_hash import root_hash
+from shoal.protocol.block_hash import hash_blocks, root_hash
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +280,30 @@ class EngineCore:
         n = min(req.num_computed_tokens, req.num_prompt_tokens)
         data = self.executor.export_kv(self.kv.block_ids(request_id), n)
         return PackedKV(n, self.kv.block_hashes(req, n), data)
+
+    def export_prefix(self, hashes: list[int]) -> PackedKV | None:
+        """The K/V of the longest run of a prompt's block chain `hashes`, from its first block, that
+        this engine holds in its pool or offload tiers, packed (None: not even the first): for a
+        peer that would otherwise compute them. Taken between steps, so no tier move is pending."""
+        if not self.executor.moves_kv:
+            raise RequestRejectedError("a parallel engine cannot hand its K/V to another yet")
+        tiers, sources = self.kv.tiers, []
+        for h in hashes:
+            block = self.kv.pool.get_cached(h)
+            where = tiers.where(h) if block is None and tiers is not None else None
+            if block is None and where is None:
+                break
+            sources.append(("pool", block.block_id) if block is not None else where)
+        if not sources:
+            return None
+        n = len(sources) * self.kv.block_size
+        return PackedKV(n, list(hashes[: len(sources)]), self.executor.export_blocks(sources))
+
+    def prompt_hashes(self, ids: list[int], lora: str | None = None) -> list[int]:
+        """The block chain a prompt has here (what a peer is asked for)."""
+        extra = () if lora is None else (("lora", lora),)
+        full = (len(ids) - 1) // self.kv.block_size * self.kv.block_size  # never the last token
+        return hash_blocks(ids[:full], self.kv.block_size, extra, root=self.kv.root_hash)
 
     def release_kv(self, request_id: str) -> bool:
         return self.scheduler.release_kv(request_id)

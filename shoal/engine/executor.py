@@ -70,6 +70,9 @@ class UniprocExecutor:
     def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         return self.runner.export_kv(block_ids, num_tokens)
 
+    def export_blocks(self, sources: list[tuple[str, int]]) -> torch.Tensor:
+        return self.runner.export_blocks(sources)
+
     @property
     def rank_stats(self) -> list[RankStats] | None:
         return None

@@ -70,6 +70,11 @@ class KVTierStore:
             self._path(scratch).unlink(missing_ok=True)
         return costs
 
+    def read(self, tier: str, ref: int) -> torch.Tensor:
+        """One block's K/V ([layers, 2, block_size, ...]) from host slot `ref` or the disk file of
+        hash `ref`."""
+        return self.host[ref] if tier == "host" else self._read_file(ref)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.shutdown(wait=True)

@@ -126,6 +126,14 @@ class KVTierIndex:
         if self.on_drop is not None:
             self.on_drop(h)
 
+    def where(self, block_hash: int) -> tuple[str, int] | None:
+        """("host", slot) or ("disk", hash) for a block a tier holds, or None."""
+        if block_hash in self.host:
+            return "host", self.host[block_hash]
+        if block_hash in self.disk:
+            return "disk", block_hash
+        return None
+
     def take_moves(self) -> list[TierMove]:
         moves, self.moves = self.moves, []
         return moves

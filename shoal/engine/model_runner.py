@@ -192,6 +192,17 @@ class ModelRunner:
         """The K/V of a request's first num_tokens tokens, packed (see engine.kv_connector)."""
         return self.kv_connector.save(block_ids, num_tokens)
 
+    def export_blocks(self, sources: list[tuple[str, int]]) -> torch.Tensor:
+        """Whole blocks' K/V, packed ([layers, 2, tokens, kv_heads, head_dim]), each from the pool
+        ("pool", block id) or an offload tier ("host", slot) or ("disk", hash)."""
+        parts = []
+        for tier, ref in sources:
+            if tier == "pool":
+                parts.append(self.export_kv([ref], self.block_size))
+            else:
+                parts.append(self.tier_store.read(tier, ref).cpu())
+        return torch.cat(parts, dim=2)
+
     def import_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.kv_connector.load(block_ids, data)
 

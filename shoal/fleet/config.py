@@ -81,6 +81,10 @@ class GatewayConfig:
     # every prompt to a prefill worker. The default is from benchmarks/disaggregation.py (see README).
     disagg_min_prompt_tokens: int = 256
     prefill_timeout_s: float = 30.0  # a remote prefill past this is abandoned and run on decode
+    # Blocks from peers: a request sent to a replica that lacks at least this many tokens of its
+    # prompt's prefix which another replica holds fetches them from that one instead of computing
+    # them (over the K/V transport, with the transfer key). 0: never.
+    peer_fetch_min_tokens: int = 128
     # Authenticates the gateway's kv_transfer_params and the workers' K/V pulls to each other;
     # default $SHOAL_KV_TRANSFER_KEY, and a local fleet makes one for itself.
     kv_transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_TRANSFER_KEY_ENV) or None)

@@ -100,7 +100,7 @@ class Gateway:
         self.usage = UsageLedger(tenants)
         # The proxy.
         judge = FailureJudge(table, self.health, poison, metrics)
-        prefill = Disaggregator(config, table, self.dispatch, self.client, judge, metrics)
+        prefill = Disaggregator(config, table, index, self.dispatch, self.client, judge, metrics)
         parts = RelayParts(
             config,
             table,

@@ -243,6 +243,12 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         ctx = state.serving()
         return await ctx.kv.serve_pull(raw, parse_json_object(await raw.body()))
 
+    @app.post("/kv/prefix")
+    async def kv_prefix(raw: Request):
+        """Cached blocks of a prompt's prefix, for a peer that would otherwise compute them."""
+        ctx = state.serving()
+        return await ctx.kv.serve_prefix(raw, parse_json_object(await raw.body()))
+
     @app.post("/kv/release")
     async def kv_release(raw: Request):
         ctx = state.serving()

@@ -129,7 +129,7 @@ async def open_streams(
     if kv is not None:
         if ctx.kv is None:
             raise APIError(400, "this server takes no kv_transfer_params", "kv_transfer_params")
-        extra.update(await ctx.kv.request_options(kv, raw, len(prompts)))
+        extra.update(await ctx.kv.request_options(kv, raw, prompts, lora))
     try:
         for i, ids in enumerate(prompts):
             name = rid if len(prompts) == 1 else f"{rid}-{i}"

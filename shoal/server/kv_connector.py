@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter, Histogram
 
 from shoal.engine.async_engine import AsyncEngine
+from shoal.engine.core import RequestRejectedError
 from shoal.engine.kv_connector.frames import TransferError
 from shoal.engine.kv_connector.packing import PackedKV
 from shoal.engine.kv_connector.transports import (
@@ -41,6 +42,7 @@ from shoal.server.protocol import KVTransferParams
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
+MAX_PREFIX_BLOCKS = 1 << 16  # a prompt of a million tokens, at 16 a block
 SWEEP_INTERVAL_S = 5.0
 BYTES_BUCKETS = tuple(2.0**i for i in range(12, 34, 2))  # 4 KiB .. 8 GiB
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -98,6 +100,11 @@ class KVConnector:
             buckets=TRANSFER_BUCKETS,
             registry=registry,
         )
+        self.peer_blocks = Counter(
+            "shoal:kv_peer_fetched_blocks",
+            "Prompt blocks fetched from a peer replica that held them, instead of computed here.",
+            registry=registry,
+        )
         self.fallbacks = Counter(
             "shoal:kv_transfer_fallbacks",
             "Requests whose K/V did not arrive (or did not fit) and whose prompt was computed here.",
@@ -121,15 +128,24 @@ class KVConnector:
 
     # --- engine options for one request ------------------------------------------------------
 
-    async def request_options(self, kv: KVTransferParams, raw: Request, num_prompts: int) -> dict:
+    async def request_options(
+        self, kv: KVTransferParams, raw: Request, prompts: list[list[int]], lora: str | None = None
+    ) -> dict:
         """add_request options for a request's kv_transfer_params: hold its K/V (prefill side), or
-        load the K/V pulled from its prefill worker (decode side; none when the pull failed)."""
+        load the K/V pulled from its prefill worker (decode side), or from a peer holding its
+        prefix; none when the pull failed (the prompt is computed here)."""
         self.authorize(raw)
-        if num_prompts != 1:
+        if len(prompts) != 1:
             raise APIError(400, "kv_transfer_params takes one prompt", "kv_transfer_params")
         if kv.do_remote_decode:
             return {"hold_kv": True}
-        packed = await self.pull(kv)
+        if kv.prefix:
+            hashes = self.engine.prompt_hashes(prompts[0], lora)
+            packed = await self.pull(kv, {"hashes": hashes}, "/kv/prefix") if hashes else None
+            if packed is not None:
+                self.peer_blocks.inc(len(packed.block_hashes))
+        else:
+            packed = await self.pull(kv, {"handle": kv.handle}, "/kv/pull")
         return {} if packed is None else {"external_kv": packed}
 
     def handoff(self, rid: str) -> dict:
@@ -154,25 +170,27 @@ class KVConnector:
             self._client = httpx.AsyncClient(headers=headers, timeout=self.config.transfer_timeout_s)
         return self._client
 
-    async def pull(self, kv: KVTransferParams) -> PackedKV | None:
+    async def pull(self, kv: KVTransferParams, ask: dict, route: str) -> PackedKV | None:
         transport = choose(self.config.transport, kv.host)
         t0 = time.monotonic()
         try:
-            packed = await asyncio.wait_for(self._fetch(kv, transport), self.config.transfer_timeout_s)
+            fetch = self._fetch(kv.source.rstrip("/") + route, ask, transport)
+            packed = await asyncio.wait_for(fetch, self.config.transfer_timeout_s)
         except TimeoutError:
             return self._fell_back("timeout", kv, f"no K/V within {self.config.transfer_timeout_s:.1f} s")
         except (httpx.HTTPError, TransferError, ValueError, KeyError) as exc:
             return self._fell_back("error", kv, f"{type(exc).__name__}: {exc}")
         self.duration.labels(transport.name).observe(time.monotonic() - t0)
         self.bytes.labels("received", transport.name).observe(packed.nbytes)
+        if kv.prefix:
+            return packed  # a copy of cached blocks: the peer holds nothing for us
         task = asyncio.get_running_loop().create_task(self._acknowledge(kv))
         self._acks.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self._acks.discard)
         return packed
 
-    async def _fetch(self, kv: KVTransferParams, transport: KVTransport) -> PackedKV:
-        url = kv.source.rstrip("/") + "/kv/pull"
-        body = {"handle": kv.handle, "transport": transport.name}
+    async def _fetch(self, url: str, ask: dict, transport: KVTransport) -> PackedKV:
+        body = {**ask, "transport": transport.name}
         if transport.reply_is_json:
             resp = await self.client.post(url, json=body)
             resp.raise_for_status()
@@ -203,14 +221,32 @@ class KVConnector:
         with contextlib.suppress(httpx.HTTPError):
             await self.client.post(kv.source.rstrip("/") + "/kv/release", json={"handle": kv.handle})
 
-    # --- prefill side ------------------------------------------------------------------------
+    # --- prefill side, and a peer's ----------------------------------------------------------
+
+    async def serve_prefix(self, raw: Request, body: dict) -> Response:
+        """The K/V of the leading blocks of a prompt's chain that this replica holds, for a peer."""
+        self.authorize(raw)
+        hashes, name = body.get("hashes"), body.get("transport", "tcp")
+        if (
+            not isinstance(hashes, list)
+            or not 0 < len(hashes) <= MAX_PREFIX_BLOCKS
+            or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64 for h in hashes)
+            or name not in ("shm", "tcp")
+        ):
+            raise APIError(400, f"give 1 to {MAX_PREFIX_BLOCKS} block hashes and a transport", "hashes")
+        try:
+            packed = await self.engine.export_prefix(hashes)
+        except RequestRejectedError as exc:
+            raise APIError(400, str(exc), "hashes") from None
+        if packed is None:
+            raise APIError(404, "none of these blocks is held here", "hashes", "kv_not_found")
+        return await self._send(packed, name)
 
     async def serve_pull(self, raw: Request, body: dict) -> Response:
         self.authorize(raw)
         handle, name = body.get("handle"), body.get("transport", "tcp")
         if not isinstance(handle, str) or name not in ("shm", "tcp"):
             raise APIError(400, "give a handle and a transport (shm or tcp)", "handle")
-        transport = transport_named(name)
         try:
             packed = await self.engine.export_kv(handle)
         except KeyError:
@@ -218,10 +254,16 @@ class KVConnector:
         h = self.handoffs.get(handle)
         if h is not None:
             self.queue_time.observe(time.monotonic() - h.since)
+        return await self._send(packed, name, handle)
+
+    async def _send(self, packed: PackedKV, name: str, handle: str | None = None) -> Response:
+        transport = transport_named(name)
         self.bytes.labels("sent", name).observe(packed.nbytes)
         reply, ref = await asyncio.to_thread(transport.send, packed)
         if ref is not None:
-            h = self.handoffs.setdefault(handle, _Handoff(time.monotonic()))
+            # A file the puller takes; if it never does, the sweeper removes it. (A peer's copy of
+            # prefix blocks has no handle of its own: the file names it.)
+            h = self.handoffs.setdefault(handle or f"prefix:{ref}", _Handoff(time.monotonic()))
             if h.sent is not None:  # pulled before, by a decode worker that did not take it
                 h.sent[0].discard(h.sent[1])
             h.sent = (transport, ref)

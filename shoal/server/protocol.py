@@ -60,13 +60,15 @@ class _Request(BaseModel):
 class KVTransferParams(_Request):
     """shoal's extension for a fleet's gateway splitting prefill from decode (vLLM's field of the
     same name does the same job): `do_remote_decode` asks a prefill worker to keep the prompt's
-    K/V for a decode worker; `source` and `handle` tell a decode worker where to pull it from.
-    Only the gateway may send it (it carries the fleet's transfer key)."""
+    K/V for a decode worker; `source` and `handle` tell a decode worker where to pull it from;
+    `source` and `prefix` tell a replica which peer holds blocks of the prompt's prefix, to fetch
+    instead of computing them. Only the gateway may send it (it carries the fleet's transfer key)."""
 
     do_remote_decode: StrictBool = False
     source: Annotated[StrictStr, Field(max_length=2048, pattern=r"^https?://")] | None = None
     handle: Annotated[StrictStr, Field(max_length=256)] | None = None
     host: Annotated[StrictStr, Field(max_length=512)] | None = None
+    prefix: StrictBool = False
 
     @model_validator(mode="after")
     def _one_side(self):
@@ -74,8 +76,10 @@ class KVTransferParams(_Request):
             raise InvalidParamError(
                 "kv_transfer_params: give either do_remote_decode or source and handle", "kv_transfer_params"
             )
-        if self.source is not None and self.handle is None:
-            raise InvalidParamError("kv_transfer_params: source needs a handle", "kv_transfer_params")
+        if self.source is not None and (self.handle is None) != self.prefix:
+            raise InvalidParamError(
+                "kv_transfer_params: source needs a handle, or prefix (not both)", "kv_transfer_params"
+            )
         return self
 
 

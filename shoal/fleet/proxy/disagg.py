@@ -24,6 +24,7 @@ from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.proxy.failure import FailureJudge
 from shoal.fleet.proxy.forward import Forward
 from shoal.fleet.proxy.upstream import Attempt, UpstreamClient
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import PREFILL_ROLES, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.bodies import STRUCTURED_FIELDS
@@ -69,6 +70,7 @@ class Disaggregator:
         self,
         config: GatewayConfig,
         table: ReplicaTable,
+        index: PrefixIndex,
         dispatch: Dispatcher,
         client: UpstreamClient,
         judge: FailureJudge,
@@ -76,6 +78,7 @@ class Disaggregator:
     ):
         self.config = config
         self.table = table
+        self.index = index  # who holds which blocks: a peer to fetch a prefix from
         self.dispatch = dispatch
         self.client = client
         self.judge = judge
@@ -83,7 +86,8 @@ class Disaggregator:
         self.decisions = Counter(
             "shoal:gateway_disagg_decisions",
             "Where each request's prompt was computed: remote (a prefill worker), or local on the "
-            "decode worker and why (short, cached, unsupported, no_prefill_worker, prefill_failed).",
+            "decode worker and why (short, cached, unsupported, no_prefill_worker, prefill_failed); "
+            "peer_fetch: its prefix fetched from a replica holding it.",
             ["decision"],
             registry=r,
         )
@@ -116,17 +120,23 @@ class Disaggregator:
     def headers(self, headers: dict) -> dict:
         return {**headers, KV_TRANSFER_KEY_HEADER: self.config.kv_transfer_key or ""}
 
-    def _local_reason(self, fwd: Forward, decode: Replica) -> str | None:
-        body, route = fwd.body, fwd.route
+    def _unsupported(self, fwd: Forward) -> bool:
+        """Requests whose prompt is computed where they run: resumed, echoed, several prompts."""
+        body = fwd.body
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
-        if (
-            body.get(RESUME_FIELD) is not None
+        return (
+            fwd.path not in PATHS
+            or body.get(RESUME_FIELD) is not None
             or body.get("echo")  # the prompt's logprobs are computed where the prompt is
             or body.get("max_tokens") == 0
             or several
             or not self.config.kv_transfer_key
-        ):
+        )
+
+    def _local_reason(self, fwd: Forward, decode: Replica) -> str | None:
+        route = fwd.route
+        if self._unsupported(fwd):
             return "unsupported"
         if decode.role not in ("decode", "both"):
             return "no_decode_worker"  # a prefill worker standing in for a missing decode worker
@@ -141,10 +151,10 @@ class Disaggregator:
     async def prefill(self, fwd: Forward, decode: Replica, seen: dict) -> dict | None:
         """kv_transfer_params for the decode worker's request, or None: it prefills itself."""
         if not self.active or fwd.path not in PATHS:
-            return None
+            return self.peer_fetch(fwd, decode)
         reason = self._local_reason(fwd, decode)
         if reason is not None:
-            return self._local(reason)
+            return self._local(reason) or self.peer_fetch(fwd, decode)
         try:
             replica = await self.dispatch.acquire(
                 fwd.route, set(), PREFILL_ROLES, timeout=self.config.prefill_timeout_s, only_roles=True
@@ -162,6 +172,24 @@ class Disaggregator:
         self.prefill_seconds.observe(time.monotonic() - t0)
         self.decisions.labels("remote").inc()
         return {"source": replica.url, "handle": params["handle"], "host": params.get("host")}
+
+    def peer_fetch(self, fwd: Forward, decode: Replica) -> dict | None:
+        """kv_transfer_params that fetch the prompt's prefix from the replica holding the most of
+        it (its own KV events say so), when that is `peer_fetch_min_tokens` more than `decode`
+        holds: loading blocks over the transport costs a fraction of computing them."""
+        route, threshold = fwd.route, self.config.peer_fetch_min_tokens
+        if not threshold or not route.hashes or self._unsupported(fwd):
+            return None
+        now = time.monotonic()
+        peers = [r for r in self.table.serving(route.model, now) if r is not decode and r.kv_events]
+        if not peers:
+            return None
+        matched = self.index.matched_blocks(route.hashes, [r.name for r in peers])
+        best = max(peers, key=lambda r: matched[r.name])
+        if (matched[best.name] - route.cached_blocks) * self.table.block_size < threshold:
+            return None
+        self.decisions.labels("peer_fetch").inc()
+        return {"source": best.url, "prefix": True}
 
     def _local(self, reason: str) -> None:
         self.decisions.labels(f"local_{reason}").inc()

@@ -1,0 +1,81 @@
+"""Blocks from peers: two replicas of the bundled model behind a gateway that alternates between
+them. A long prompt computed on one and then sent to the other is not computed again there: the
+gateway sees (from the first one's KV events) that it holds the prefix and has the second fetch
+those blocks from it over the K/V transport, and the answer is the one the first gave. A fetch
+from a peer that does not hold the blocks leaves the replica to compute the prompt, with the same
+answer; a fetch without the fleet's transfer key is refused."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
+from tests.fleet_helpers import auth, metric, start_gateway, wait_until
+from tests.server_helpers import start_server
+
+KEY = "sk-peer-fetch"
+TRANSFER_KEY = "peer-fetch-transfer-key"
+PROMPT = "The lighthouse keeper wrote in his log every evening. " * 30  # 301 tokens: 18 full blocks before the last
+ARGS = ("--api-key", KEY, "--kv-cache-memory", "128MiB", "--threads", "1")
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KV_TRANSFER_KEY_ENV, TRANSFER_KEY)
+        reps = [start_server(*ARGS), start_server(*ARGS)]
+        gw = None
+        try:
+            gw = start_gateway([r.url for r in reps], "--policy", "round_robin", api_key=KEY)
+            yield gw, reps
+        finally:
+            for p in [gw, *reps]:
+                if p is not None:
+                    p.stop()
+
+
+def complete(url: str, prompt: str, headers: dict | None = None, **extra) -> httpx.Response:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True, **extra}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers or auth(KEY), timeout=120)
+
+
+def tokens(r: httpx.Response) -> list[int]:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_a_replica_fetches_a_prefix_its_peer_holds_and_answers_as_the_peer_did(fleet):
+    gw, (first, second) = fleet
+    r = complete(gw.url, PROMPT)
+    assert r.headers["x-replica"] == "backend-0"
+    want = tokens(r)
+
+    def indexed() -> bool:  # the first replica's KV events have reached the gateway
+        reps = httpx.get(gw.url + "/replicas", headers=auth(KEY), timeout=5).json()["replicas"]
+        return next(x for x in reps if x["name"] == "backend-0")["cached_blocks"] >= 18
+
+    wait_until(gw, indexed, 10)
+    again = complete(gw.url, PROMPT)
+    assert again.headers["x-replica"] == "backend-1"
+    assert tokens(again) == want
+    assert metric(second.url, "shoal:kv_peer_fetched_blocks_total") == 18
+    assert metric(first.url, "shoal:kv_peer_fetched_blocks_total") == 0
+    decisions = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert 'shoal:gateway_disagg_decisions_total{decision="peer_fetch"} 1.0' in decisions
+
+
+def test_a_fetch_from_a_peer_without_the_blocks_computes_the_prompt_and_needs_the_key(fleet):
+    _, (first, second) = fleet
+    other = "Yet another text, about trains crossing the plains at night. " * 25
+    ask = {"kv_transfer_params": {"source": first.url, "prefix": True}}
+    keyed = {**auth(KEY), KV_TRANSFER_KEY_HEADER: TRANSFER_KEY}
+    fallbacks = metric(second.url, "shoal:kv_transfer_fallbacks_total")
+    fetched = tokens(complete(second.url, other, keyed, **ask))  # the first has never seen it
+    assert metric(second.url, "shoal:kv_transfer_fallbacks_total") == fallbacks + 1
+    assert fetched == tokens(complete(first.url, other))
+    refused = complete(second.url, other, auth(KEY), **ask)
+    assert refused.status_code == 403
+    for r in (first, second):
+        r.wait_idle()
