@@ -1,6 +1,8 @@
 """Returning conversations whose K/V no longer fits one replica's pool (issue 29): TTFT of the
 returning turns with no offload tier, with the host-memory tier, with host memory and disk, and
-with disk alone; and what loading a block costs against computing it, by tier.
+with disk alone; on two replicas behind a gateway that alternates between them (each
+conversation returns to the other replica), with and without fetching the prefix from the peer
+that holds it; and what loading a block costs against computing it, by tier.
 
 Each conversation opens with a shared system prompt and a long document of its own, and gets a
 short reply. Once every conversation has opened (far more K/V than the pool holds: each one
@@ -14,12 +16,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
 
 import httpx
-from serve_throughput import shoal_server  # this script's folder is on sys.path
+from llama_cpp_server import wait_until_ok  # this script's folder is on sys.path
+from serve_throughput import shoal_server
 
 from shoal.bench.multiturn import MultiTurnConfig, chat_turn
 from shoal.bench.workload import exact_length_text
@@ -31,6 +39,29 @@ PORT = 8141
 def metric(url: str, name: str) -> float:
     lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+
+@contextlib.contextmanager
+def two_replicas(pool: str, peer_fetch: bool, folder: Path):
+    """`shoal fleet up` of two replicas with `pool` each, alternating requests between them."""
+    config = folder / f"fleet-{peer_fetch}.toml"
+    config.write_text(f"[gateway]\npeer_fetch_min_tokens = {128 if peer_fetch else 0}\n")
+    replica_args = f"--kv-cache-memory {pool} --threads 1"
+    cmd = [sys.executable, "-m", "shoal.cli", "fleet", "up", "--replicas", "2", "--base-port", "0",
+           "--port", str(PORT), "--policy", "round_robin", "--replica-args", replica_args,
+           "--config", str(config)]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{PORT}"
+    try:
+        wait_until_ok(url + "/ready", proc, "shoal fleet up", timeout=300)
+        deadline = time.monotonic() + 300
+        while sum(r["state"] == "ready" for r in httpx.get(url + "/replicas").json()["replicas"]) < 2:
+            assert time.monotonic() < deadline, "the replicas did not come up"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 async def conversations(url: str, n: int, document: int, seed: int) -> list[float]:
@@ -49,6 +80,8 @@ async def conversations(url: str, n: int, document: int, seed: int) -> list[floa
             rec, reply = await chat_turn(client, model, messages, cfg, 0.0, 0)
             assert rec.ok, rec.error
             histories.append([*messages, {"role": "assistant", "content": reply}])
+        if n % 2 == 0:  # behind a gateway alternating between two replicas: come back to the other
+            await chat_turn(client, model, [{"role": "user", "content": "Hello"}], cfg, 0.0, 0)
         ttfts = []
         for history, question in zip(histories, follow):
             rec, _ = await chat_turn(
@@ -57,6 +90,12 @@ async def conversations(url: str, n: int, document: int, seed: int) -> list[floa
             assert rec.ok, rec.error
             ttfts.append(rec.ttft)
     return ttfts
+
+
+def summary(ttfts: list[float]) -> tuple[float, float]:
+    """p50 and p99 in ms."""
+    p99 = statistics.quantiles(ttfts, n=100)[98] if len(ttfts) > 1 else ttfts[0]
+    return 1000 * statistics.median(ttfts), 1000 * p99
 
 
 def block_costs(disk: str) -> dict[str, float]:
@@ -92,18 +131,26 @@ def main() -> None:
                     url, "shoal:prefix_cache_queries_total"
                 )
                 loaded = metric(url, "shoal:kv_offload_loaded_blocks_total")
-            p99 = statistics.quantiles(ttfts, n=100)[98] if len(ttfts) > 1 else ttfts[0]
-            rows.append((name, 1000 * statistics.median(ttfts), 1000 * p99, hits, loaded))
+            rows.append((name, *summary(ttfts), hits, loaded))
+        # Two replicas whose pools hold every conversation; each comes back to the other replica.
+        for peer_fetch in (False, True):
+            with two_replicas("1GiB", peer_fetch, Path(disk)) as url:
+                ttfts = asyncio.run(conversations(url, args.conversations, args.document, args.seed))
+                fetched = metric(url, 'shoal:gateway_disagg_decisions_total{decision="peer_fetch"')
+            name = "2 replicas, " + ("prefix fetched from the peer" if peer_fetch else "no peer fetch")
+            rows.append((name, *summary(ttfts), None, fetched))
         costs = block_costs(disk)
     print(f"\n{args.conversations} conversations of a {args.document}-token document, pool {args.pool}; "
           "returning turns one at a time")  # fmt: skip
-    print("| setup | returning TTFT p50 ms | p99 ms | prefix hit rate | blocks loaded from tiers |")
+    print("| setup | returning TTFT p50 ms | p99 ms | prefix hit rate | blocks from tiers (or fetches) |")
     print("| --- | --- | --- | --- | --- |")
     for name, p50, p99, hits, loaded in rows:
-        print(f"| {name} | {p50:.0f} | {p99:.0f} | {hits:.2f} | {loaded:.0f} |")
+        shown = "-" if hits is None else f"{hits:.2f}"
+        print(f"| {name} | {p50:.0f} | {p99:.0f} | {shown} | {loaded:.0f} |")
     base = rows[0][1]
-    for name, p50, *_ in rows[1:]:
+    for name, p50, *_ in rows[1:4]:
         print(f"{name}: returning TTFT p50 {base / p50:.1f}x better than no tier")
+    print(f"peer fetch: returning TTFT p50 {rows[4][1] / rows[5][1]:.1f}x better than computing the prefix")
     print("one block (16 tokens): " + ", ".join(f"{t} {1000 * s:.2f} ms" for t, s in costs.items()))
 
 

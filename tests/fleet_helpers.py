@@ -90,6 +90,12 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+def sample_sum(url: str, prefix: str) -> float:
+    """Sum of the samples on a /metrics page whose line starts with `prefix` (a name and labels)."""
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+
+
 def wait_until(gw: ServerProcess, cond, timeout: float, every: float = 0.1) -> None:
     """Until cond() holds (errors while the gateway comes up count as not yet), or fails with its log."""
     deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ import torch
 from shoal.fleet.admission.tenants import key_digest
 from shoal.protocol.block_hash import hash_blocks, root_hash
 from shoal.protocol.secrets import kv_salt
-from tests.fleet_helpers import auth, spawn, wait_replicas_ready, wait_until
+from tests.fleet_helpers import auth, sample_sum, spawn, wait_replicas_ready, wait_until
 from tests.server_helpers import start_server
 from tests.test_lora_server import make_adapter
 
@@ -74,12 +74,6 @@ def complete(url: str, key: str, model: str, **extra) -> httpx.Response:
 def tokens(r: httpx.Response) -> list[int]:
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
-
-
-def sample_sum(url: str, prefix: str) -> float:
-    """Sum of the samples on a /metrics page whose line starts with `prefix` (a name and labels)."""
-    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
 
 
 def adapter_requests(server, adapter: str) -> float:

@@ -1,22 +1,29 @@
-"""Blocks from peers: two replicas of the bundled model behind a gateway that alternates between
-them. A long prompt computed on one and then sent to the other is not computed again there: the
-gateway sees (from the first one's KV events) that it holds the prefix and has the second fetch
-those blocks from it over the K/V transport, and the answer is the one the first gave. A fetch
-from a peer that does not hold the blocks leaves the replica to compute the prompt, with the same
-answer; a fetch without the fleet's transfer key is refused."""
+"""Blocks from peers and streams that move: two replicas of the bundled model behind a gateway
+that alternates between them. A long prompt computed on one and then sent to the other is not
+computed again there: the gateway sees (from the first one's KV events) that it holds the prefix
+and has the second fetch those blocks from it over the K/V transport, and the answer is the one
+the first gave. A fetch from a peer that does not hold the blocks leaves the replica to compute
+the prompt, with the same answer; a fetch without the fleet's transfer key is refused. A stream
+moved off its replica mid-generation (`/fleet/migrate`) goes on on the other one, its context
+fetched, and streams exactly what it would have: seeded sampling with n=2 and logprobs, and a
+greedy chat under a JSON grammar."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
 
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
-from tests.fleet_helpers import auth, metric, start_gateway, wait_until
+from tests.fleet_helpers import auth, metric, sample_sum, start_gateway, wait_until
 from tests.server_helpers import start_server
 
 KEY = "sk-peer-fetch"
 TRANSFER_KEY = "peer-fetch-transfer-key"
-PROMPT = "The lighthouse keeper wrote in his log every evening. " * 30  # 301 tokens: 18 full blocks before the last
+PROMPT = (
+    "The lighthouse keeper wrote in his log every evening. " * 30
+)  # 301 tokens: 18 full blocks before the last
 ARGS = ("--api-key", KEY, "--kv-cache-memory", "128MiB", "--threads", "1")
 
 
@@ -78,4 +85,75 @@ def test_a_fetch_from_a_peer_without_the_blocks_computes_the_prompt_and_needs_th
     refused = complete(second.url, other, auth(KEY), **ask)
     assert refused.status_code == 403
     for r in (first, second):
+        r.wait_idle()
+
+
+def read_stream(gw, path: str, body: dict, move_after: int | None = None) -> dict:
+    """Each choice's text (and, for completions, token ids) from a streamed request through the
+    gateway; after `move_after` events, its replica's streams are moved (`/fleet/migrate`)."""
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    events = 0
+    with httpx.stream("POST", gw.url + path, json=body, headers=auth(KEY), timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        replica = r.headers["x-replica"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            for ch in obj.get("choices") or []:
+                piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                texts[ch["index"]] = texts.get(ch["index"], "") + (piece or "")
+                ids.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+            events += 1
+            if events == move_after:
+                moved = httpx.post(gw.url + "/fleet/migrate", json={"replica": replica}, headers=auth(KEY))
+                assert moved.status_code == 200 and moved.json()["moved"] >= 1, moved.text
+    return {"texts": texts, "ids": ids}
+
+
+MOVES = {
+    "seeded-n2-logprobs": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.8, "seed": 7, "n": 2, "logprobs": 2},
+    ),
+    "greedy-chat-grammar": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Describe the sea at night, in JSON."}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "note",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"title": {"type": "string"}, "body": {"type": "string"}},
+                        "required": ["title", "body"],
+                    },
+                },
+            },
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(MOVES))
+def test_a_stream_moved_mid_generation_streams_exactly_what_it_would_have(fleet, kind):
+    gw, reps = fleet
+    path, extra = MOVES[kind]
+    body = {"model": "SmolLM2-135M-Instruct", "stream": True, "ignore_eos": True, **extra}
+    want = read_stream(gw, path, body)
+    moves = sample_sum(gw.url, 'shoal:gateway_migrations_total{outcome="ok"')
+    fetched = sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps)
+    got = read_stream(gw, path, body, move_after=12)
+    assert got["texts"] == want["texts"]
+    assert got["ids"] == want["ids"]
+    assert sample_sum(gw.url, 'shoal:gateway_migrations_total{outcome="ok"') == moves + 1
+    # The context went over with the stream: its full blocks were fetched, not computed.
+    assert sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps) > fetched
+    assert metric(gw.url, "shoal:gateway_migration_pause_seconds_count") >= 1
+    for r in reps:
         r.wait_idle()

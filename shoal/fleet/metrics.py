@@ -149,6 +149,18 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.migrations = Counter(
+            "shoal:gateway_migrations",
+            "Streams moved off a replica while they ran (ok), or with nothing left to move.",
+            ["outcome"],
+            registry=r,
+        )
+        self.migration_pause = Histogram(
+            "shoal:gateway_migration_pause_seconds",
+            "Time a moved stream's client saw no token: from the move to the first token after it.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.adapter_loads = Counter(
             "shoal:gateway_adapter_loads",
             "LoRA adapters the gateway loaded on a replica, by why (load_route, none_held, busy).",

@@ -113,7 +113,7 @@ def build_app(self: Edge) -> FastAPI:
         on one replica now and on others as its traffic needs them."""
         self.check_admin(raw)
         body = parse_json_object(await raw.body())
-        name, path = adapter_field(body, "lora_name"), adapter_field(body, "lora_path")
+        name, path = text_field(body, "lora_name"), text_field(body, "lora_path")
         model = body.get("model")
         if self.catalog.multi_model and not self.catalog.serves(model):
             raise APIError(
@@ -128,7 +128,7 @@ def build_app(self: Edge) -> FastAPI:
     async def unload_lora_adapter(raw: Request):
         """Unloads the adapter from every replica, once the requests using it have ended."""
         self.check_admin(raw)
-        name = adapter_field(parse_json_object(await raw.body()), "lora_name")
+        name = text_field(parse_json_object(await raw.body()), "lora_name")
         left = await self.adapters.unload(name, self.config.adapter_unload_drain_s)
         return {"object": "lora_adapter", "id": name, "status": "unloaded", "replicas": left}
 
@@ -195,6 +195,17 @@ def build_app(self: Edge) -> FastAPI:
             raise APIError(400, str(exc)) from None
         return JSONResponse({"updating": pools}, status_code=202)
 
+    @app.post("/fleet/migrate")
+    async def migrate(raw: Request):
+        """Moves the streams running on a replica to others, their K/V fetched from it."""
+        self.check_admin(raw)
+        name = text_field(parse_json_object(await raw.body()), "replica")
+        if name not in self.table.replicas:
+            raise APIError(404, f"no replica {name!r}", "replica")
+        if not self.config.kv_transfer_key:
+            raise APIError(400, "moving streams needs the fleet's K/V transfer key", "replica")
+        return {"replica": name, "moved": self.table.move_streams(name)}
+
     @app.get("/replicas")
     async def replicas(raw: Request):
         self.check_admin(raw)  # it shows replica URLs and process ids
@@ -213,7 +224,8 @@ def build_app(self: Edge) -> FastAPI:
     return app
 
 
-def adapter_field(body: dict, name: str) -> str:
+def text_field(body: dict, name: str) -> str:
+    """A required string field of an admin route's body."""
     value = body.get(name)
     if not isinstance(value, str) or not 0 < len(value) <= 4096:
         raise APIError(400, f"{name} must be a non-empty string", name)

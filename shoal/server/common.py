@@ -129,7 +129,9 @@ async def open_streams(
     if kv is not None:
         if ctx.kv is None:
             raise APIError(400, "this server takes no kv_transfer_params", "kv_transfer_params")
-        extra.update(await ctx.kv.request_options(kv, raw, prompts, lora))
+        # A resumed request's blocks cover its earlier output too (a migrated stream's K/V).
+        prior = list(resume.output_token_ids) if resume is not None else []
+        extra.update(await ctx.kv.request_options(kv, raw, [p + prior for p in prompts], lora))
     try:
         for i, ids in enumerate(prompts):
             name = rid if len(prompts) == 1 else f"{rid}-{i}"

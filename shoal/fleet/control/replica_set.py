@@ -243,6 +243,11 @@ class ReplicaSet:
                 )
             slot.state = state
             slot.drain_since = time.monotonic() if state == Lifecycle.DRAINING else None
+            if state == Lifecycle.DRAINING and slot.name in self.table.replicas:
+                # Its streams go on elsewhere now, instead of holding the drain for their length.
+                moved = self.table.move_streams(slot.name)
+                if moved:
+                    log.info("%s: %d streams moved to other replicas", slot.name, moved)
             self.notify()
 
     def stop_slot(self, slot: Slot, why: str) -> None:

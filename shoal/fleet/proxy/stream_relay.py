@@ -93,6 +93,7 @@ class StreamRelay:
         self.ids_complete = True  # every upstream so far gave token ids
         self.first_event = True
         self.cleaned = False
+        self.migrated_at: float | None = None  # when the stream last moved, until its next token
 
     # --- opening -------------------------------------------------------------------------
 
@@ -113,7 +114,9 @@ class StreamRelay:
             headers={"x-replica": up.replica.name, **({"x-request-id": rid} if rid else {})},
         )
 
-    async def open(self, tag: Tag, route: RouteRequest, body: dict, budget: bool) -> Upstream | Response:
+    async def open(
+        self, tag: Tag, route: RouteRequest, body: dict, budget: bool, headers: dict | None = None
+    ) -> Upstream | Response:
         """A replica's stream for `body`, trying others while it provably did not run there (or
         the replica said so). `budget`: retries draw on the retry budget (before the first byte)."""
         cfg, p = self.cfg, self.p
@@ -129,14 +132,16 @@ class StreamRelay:
             # A shoal replica can return token ids: its output can be continued exactly.
             with_ids = bool(body.get("return_token_ids")) or replica.kv_events
             out = {**body, "return_token_ids": True} if with_ids else body
-            headers = self.fwd.headers
+            sent_headers = headers or self.fwd.headers
             if tag is ORIGINAL:
-                out, headers = await p.prefill.with_prefill(self.fwd, replica, out, headers, self.seen)
+                out, sent_headers = await p.prefill.with_prefill(
+                    self.fwd, replica, out, sent_headers, self.seen
+                )
             content = await p.client.encode(out, self.fwd.size)
             attempt = Attempt(replica)
             try:
                 async with attempt.deadline(cfg.first_byte_timeout_s):
-                    resp = await p.client.send(replica, self.fwd.path, content, headers)
+                    resp = await p.client.send(replica, self.fwd.path, content, sent_headers)
                     if resp.status_code != 200:
                         try:
                             data = await resp.aread()
@@ -181,6 +186,8 @@ class StreamRelay:
                     continue
                 break
             self.ids_complete &= with_ids
+            # It can move (fleet/replicas/table.py move_streams): its tokens are known exactly.
+            attempt.movable = self.ids_complete and bool(self.cfg.kv_transfer_key)
             up = Upstream(attempt, resp, tag, with_ids)
             self.upstreams.append(up)
             return up
@@ -218,6 +225,9 @@ class StreamRelay:
                 if obj is not None:
                     out, tokens = state.relay(up.tag, obj)
                     up.attempt.tokens += tokens
+                    if tokens and self.migrated_at is not None:
+                        self.metrics.migration_pause.observe(time.monotonic() - self.migrated_at)
+                        self.migrated_at = None
                     if out is not None:
                         if self.first_event:
                             self.first_event = False
@@ -268,6 +278,8 @@ class StreamRelay:
 
     async def recover(self, up: Upstream, outcome: Outcome) -> None:
         """After `up` failed: continue its unfinished choices elsewhere, or raise StopRelay."""
+        if outcome.kind == "migrated":
+            return await self.migrate(up)
         state, r = self.state, up.replica
         log.warning("stream from %s broke after %d events: %s", r.name, state.events, outcome.message)
         self.failed.add(r.name)
@@ -301,7 +313,29 @@ class StreamRelay:
             if not state.choices[i].finished:
                 await self._resume(i)
 
-    async def _resume(self, index: int) -> None:
+    async def migrate(self, up: Upstream) -> None:
+        """`up` was ended to move its stream: each unfinished choice it served goes on elsewhere
+        from where it stopped, its K/V fetched from `up`'s replica instead of computed."""
+        state, r = self.state, up.replica
+        await self.finish(up, True)  # not the replica's failure
+        up.attempt.done()
+        self.failed.add(r.name)  # anywhere but there
+        served = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
+        served = [i for i in served if not state.choices[i].finished]
+        if served and up.tag is ORIGINAL and state.events == 0:
+            again = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=False)
+            if not isinstance(again, Upstream):
+                raise StopRelay(503, "no replica left to serve the stream", "no_replica")
+            self.launch(again)
+            served = []
+        for i in served:
+            await self._resume(i, fetch_from=r)
+        self.metrics.migrations.labels("ok" if served else "nothing_left").inc()
+        self.migrated_at = time.monotonic()
+
+    async def _resume(self, index: int, fetch_from=None) -> None:
+        """Continues choice `index` on another replica; `fetch_from`: a replica that holds its K/V
+        (the one it moved off), to fetch the context from instead of computing it."""
         state = self.state
         c = state.choices[index]
         if not self.ids_complete:
@@ -312,6 +346,10 @@ class StreamRelay:
         if prompt_ids is None:
             raise StopRelay(502, "the replica failed mid-stream before its prompt was known")
         body, tag = state.resume_body(index, prompt_ids)
+        headers = None
+        if fetch_from is not None and self.cfg.kv_transfer_key:
+            body["kv_transfer_params"] = {"source": fetch_from.url, "prefix": True}
+            headers = self.p.prefill.headers(self.fwd.headers)
         r = self.fwd.route
         hashes = self.p.keys.hash_ids(prompt_ids + c.ids, r.adapter)
         route = RouteRequest(
@@ -323,12 +361,13 @@ class StreamRelay:
             priority=r.priority,
             charged=True,
         )
-        up = await self.open(tag, route, body, budget=False)
+        up = await self.open(tag, route, body, budget=False, headers=headers)
         if isinstance(up, Response) and up.status_code < 500:
             raise StopRelay(502, f"the continuation was refused: {up.body.decode(errors='replace')[:300]}")
         if not isinstance(up, Upstream):
             raise StopRelay(503, "no replica left to continue the stream", "no_replica")
-        self.metrics.failovers.inc()
+        if fetch_from is None:
+            self.metrics.failovers.inc()
         self.launch(up)
 
     async def _tokenize(self, index: int) -> list[int] | None:

@@ -26,7 +26,8 @@ NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.W
 class Outcome:
     """How an attempt failed.
 
-    kind: "not_sent" (connect or write failed), "timeout" (our deadline, the replica still up),
+    kind: "migrated" (ended on purpose, to continue on another replica), "not_sent" (connect or
+    write failed), "timeout" (our deadline, the replica still up),
     "interrupted" (the replica table marked it down mid-request), "dropped" (the connection
     or stream broke), "engine_dead" (the replica says its engine died under the request),
     "internal_error" (the replica says the request itself failed in the engine), "error" (any
@@ -49,8 +50,15 @@ class Attempt:
         self.replica = replica
         self.tokens = 0  # output tokens the replica has sent for it
         self.interrupted = False
+        self.migrating = False  # interrupted to move its stream to another replica, not a failure
+        self.movable = False  # a stream that can go on elsewhere from where it is (StreamRelay)
         self._timeout: asyncio.Timeout | None = None
         replica.attempts.add(self)
+
+    def migrate(self) -> None:
+        """Ends the attempt to continue its stream elsewhere (see StreamRelay.recover)."""
+        self.migrating = True
+        self.interrupt()
 
     def interrupt(self) -> None:
         self.interrupted = True
@@ -75,6 +83,8 @@ class Attempt:
 
     def outcome(self, exc: BaseException) -> Outcome:
         if isinstance(exc, TimeoutError):
+            if self.migrating:
+                return Outcome("migrated", f"the stream moves off replica {self.replica.name}")
             if self.interrupted:
                 return Outcome("interrupted", f"replica {self.replica.name} went down")
             return Outcome("timeout", f"replica {self.replica.name} did not answer in time")
