@@ -228,6 +228,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def load():
         ctx = state.serving()
         out = {**ctx.engine.load(), "role": state.role}
+        if ctx.kv is not None and ctx.kv.host:  # a peer that finds this probe shares our /dev/shm
+            out["kv_host"] = ctx.kv.host
         if ctx.adapters is not None:  # what the fleet's gateway routes adapters by
             lora = ctx.engine.stats().lora
             out["lora"] = {

@@ -56,6 +56,13 @@ OUTPUT_FIELDS = (
 )
 
 
+def peer_params(source: Replica) -> dict:
+    """kv_transfer_params that fetch a prompt's prefix from `source` (over shared memory when the
+    receiver finds its probe: one host)."""
+    host = source.load.get("kv_host")
+    return {"source": source.url, "prefix": True, **({"host": host} if isinstance(host, str) else {})}
+
+
 def prefill_body(body: dict) -> dict:
     out = {k: v for k, v in body.items() if k not in OUTPUT_FIELDS}
     out.update(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True})
@@ -189,7 +196,7 @@ class Disaggregator:
         if (matched[best.name] - route.cached_blocks) * self.table.block_size < threshold:
             return None
         self.decisions.labels("peer_fetch").inc()
-        return {"source": best.url, "prefix": True}
+        return peer_params(best)
 
     def _local(self, reason: str) -> None:
         self.decisions.labels(f"local_{reason}").inc()

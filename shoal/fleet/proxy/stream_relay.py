@@ -12,6 +12,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from shoal.fleet.admission.dispatch import NoReplicaError
+from shoal.fleet.proxy.disagg import peer_params
 from shoal.fleet.proxy.forward import Forward, passthrough, unavailable
 from shoal.fleet.proxy.parts import RelayParts
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
@@ -348,7 +349,7 @@ class StreamRelay:
         body, tag = state.resume_body(index, prompt_ids)
         headers = None
         if fetch_from is not None and self.cfg.kv_transfer_key:
-            body["kv_transfer_params"] = {"source": fetch_from.url, "prefix": True}
+            body["kv_transfer_params"] = peer_params(fetch_from)
             headers = self.p.prefill.headers(self.fwd.headers)
         r = self.fwd.route
         hashes = self.p.keys.hash_ids(prompt_ids + c.ids, r.adapter)
