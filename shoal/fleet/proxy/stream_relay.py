@@ -320,17 +320,21 @@ class StreamRelay:
         state, r = self.state, up.replica
         await self.finish(up, True)  # not the replica's failure
         up.attempt.done()
-        self.failed.add(r.name)  # anywhere but there
         served = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
         served = [i for i in served if not state.choices[i].finished]
-        if served and up.tag is ORIGINAL and state.events == 0:
-            again = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=False)
-            if not isinstance(again, Upstream):
-                raise StopRelay(503, "no replica left to serve the stream", "no_replica")
-            self.launch(again)
-            served = []
-        for i in served:
-            await self._resume(i, fetch_from=r)
+        # Anywhere but there, this once: should the target fail, the stream may come back.
+        self.failed.add(r.name)
+        try:
+            if served and up.tag is ORIGINAL and state.events == 0:
+                again = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=False)
+                if not isinstance(again, Upstream):
+                    raise StopRelay(503, "no replica left to serve the stream", "no_replica")
+                self.launch(again)
+                served = []
+            for i in served:
+                await self._resume(i, fetch_from=r)
+        finally:
+            self.failed.discard(r.name)
         self.metrics.migrations.labels("ok" if served else "nothing_left").inc()
         self.migrated_at = time.monotonic()
 
