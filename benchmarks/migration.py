@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -60,7 +61,7 @@ def main() -> None:
             cold = stream(url, prompts[0], None)  # computed from scratch: its TTFT is the prompt's
             compute = cold[0] - t0
             times = stream(url, prompts[1], 16)
-            gaps = [b - a for a, b in zip(times, times[1:])]
+            gaps = [b - a for a, b in pairwise(times)]
             pause = gaps[15]  # from the 16th token, just before the move, to the 17th
             step = statistics.median(gaps[:14] + gaps[17:])
             rows.append((n, pause, step, compute))

@@ -2,10 +2,11 @@
 pool by other prompts comes back from host memory, from disk, or from disk after host memory
 passed it on, and gives the same greedy tokens and logprobs as when it was first computed; the
 engine's stats and /metrics count the blocks; without a tier the same prompt is computed again;
-the disk tier's folder is gone after shutdown."""
+the disk tier's folder is gone after shutdown, and a dead process's is removed at start."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -67,9 +68,16 @@ def test_without_a_tier_an_evicted_prompt_is_computed_again(bundled, prompts):
 )
 def test_an_evicted_prompt_comes_back_from_its_tier_exactly(bundled, prompts, tmp_path, tiers, loaded_from):
     options = {k: v for k, v in tiers.items() if k != "disk"}
+    stale = None
     if tiers.get("disk"):
         options["kv_offload_disk"] = (str(tmp_path), "256MiB")
+        dead = subprocess.Popen(["true"])
+        dead.wait()  # a process that left its folder behind (killed, say)
+        stale = tmp_path / "tp0-pp0" / f"shoal-kv-{dead.pid}-x"
+        stale.mkdir(parents=True)
+        (stale / "0000000000000001.kv").write_bytes(b"old")
     llm = LLM(loaded=bundled, num_blocks=POOL_BLOCKS, **options)
+    assert stale is None or not stale.exists()
     before, again = returning(llm, prompts)
     assert before.num_cached_tokens == 0
     assert again.num_cached_tokens == 64  # its 4 full blocks before the last token

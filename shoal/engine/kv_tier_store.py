@@ -4,10 +4,11 @@ and a folder of block files, moved as the scheduler's tier index orders (kv_tier
 Disk writes run on a thread of their own, so a step does not wait for the disk to save a block
 it demoted; a later read or delete of that block waits for its write. The folder is this
 process's own (made at start, removed at shutdown): the index that names its files lives only
-as long as the process."""
+as long as the process, and a start removes the folders of processes that died without doing so."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -35,7 +36,8 @@ class KVTierStore:
         self._writer: ThreadPoolExecutor | None = None
         if disk_root is not None:
             Path(disk_root).mkdir(parents=True, exist_ok=True)
-            self.folder = Path(tempfile.mkdtemp(prefix="shoal-kv-", dir=disk_root))
+            sweep_dead_folders(Path(disk_root))
+            self.folder = Path(tempfile.mkdtemp(prefix=f"shoal-kv-{os.getpid()}-", dir=disk_root))
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
         self._pending: dict[int, Future] = {}  # block hash -> its write in flight
 
@@ -121,3 +123,21 @@ def _median(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def sweep_dead_folders(root: Path) -> None:
+    """Removes the tier folders under `root` whose process is gone (killed, say)."""
+    for folder in root.glob("shoal-kv-*-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
