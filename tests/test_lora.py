@@ -221,21 +221,21 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(setup, tmp_path):
     with pytest.raises(RequestRejectedError, match="'nope' does not exist"):
         llm.generate([prompts[0]], PARAMS, lora="nope")
     with pytest.raises(AdapterError, match="rank 16 is above --max-lora-rank 8"):
-        core.add_lora("attn", str(dirs["attn"]))
+        core.adapters().add("attn", str(dirs["attn"]))
     # An adapter trained on a model of another shape.
     other = tmp_path / "other-base"
     hf = make_random_checkpoint("llama", other, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
     make_adapter(hf, tmp_path / "misfit", "mlp", seed=1)
     with pytest.raises(AdapterError, match="trained on another model"):
-        core.add_lora("misfit", str(tmp_path / "misfit"))
+        core.adapters().add("misfit", str(tmp_path / "misfit"))
     dora = tmp_path / "dora"
     shutil.copytree(dirs["mlp"], dora)
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(AdapterError, match="DoRA"):
-        core.add_lora("dora", str(dora))
+        core.adapters().add("dora", str(dora))
     with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
-        core.add_lora("empty", str(tmp_path))
+        core.adapters().add("empty", str(tmp_path))
     # None of it changed what is served.
-    assert core.lora_names == ["all"]
+    assert core.adapters().names == ["all"]
     check(llm.generate([prompts[0]], PARAMS, lora="all"), [setup[3]["all"][0]])

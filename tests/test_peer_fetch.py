@@ -5,8 +5,8 @@ and has the second fetch those blocks from it over the K/V transport, and the an
 the first gave. A fetch from a peer that does not hold the blocks leaves the replica to compute
 the prompt, with the same answer; a fetch without the fleet's transfer key is refused. A stream
 moved off its replica mid-generation (`/fleet/migrate`) goes on on the other one, its context
-fetched, and streams exactly what it would have: seeded sampling with n=2 and logprobs, and a
-greedy chat under a JSON grammar."""
+fetched, and streams exactly what it would have: seeded sampling with n=2 and logprobs (moved
+early, midway and late), a stop string, and a greedy chat under a JSON grammar."""
 
 from __future__ import annotations
 
@@ -113,10 +113,15 @@ def read_stream(gw, path: str, body: dict, move_after: int | None = None) -> dic
     return {"texts": texts, "ids": ids}
 
 
-MOVES = {
-    "seeded-n2-logprobs": (
+SEEDED = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.8, "seed": 7, "n": 2, "logprobs": 2}
+MOVES = {  # name -> (path, body, the event after which the stream moves)
+    "seeded-n2-logprobs-early": ("/v1/completions", SEEDED, 1),
+    "seeded-n2-logprobs": ("/v1/completions", SEEDED, 12),
+    "seeded-n2-logprobs-late": ("/v1/completions", SEEDED, 80),
+    "stop-string": (
         "/v1/completions",
-        {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.8, "seed": 7, "n": 2, "logprobs": 2},
+        {"prompt": "Count: one, two, three,", "max_tokens": 64, "temperature": 0, "stop": [" twenty"]},
+        8,
     ),
     "greedy-chat-grammar": (
         "/v1/chat/completions",
@@ -136,6 +141,7 @@ MOVES = {
                 },
             },
         },
+        12,
     ),
 }
 
@@ -143,17 +149,19 @@ MOVES = {
 @pytest.mark.parametrize("kind", list(MOVES))
 def test_a_stream_moved_mid_generation_streams_exactly_what_it_would_have(fleet, kind):
     gw, reps = fleet
-    path, extra = MOVES[kind]
-    body = {"model": "SmolLM2-135M-Instruct", "stream": True, "ignore_eos": True, **extra}
+    path, extra, move_after = MOVES[kind]
+    body = {"model": "SmolLM2-135M-Instruct", "stream": True, "ignore_eos": "stop" not in extra, **extra}
     want = read_stream(gw, path, body)
     moves = sample_sum(gw.url, 'shoal:gateway_migrations_total{outcome="ok"')
     fetched = sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps)
-    got = read_stream(gw, path, body, move_after=12)
+    fallbacks = sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps)
+    got = read_stream(gw, path, body, move_after=move_after)
     assert got["texts"] == want["texts"]
     assert got["ids"] == want["ids"]
     assert sample_sum(gw.url, 'shoal:gateway_migrations_total{outcome="ok"') == moves + 1
     # The context went over with the stream: its full blocks were fetched, not computed.
     assert sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps) > fetched
+    assert sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps) == fallbacks  # all loaded
     assert metric(gw.url, "shoal:gateway_migration_pause_seconds_count") >= 1
     for r in reps:
         r.wait_idle()

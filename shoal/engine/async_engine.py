@@ -271,12 +271,12 @@ class AsyncEngine:
     async def add_lora(self, name: str, path: str) -> None:
         """Reads an adapter off the engine's thread (disk, checks), then registers it between
         two steps: requests already running do not wait for the read."""
-        core = self.engine
-        adapter = await asyncio.get_running_loop().run_in_executor(None, core.read_lora, name, path)
-        await self._call(lambda: core.register_lora(adapter))
+        adapters = self.engine.adapters()
+        adapter = await asyncio.get_running_loop().run_in_executor(None, adapters.read, name, path)
+        await self._call(lambda: adapters.register(adapter))
 
     async def remove_lora(self, name: str) -> None:
-        await self._call(lambda: self.engine.remove_lora(name))
+        await self._call(lambda: self.engine.adapters().unregister(name))
 
     async def _call(self, fn):
         if not self.is_alive:

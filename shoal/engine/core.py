@@ -20,7 +20,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.executor import build_executor
 from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.kv_connector.packing import PackedKV, checked
+from shoal.engine.kv_connector.packing import PackedKV
 from shoal.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from shoal.engine.kv_tiers import KVTierIndex
 from shoal.engine.lora_manager import LoRAManager
@@ -35,9 +35,8 @@ from shoal.engine.speculative import SpecDecodeStats
 from shoal.engine.step_pipeline import StepPipeline
 from shoal.engine.step_result import EngineStats, StepResult
 from shoal.models.loader import LoadedModel, describe_model, load_model
-from shoal.models.lora import LoRAAdapter, load_adapter
 from shoal.models.lora_layers import slot_bytes
-from shoal.protocol.block_hash import hash_blocks, root_hash
+from shoal.protocol.block_hash import root_hash
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +104,9 @@ class EngineCore:
         self.kv = KVCacheManager(pool, cache.block_size, root_hash(cache.hash_salt), index)
         eos = self.tokenizer.eos_token_ids
         self.kv_connector = KVConnectorScheduler()
-        self.lora = LoRAManager(lora.max_loras) if lora.enable_lora else None
+        self.lora = LoRAManager(lora.max_loras, mcfg, lora.max_lora_rank) if lora.enable_lora else None
         for name, path in lora.lora_modules.items():
-            self.add_lora(name, path)
+            self.lora.add(name, path)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, self.max_model_len, eos, self.kv_connector, self.lora
         )
@@ -139,32 +138,11 @@ class EngineCore:
         self.measure_occupancy = False
         self.last_kv_occupancy = (0, 0)
 
-    # --- LoRA adapters ---------------------------------------------------------------------
-
-    def read_lora(self, name: str, path: str) -> LoRAAdapter:
-        """An adapter read from disk and checked against this model: no engine state is touched,
-        so a front may call this off the engine's thread and register the result there."""
+    def adapters(self) -> LoRAManager:
+        """The LoRA adapters the engine knows and holds (RequestRejectedError when it takes none)."""
         if self.lora is None:
             raise RequestRejectedError("LoRA adapters are not enabled (--enable-lora)", "lora_name")
-        return load_adapter(name, path, self.loaded.config, self.config.lora.max_lora_rank)
-
-    def register_lora(self, adapter: LoRAAdapter) -> None:
-        if self.lora is None:
-            raise RequestRejectedError("LoRA adapters are not enabled (--enable-lora)", "lora_name")
-        self.lora.register(adapter)
-
-    def add_lora(self, name: str, path: str) -> None:
-        self.register_lora(self.read_lora(name, path))
-
-    def remove_lora(self, name: str) -> None:
-        """KeyError: no such adapter; AdapterInUseError: requests in the engine use it."""
-        if self.lora is None:
-            raise KeyError(name)
-        self.lora.unregister(name)
-
-    @property
-    def lora_names(self) -> list[str]:
-        return sorted(self.lora.adapters) if self.lora is not None else []
+        return self.lora
 
     @property
     def model_name(self) -> str:
@@ -263,12 +241,8 @@ class EngineCore:
             raise RequestRejectedError("K/V from another engine does not load into a parallel engine yet")
         cfg = self.loaded.config
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
-        num = getattr(packed, "num_tokens", 0)
-        hashes = self.kv.block_hashes(req, min(num, req.num_tokens)) if isinstance(num, int) else []
         try:
-            return checked(
-                packed, req.num_tokens, hashes, shape, kv_dtype_of(self.config), self.kv.block_size
-            )
+            return self.kv.check_external(req, packed, shape, kv_dtype_of(self.config))
         except (ValueError, AttributeError) as exc:
             raise RequestRejectedError(str(exc), "kv_transfer_params") from None
 
@@ -287,23 +261,13 @@ class EngineCore:
         peer that would otherwise compute them. Taken between steps, so no tier move is pending."""
         if not self.executor.moves_kv:
             raise RequestRejectedError("a parallel engine cannot hand its K/V to another yet")
-        tiers, sources = self.kv.tiers, []
-        for h in hashes:
-            block = self.kv.pool.get_cached(h)
-            where = tiers.where(h) if block is None and tiers is not None else None
-            if block is None and where is None:
-                break
-            sources.append(("pool", block.block_id) if block is not None else where)
-        if not sources:
-            return None
+        sources = self.kv.held_prefix(hashes)
         n = len(sources) * self.kv.block_size
-        return PackedKV(n, list(hashes[: len(sources)]), self.executor.export_blocks(sources))
+        return PackedKV(n, hashes[: len(sources)], self.executor.export_blocks(sources)) if n else None
 
     def prompt_hashes(self, ids: list[int], lora: str | None = None) -> list[int]:
         """The block chain a prompt has here (what a peer is asked for)."""
-        extra = () if lora is None else (("lora", lora),)
-        full = (len(ids) - 1) // self.kv.block_size * self.kv.block_size  # never the last token
-        return hash_blocks(ids[:full], self.kv.block_size, extra, root=self.kv.root_hash)
+        return self.kv.prompt_hashes(ids, () if lora is None else (("lora", lora),))
 
     def release_kv(self, request_id: str) -> bool:
         return self.scheduler.release_kv(request_id)

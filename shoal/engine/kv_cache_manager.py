@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shoal.engine.block_pool import BlockPool, KVBlock
+from shoal.engine.kv_connector.packing import PackedKV, checked
 from shoal.engine.kv_tiers import KVTierIndex
 from shoal.engine.request import Request
 from shoal.protocol.block_hash import NONE_HASH, hash_blocks
@@ -74,6 +75,29 @@ class KVCacheManager:
                 break
             loaded += 1
         return loaded
+
+    def held_prefix(self, hashes: list[int]) -> list[tuple[str, int]]:
+        """Where each of the leading blocks of a chain that this engine holds is: ("pool", block
+        id), or a tier's ("host", slot) or ("disk", hash)."""
+        sources = []
+        for h in hashes:
+            block = self.pool.get_cached(h)
+            where = self.tiers.where(h) if block is None and self.tiers is not None else None
+            if block is None and where is None:
+                break
+            sources.append(("pool", block.block_id) if block is not None else where)
+        return sources
+
+    def prompt_hashes(self, ids: list[int], extra_keys: tuple = ()) -> list[int]:
+        """The chain of a prompt's full blocks before its last token."""
+        full = (len(ids) - 1) // self.block_size * self.block_size
+        return hash_blocks(ids[:full], self.block_size, extra_keys, root=self.root_hash)
+
+    def check_external(self, req: Request, packed: PackedKV, shape: tuple, dtype) -> PackedKV:
+        """K/V from outside for `req`, checked against its own hash chain (ValueError if not)."""
+        num = getattr(packed, "num_tokens", 0)
+        hashes = self.block_hashes(req, min(num, req.num_tokens)) if isinstance(num, int) else []
+        return checked(packed, req.num_tokens, hashes, shape, dtype, self.block_size)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens

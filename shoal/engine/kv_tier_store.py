@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shoal.engine.kv_tiers import TierMove
+from shoal.protocol.kv_files import pid_alive
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -129,15 +130,5 @@ def sweep_dead_folders(root: Path) -> None:
     """Removes the tier folders under `root` whose process is gone (killed, say)."""
     for folder in root.glob("shoal-kv-*-*"):
         pid = folder.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's
-    return True

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.models.lora import LoRAAdapter
+from shoal.models.config import ModelConfig
+from shoal.models.lora import LoRAAdapter, load_adapter
 
 LORA_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -67,8 +68,10 @@ class LoRAStats:
 
 
 class LoRAManager:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, model_config: ModelConfig, max_rank: int):
         self.num_slots = num_slots
+        self.model_config = model_config  # what an adapter must fit
+        self.max_rank = max_rank
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slot_of: dict[str, int] = {}  # resident adapters
         self.users: dict[str, int] = {}  # requests in the engine holding each resident adapter
@@ -78,6 +81,18 @@ class LoRAManager:
         self.loads: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
+
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """An adapter read from disk and checked against the model. It touches no state, so a front
+        may call this off the engine's thread and `register` the result there."""
+        return load_adapter(name, path, self.model_config, self.max_rank)
+
+    def add(self, name: str, path: str) -> None:
+        self.register(self.read(name, path))
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.adapters)
 
     def register(self, adapter: LoRAAdapter) -> None:
         """Adds an adapter, or replaces an unused one of the same name."""

@@ -36,7 +36,8 @@ def shm_unlink(name: str) -> None:
             (SHM_DIR / name).unlink()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid runs on this host (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -57,7 +58,7 @@ def shm_sweep(pid: int | None = None) -> int:
         if m is None:
             continue
         writer = int(m.group(1))
-        if writer == pid or (pid is None and not _alive(writer)):
+        if writer == pid or (pid is None and not pid_alive(writer)):
             shm_unlink(path.name)
             removed += 1
     return removed
