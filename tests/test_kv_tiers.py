@@ -114,24 +114,18 @@ def test_a_block_in_a_tier_is_still_held_in_the_kv_events_until_the_tiers_let_it
     """The fleet routes by these events: a prefix pushed down to a tier is still this replica's."""
     first, others = prompts
 
-    def stored_and_removed(llm):
-        events = llm.engine.take_kv_events()
-        return {e.block_hash for e in events if e.kind == "stored"}, {
-            e.block_hash for e in events if e.kind == "removed"
-        }
+    def first_then_others(memory: int) -> tuple[LLM, set[int], set[int]]:
+        """The first prompt's stored blocks, and the blocks reported removed as the others pass."""
+        llm = LLM(loaded=bundled, num_blocks=POOL_BLOCKS, enable_kv_events=True, kv_offload_memory=memory)
+        llm.generate([first], PARAMS)
+        mine = {e.block_hash for e in llm.engine.take_kv_events() if e.kind == "stored"}
+        for o in others:
+            llm.generate([o], PARAMS)
+        removed = {e.block_hash for e in llm.engine.take_kv_events() if e.kind == "removed"}
+        return llm, mine, removed
 
-    kept = LLM(loaded=bundled, num_blocks=POOL_BLOCKS, enable_kv_events=True, kv_offload_memory=64 * MiB)
-    kept.generate([first], PARAMS)
-    mine, _ = stored_and_removed(kept)
-    for o in others:
-        kept.generate([o], PARAMS)
-    _, removed = stored_and_removed(kept)
+    kept, mine, removed = first_then_others(64 * MiB)
     assert kept.engine.stats().kv_offload_saved["host"] >= len(mine) and not removed  # all held below
     # With room for two blocks below, the tier lets most go, and says so.
-    small = LLM(loaded=bundled, num_blocks=POOL_BLOCKS, enable_kv_events=True, kv_offload_memory=2 * MiB)
-    small.generate([first], PARAMS)
-    mine, _ = stored_and_removed(small)
-    for o in others:
-        small.generate([o], PARAMS)
-    _, removed = stored_and_removed(small)
+    _, mine, removed = first_then_others(2 * MiB)
     assert mine <= removed
