@@ -82,18 +82,13 @@ def replicas(gw: ServerProcess, api_key: str | None = None) -> dict[str, dict]:
 
 
 def metric(url: str, name: str) -> float:
-    """Sum of a metric's samples (all label sets) on a /metrics page."""
+    """Sum of a metric's samples on a /metrics page: every label set of a bare name, or those whose
+    labels begin as given (`'name{a="b"'`)."""
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
+        if line.startswith(name) and ("{" in name or line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def sample_sum(url: str, prefix: str) -> float:
-    """Sum of the samples on a /metrics page whose line starts with `prefix` (a name and labels)."""
-    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
 
 
 def wait_until(gw: ServerProcess, cond, timeout: float, every: float = 0.1) -> None:

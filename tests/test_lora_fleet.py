@@ -16,7 +16,7 @@ import torch
 from shoal.fleet.admission.tenants import key_digest
 from shoal.protocol.block_hash import hash_blocks, root_hash
 from shoal.protocol.secrets import kv_salt
-from tests.fleet_helpers import auth, sample_sum, spawn, wait_replicas_ready, wait_until
+from tests.fleet_helpers import auth, metric, spawn, wait_replicas_ready, wait_until
 from tests.server_helpers import start_server
 from tests.test_lora_server import make_adapter
 
@@ -77,7 +77,7 @@ def tokens(r: httpx.Response) -> list[int]:
 
 
 def adapter_requests(server, adapter: str) -> float:
-    return sample_sum(server.url, f'shoal:lora_requests_total{{adapter="{adapter}"')
+    return metric(server.url, f'shoal:lora_requests_total{{adapter="{adapter}"')
 
 
 def listed(url: str, key: str) -> dict[str, dict]:
@@ -115,10 +115,10 @@ def test_an_adapters_requests_go_where_it_is_and_spread_when_that_replica_is_bus
         lambda: "alpha" in httpx.get(other.url + "/load", headers=auth(KEY)).json()["lora"]["adapters"],
         30,
     )
-    assert sample_sum(gw.url, 'shoal:gateway_adapter_loads_total{adapter="alpha",reason="busy"') == 1
+    assert metric(gw.url, 'shoal:gateway_adapter_loads_total{adapter="alpha",reason="busy"') == 1
     assert asyncio.run(streams(8)) == [want] * 8
     assert adapter_requests(other, "alpha") > 0  # and it takes some of them, with the same tokens
-    assert sample_sum(gw.url, 'shoal:gateway_replica_adapters{replica="backend-1",state="registered"') >= 1
+    assert metric(gw.url, 'shoal:gateway_replica_adapters{replica="backend-1",state="registered"') >= 1
 
 
 def test_the_gateways_prompt_hashes_for_an_adapter_are_the_replicas_own(fleet):

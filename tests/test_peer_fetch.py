@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
-from tests.fleet_helpers import auth, metric, sample_sum, start_gateway, wait_until
+from tests.fleet_helpers import auth, metric, start_gateway, wait_until
 from tests.server_helpers import start_server
 
 KEY = "sk-peer-fetch"
@@ -152,13 +152,13 @@ def test_a_stream_moved_mid_generation_streams_exactly_what_it_would_have(fleet,
     path, extra, move_after = MOVES[kind]
     body = {"model": "SmolLM2-135M-Instruct", "stream": True, "ignore_eos": "stop" not in extra, **extra}
     want = read_stream(gw, path, body)
-    moves = sample_sum(gw.url, 'shoal:gateway_migrations_total{outcome="ok"')
+    moves = metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"')
     fetched = sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps)
     fallbacks = sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps)
     got = read_stream(gw, path, body, move_after=move_after)
     assert got["texts"] == want["texts"]
     assert got["ids"] == want["ids"]
-    assert sample_sum(gw.url, 'shoal:gateway_migrations_total{outcome="ok"') == moves + 1
+    assert metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"') == moves + 1
     # The context went over with the stream: its full blocks were fetched, not computed.
     assert sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps) > fetched
     assert sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps) == fallbacks  # all loaded
