@@ -36,7 +36,7 @@ from shoal.engine.step_pipeline import StepPipeline
 from shoal.engine.step_result import EngineStats, StepResult
 from shoal.models.loader import LoadedModel, describe_model, load_model
 from shoal.models.lora_layers import slot_bytes
-from shoal.protocol.block_hash import root_hash
+from shoal.protocol.block_hash import adapter_keys, root_hash
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class EngineCore:
 
     def prompt_hashes(self, ids: list[int], lora: str | None = None) -> list[int]:
         """The block chain a prompt has here (what a peer is asked for)."""
-        return self.kv.prompt_hashes(ids, () if lora is None else (("lora", lora),))
+        return self.kv.prompt_hashes(ids, adapter_keys(lora))
 
     def release_kv(self, request_id: str) -> bool:
         return self.scheduler.release_kv(request_id)

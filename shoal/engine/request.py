@@ -6,6 +6,7 @@ import enum
 import time
 
 from shoal.engine.sampling_params import SamplingParams
+from shoal.protocol.block_hash import adapter_keys
 
 
 class RequestStatus(enum.Enum):
@@ -60,7 +61,7 @@ class Request:
         self.lora = lora
         self.lora_slot = 0
         # Its blocks' hashes cover the adapter: two adapters never share K/V.
-        self.extra_keys = extra_keys if lora is None else (*extra_keys, ("lora", lora))
+        self.extra_keys = (*extra_keys, *adapter_keys(lora))
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.stop_token_ids = frozenset(params.stop_token_ids)

@@ -21,6 +21,12 @@ def root_hash(salt: bytes) -> int:
     return int.from_bytes(hashlib.sha256(b"shoal kv salt\0" + salt).digest()[:8], "little")
 
 
+def adapter_keys(adapter: str | None) -> tuple:
+    """The extra keys of a block computed under a LoRA adapter: its K/V is the adapter's own, so
+    its hash covers the adapter (the engine's blocks and the router's guesses alike)."""
+    return () if adapter is None else (("lora", adapter),)
+
+
 def hash_block(parent: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
     h = hashlib.sha256((parent or NONE_HASH).to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())

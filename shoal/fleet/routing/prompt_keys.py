@@ -14,7 +14,7 @@ from shoal.fleet.routing.policies import RouteRequest
 from shoal.models.chat_prompt import chat_token_ids, raw_messages
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import ToolFormat, offered_tools, tool_format
-from shoal.protocol.block_hash import NONE_HASH, hash_blocks, root_hash
+from shoal.protocol.block_hash import NONE_HASH, adapter_keys, hash_blocks, root_hash
 from shoal.protocol.secrets import kv_salt
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,7 @@ class PromptKeys:
             log.warning("no tokenizer for prefix routing (%s); hashing prompt text instead", exc)
 
     def hash_ids(self, ids: list[int], adapter: str | None = None) -> list[int]:
-        # An adapter's blocks are its own on the replicas (their hashes cover it): so here too.
-        extra = () if adapter is None else (("lora", adapter),)
-        return hash_blocks(ids, self.table.block_size, extra, root=self.kv_root)
+        return hash_blocks(ids, self.table.block_size, adapter_keys(adapter), root=self.kv_root)
 
     async def route(
         self, path: str, body: dict, session: str | None, model: str | None, adapter: str | None = None
@@ -116,5 +114,5 @@ class PromptKeys:
         else:
             text = json.dumps(prompt, sort_keys=True, ensure_ascii=False)[:limit]
         # About four characters a token, for admission's token estimate.
-        extra = () if adapter is None else (("lora", adapter),)
-        return hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES, extra), chars // 4
+        blocks = hash_blocks(list(text.encode("utf-8", "replace")), TEXT_BLOCK_BYTES, adapter_keys(adapter))
+        return blocks, chars // 4
