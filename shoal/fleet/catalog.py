@@ -46,6 +46,10 @@ class ModelCatalog:
     def serves(self, model) -> bool:
         return not self.multi_model or any(m.name == model for m in self.models)
 
+    def names_a_model(self, name) -> bool:
+        """Whether `name` is one of the fleet's own models (so not a LoRA adapter over one)."""
+        return self.serves(name) if self.multi_model else name in self.listed()
+
     def wakes(self, model: str | None) -> bool:
         """Whether a request for `model`, finding no replica, should wait for one to start: its
         pool scales (a fixed pool's replicas come back only by restarting)."""

@@ -140,7 +140,7 @@ class Pipeline:
         model = None
         name = body.get("model")
         entry = self.adapters.lookup(name)
-        if entry is not None and not self._names_a_base(name):
+        if entry is not None and not self.catalog.names_a_model(name):
             model = entry.model if self.catalog.multi_model else None
             await self.adapters.ensure_holder(name, model)
             return await self.keys.route(path, body, session, model, adapter=name)
@@ -155,11 +155,6 @@ class Pipeline:
                     "model_not_found",
                 )
         return await self.keys.route(path, body, session, model)
-
-    def _names_a_base(self, name) -> bool:
-        if self.catalog.multi_model:
-            return self.catalog.serves(name)
-        return name in self.catalog.listed()
 
     def upstream_headers(self, raw: Request | None = None) -> dict[str, str]:
         """The replica's key when the gateway has one; else the client's own passes through."""

@@ -119,7 +119,7 @@ def build_app(self: Edge) -> FastAPI:
             raise APIError(
                 400, "name the base model the adapter is for (model), one this fleet serves", "model"
             )
-        if (self.catalog.multi_model and self.catalog.serves(name)) or name in self.catalog.listed():
+        if self.catalog.names_a_model(name):
             raise APIError(400, f"the model '{name}' is already served", "lora_name")
         held = await self.adapters.load(name, path, model if self.catalog.multi_model else None)
         return {"object": "lora_adapter", "id": name, "status": "loaded", "replicas": held}
