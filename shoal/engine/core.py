@@ -111,9 +111,9 @@ class EngineCore:
             config.scheduler, self.kv, self.max_model_len, eos, self.kv_connector, self.lora
         )
         self.executor = build_executor(config, loaded, num_blocks, self.max_model_len)
-        runner = getattr(self.executor, "runner", None)  # a parallel engine's ranks load always
-        if self.kv.tiers is not None and runner is not None:
-            self.kv.tiers.calibrate(runner.tier_costs())  # timed once, before any request
+        costs = self.executor.tier_costs() if self.kv.tiers is not None else None
+        if costs is not None:
+            self.kv.tiers.calibrate(costs)  # timed once, before any request
         self.pipeline = None
         if self.executor.max_in_flight > 1:
             self.pipeline = StepPipeline(

@@ -38,6 +38,15 @@ class Executor(Protocol):
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor: ...
 
+    def export_blocks(self, sources: list[tuple[str, int]]) -> torch.Tensor:
+        """Whole blocks' K/V from the pool or the offload tiers (ModelRunner.export_blocks)."""
+        ...
+
+    def tier_costs(self) -> dict[str, float] | None:
+        """Seconds to load a block from each offload tier and to compute it, timed now (None:
+        the executor does not time them, and its ranks load from the tiers always)."""
+        ...
+
     @property
     def rank_stats(self) -> list[RankStats] | None:
         """Per-rank timings, for executors that have ranks."""
@@ -72,6 +81,9 @@ class UniprocExecutor:
 
     def export_blocks(self, sources: list[tuple[str, int]]) -> torch.Tensor:
         return self.runner.export_blocks(sources)
+
+    def tier_costs(self) -> dict[str, float] | None:
+        return self.runner.tier_costs()
 
     @property
     def rank_stats(self) -> list[RankStats] | None:

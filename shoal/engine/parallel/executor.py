@@ -265,6 +265,12 @@ class MultiprocExecutor:
     def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         raise NotImplementedError("a parallel engine cannot hand its K/V to another yet")
 
+    def export_blocks(self, sources: list[tuple[str, int]]) -> torch.Tensor:
+        raise NotImplementedError("a parallel engine cannot hand its K/V to another yet")
+
+    def tier_costs(self) -> dict[str, float] | None:
+        return None  # each rank's store would time its own shard: the ranks load always
+
     # --- health and shutdown -------------------------------------------------------------
 
     def _check_alive(self) -> None:

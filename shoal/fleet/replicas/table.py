@@ -64,15 +64,12 @@ class ReplicaTable:
         """Moves the streams relayed from a replica that leaves service (draining) to others, their
         K/V fetched from it: when another replica of its model takes requests. Returns how many."""
         r = self.replicas.get(name)
-        if r is None or not self.serving_elsewhere(r):
+        if r is None or not any(o is not r for o in self.serving(r.model, time.monotonic())):
             return 0
-        moving = [a for a in r.attempts if getattr(a, "movable", False)]
+        moving = [a for a in r.attempts if a.movable]
         for attempt in moving:
             attempt.migrate()
         return len(moving)
-
-    def serving_elsewhere(self, r: Replica) -> bool:
-        return any(o is not r for o in self.serving(r.model, time.monotonic()))
 
     def port_in_use(self, name: str, note: str) -> None:
         r = self.replicas[name]
