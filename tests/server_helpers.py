@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -101,3 +103,10 @@ async def stream_gaps(client: httpx.AsyncClient, url: str, body: dict, gaps: lis
                 if last is not None:
                     gaps.append(now - last)
                 last = now
+
+
+def sse_objects(resp: httpx.Response) -> Iterator[dict]:
+    """The JSON events of a streamed (SSE) response, in order, up to [DONE]."""
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])

@@ -3,7 +3,6 @@ to start, and when its ranks are started by hand (as on other hosts): real proce
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -20,7 +19,7 @@ from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.parallel.worker import AUTHKEY_ENV
 from shoal.fleet.control.launchers.local import free_port
 from tests.fleet_helpers import replicas, start_fleet, wait_replicas_ready
-from tests.server_helpers import start_server
+from tests.server_helpers import sse_objects, start_server
 from tests.test_parallel import _parallel_pids
 
 SERVE_ARGS = ("-tp", "2", "--threads", "1", "--kv-cache-memory", "128MiB", "--rank-timeout", "5")
@@ -65,10 +64,7 @@ def stream_until_broken(url: str, after_chunks: int, act) -> tuple[int, float | 
     with httpx.stream("POST", url + "/v1/completions", json=LONG, timeout=60) as r:
         assert r.status_code == 200
         try:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                obj = json.loads(line[6:])
+            for obj in sse_objects(r):
                 if "error" in obj:
                     errored = True
                     break
@@ -200,10 +196,7 @@ def _stream_text(url: str, body: dict, kill_after: int | None = None, kill=None)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         replica = r.headers["x-replica"]
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
+        for obj in sse_objects(r):
             assert "error" not in obj, obj
             for ch in obj["choices"]:
                 text += ch.get("text") or ""

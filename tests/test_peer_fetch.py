@@ -10,14 +10,12 @@ early, midway and late), a stop string, and a greedy chat under a JSON grammar."
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 from tests.fleet_helpers import auth, metric, start_gateway, wait_until
-from tests.server_helpers import start_server
+from tests.server_helpers import sse_objects, start_server
 
 KEY = "sk-peer-fetch"
 TRANSFER_KEY = "peer-fetch-transfer-key"
@@ -97,10 +95,7 @@ def read_stream(gw, path: str, body: dict, move_after: int | None = None) -> dic
     with httpx.stream("POST", gw.url + path, json=body, headers=auth(KEY), timeout=120) as r:
         assert r.status_code == 200, r.read()
         replica = r.headers["x-replica"]
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
+        for obj in sse_objects(r):
             assert "error" not in obj, obj
             for ch in obj.get("choices") or []:
                 piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
