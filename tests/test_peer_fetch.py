@@ -5,8 +5,9 @@ and has the second fetch those blocks from it over the K/V transport, and the an
 the first gave. A fetch from a peer that does not hold the blocks leaves the replica to compute
 the prompt, with the same answer; a fetch without the fleet's transfer key is refused. A stream
 moved off its replica mid-generation (`/fleet/migrate`) goes on on the other one, its context
-fetched, and streams exactly what it would have: seeded sampling with n=2 and logprobs (moved
-early, midway and late), a stop string, and a greedy chat under a JSON grammar."""
+copied there while it went on decoding, and streams exactly what it would have: seeded sampling
+with n=2 and logprobs (moved early, midway and late), a stop string, and a greedy chat under a
+JSON grammar."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def read_stream(gw, path: str, body: dict, move_after: int | None = None) -> dic
     return {"texts": texts, "ids": ids}
 
 
-SEEDED = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.8, "seed": 7, "n": 2, "logprobs": 2}
+SEEDED = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0.8, "seed": 7, "n": 2, "logprobs": 2}
 MOVES = {  # name -> (path, body, the event after which the stream moves)
     "seeded-n2-logprobs-early": ("/v1/completions", SEEDED, 1),
     "seeded-n2-logprobs": ("/v1/completions", SEEDED, 12),
@@ -148,12 +149,14 @@ def test_a_stream_moved_mid_generation_streams_exactly_what_it_would_have(fleet,
     body = {"model": "SmolLM2-135M-Instruct", "stream": True, "ignore_eos": "stop" not in extra, **extra}
     want = read_stream(gw, path, body)
     moves = metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"')
+    copies = metric(gw.url, "shoal:gateway_migration_copy_seconds_count")
     fetched = sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps)
     fallbacks = sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps)
     got = read_stream(gw, path, body, move_after=move_after)
     assert got["texts"] == want["texts"]
     assert got["ids"] == want["ids"]
     assert metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"') == moves + 1
+    assert metric(gw.url, "shoal:gateway_migration_copy_seconds_count") == copies + 1
     # The context went over with the stream: its full blocks were fetched, not computed.
     assert sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps) > fetched
     assert sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps) == fallbacks  # all loaded

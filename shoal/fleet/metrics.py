@@ -151,13 +151,21 @@ class GatewayMetrics:
 
         self.migrations = Counter(
             "shoal:gateway_migrations",
-            "Streams moved off a replica while they ran (ok), or with nothing left to move.",
+            "Streams asked to move off a replica: moved (ok), nothing left to move, or left where "
+            "they ran (no_target: no replica to take them; target_failed: it failed the copy).",
             ["outcome"],
             registry=r,
         )
         self.migration_pause = Histogram(
             "shoal:gateway_migration_pause_seconds",
-            "Time a moved stream's client saw no token: from the move to the first token after it.",
+            "Time a moved stream's client saw no token: from its last token before the switch to "
+            "its first after it.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.migration_copy = Histogram(
+            "shoal:gateway_migration_copy_seconds",
+            "Time a moving stream's context took to copy to its target while it went on decoding.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

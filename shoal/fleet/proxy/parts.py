@@ -25,6 +25,10 @@ class PrefillStep(Protocol):
         self, fwd: Forward, replica: Replica, body: dict, headers: dict, seen: dict
     ) -> tuple[dict, dict]: ...
 
+    def headers(self, headers: dict) -> dict:
+        """`headers` with what a replica needs to take K/V from another (the transfer key)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RelayParts:

@@ -1,6 +1,7 @@
 """A streamed request: opened before the first byte (with retries), relayed, and continued on
 other replicas when its replica dies, one resume request per unfinished choice, merged back into
-the client's one stream."""
+the client's one stream. A stream asked to move (fleet/replicas/table.py move_streams) has its
+context copied to another replica while it runs (migration.py), then goes on there."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from shoal.fleet.admission.dispatch import NoReplicaError
 from shoal.fleet.proxy.disagg import peer_params
 from shoal.fleet.proxy.forward import Forward, passthrough, unavailable
+from shoal.fleet.proxy.migration import copy_to_another
 from shoal.fleet.proxy.parts import RelayParts
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
 from shoal.fleet.proxy.upstream import Attempt, Outcome, sse_events
@@ -94,7 +96,11 @@ class StreamRelay:
         self.ids_complete = True  # every upstream so far gave token ids
         self.first_event = True
         self.cleaned = False
-        self.migrated_at: float | None = None  # when the stream last moved, until its next token
+        self.last_token_at: float | None = None
+        self.migrated_at: float | None = None  # the last token before a move, until the next one
+        self.moving: asyncio.Task | None = None  # a move under way: its copy phase
+        self.move_to: str | None = None  # the replica a move's copy went to
+        self.copied: dict[int, int] = {}  # choice -> its context's length when it was copied
 
     # --- opening -------------------------------------------------------------------------
 
@@ -116,15 +122,22 @@ class StreamRelay:
         )
 
     async def open(
-        self, tag: Tag, route: RouteRequest, body: dict, budget: bool, headers: dict | None = None
+        self,
+        tag: Tag,
+        route: RouteRequest,
+        body: dict,
+        budget: bool,
+        headers: dict | None = None,
+        prefer: str | None = None,
     ) -> Upstream | Response:
         """A replica's stream for `body`, trying others while it provably did not run there (or
-        the replica said so). `budget`: retries draw on the retry budget (before the first byte)."""
+        the replica said so). `budget`: retries draw on the retry budget (before the first byte).
+        `prefer`: the replica to try first, if it takes the request now."""
         cfg, p = self.cfg, self.p
         last: Response | None = None
         for attempt_no in range(cfg.max_retries + 1):
             try:
-                replica = await self.dispatch.acquire(route, self.failed)
+                replica = await self._acquire(route, prefer if attempt_no == 0 else None)
             except NoReplicaError as exc:
                 if last is None:
                     self.metrics.rejections.inc()
@@ -190,9 +203,19 @@ class StreamRelay:
             # It can move (fleet/replicas/table.py move_streams): its tokens are known exactly.
             attempt.movable = self.ids_complete and bool(self.cfg.kv_transfer_key)
             up = Upstream(attempt, resp, tag, with_ids)
+            attempt.on_move = lambda up=up: self.request_move(up)
             self.upstreams.append(up)
             return up
         return last or unavailable("no replica could serve the request")
+
+    async def _acquire(self, route: RouteRequest, prefer: str | None):
+        if prefer is not None:
+            others = set(self.p.table.replicas) - {prefer}
+            try:
+                return await self.dispatch.acquire(route, others | self.failed, timeout=0)
+            except NoReplicaError:
+                pass  # it does not take requests now: wherever the policy says
+        return await self.dispatch.acquire(route, self.failed)
 
     # --- relaying ------------------------------------------------------------------------
 
@@ -226,9 +249,11 @@ class StreamRelay:
                 if obj is not None:
                     out, tokens = state.relay(up.tag, obj)
                     up.attempt.tokens += tokens
-                    if tokens and self.migrated_at is not None:
-                        self.metrics.migration_pause.observe(time.monotonic() - self.migrated_at)
-                        self.migrated_at = None
+                    if tokens:
+                        now = self.last_token_at = time.monotonic()
+                        if self.migrated_at is not None:
+                            self.metrics.migration_pause.observe(now - self.migrated_at)
+                            self.migrated_at = None
                     if out is not None:
                         if self.first_event:
                             self.first_event = False
@@ -268,7 +293,7 @@ class StreamRelay:
             up.attempt.done()
             if up not in self.pumps:
                 _keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
-        for t in self.pumps.values():
+        for t in [*self.pumps.values(), *([self.moving] if self.moving else [])]:
             t.cancel()
             _keep(t)
         self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
@@ -314,14 +339,60 @@ class StreamRelay:
             if not state.choices[i].finished:
                 await self._resume(i)
 
+    def _served(self, up: Upstream) -> list[int]:
+        """The unfinished choices `up` streams."""
+        state = self.state
+        served = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
+        return [i for i in served if not state.choices[i].finished]
+
+    def request_move(self, up: Upstream) -> None:
+        """Starts moving `up`'s stream to another replica (see migration.py)."""
+        if self.moving is None and up in self.pumps and not self.cleaned:
+            self.moving = asyncio.create_task(self._copy_then_move(up))
+
+    async def _copy_then_move(self, up: Upstream) -> None:
+        t0 = time.monotonic()
+        try:
+            outcome = await self._copy(up)
+        finally:
+            self.moving = None
+        if outcome in ("copied", "refused"):
+            if up in self.pumps:
+                up.attempt.migrate()  # the pump ends with "migrated": see migrate()
+                if outcome == "copied":
+                    self.metrics.migration_copy.observe(time.monotonic() - t0)
+                return
+            outcome, self.move_to, self.copied = "ended", None, {}  # it ended (or failed) meanwhile
+        self.metrics.migrations.labels(outcome).inc()  # the stream stays where it runs
+
+    async def _copy(self, up: Upstream) -> str:
+        """Copies the contexts of `up`'s choices to the replica they will move to, chosen now."""
+        state, source = self.state, up.replica
+        served = self._served(up)
+        if not served or (up.tag is ORIGINAL and state.events == 0):
+            return "refused"  # nothing generated yet to copy: it moves at once
+        contexts = []
+        for i in served:
+            prompt_ids = state.prompt_ids_for(i) or await self._tokenize(i)
+            if prompt_ids is None:
+                return "refused"
+            contexts.append((i, prompt_ids + state.choices[i].ids))
+        outcome, target = await copy_to_another(
+            self.p, self.fwd, source, [ctx for _, ctx in contexts], self._route(contexts[0][1]), self.failed
+        )
+        if outcome == "copied":
+            self.move_to = target.name
+            self.copied = {i: len(ctx) for i, ctx in contexts}
+        return outcome
+
     async def migrate(self, up: Upstream) -> None:
         """`up` was ended to move its stream: each unfinished choice it served goes on elsewhere
-        from where it stopped, its K/V fetched from `up`'s replica instead of computed."""
+        from where it stopped: where its context was copied, or fetching it from `up`'s replica."""
         state, r = self.state, up.replica
         await self.finish(up, True)  # not the replica's failure
         up.attempt.done()
-        served = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
-        served = [i for i in served if not state.choices[i].finished]
+        served = self._served(up)
+        target, self.move_to = self.move_to, None
         # Anywhere but there, this once: should the target fail, the stream may come back.
         self.failed.add(r.name)
         try:
@@ -332,15 +403,30 @@ class StreamRelay:
                 self.launch(again)
                 served = []
             for i in served:
-                await self._resume(i, fetch_from=r)
+                await self._resume(i, moved_from=r, prefer=target)
         finally:
             self.failed.discard(r.name)
+            self.copied = {}
         self.metrics.migrations.labels("ok" if served else "nothing_left").inc()
-        self.migrated_at = time.monotonic()
+        self.migrated_at = self.last_token_at or time.monotonic()
 
-    async def _resume(self, index: int, fetch_from=None) -> None:
-        """Continues choice `index` on another replica; `fetch_from`: a replica that holds its K/V
-        (the one it moved off), to fetch the context from instead of computing it."""
+    def _route(self, context: list[int]) -> RouteRequest:
+        """A continuation's route: the request's, keyed by its context so far."""
+        r = self.fwd.route
+        return RouteRequest(
+            self.p.keys.hash_ids(context, r.adapter),
+            r.session,
+            model=r.model,
+            adapter=r.adapter,
+            tenant=r.tenant,
+            priority=r.priority,
+            charged=True,
+        )
+
+    async def _resume(self, index: int, moved_from=None, prefer: str | None = None) -> None:
+        """Continues choice `index` on another replica (`prefer`, if it takes it). `moved_from`: the
+        replica it moved off, which holds its K/V: fetched from there, unless a copy already put
+        all but a few tokens of it where it goes."""
         state = self.state
         c = state.choices[index]
         if not self.ids_complete:
@@ -350,28 +436,21 @@ class StreamRelay:
         prompt_ids = state.prompt_ids_for(index) or await self._tokenize(index)
         if prompt_ids is None:
             raise StopRelay(502, "the replica failed mid-stream before its prompt was known")
+        context = prompt_ids + c.ids
+        copied = self.copied.get(index) if prefer is not None else None
+        since_copy = len(context) - (copied or 0)
         body, tag = state.resume_body(index, prompt_ids)
         headers = None
-        if fetch_from is not None and self.cfg.kv_transfer_key:
-            body["kv_transfer_params"] = peer_params(fetch_from)
+        fetch = since_copy >= self.cfg.peer_fetch_min_tokens
+        if moved_from is not None and self.cfg.kv_transfer_key and fetch:
+            body["kv_transfer_params"] = peer_params(moved_from)
             headers = self.p.prefill.headers(self.fwd.headers)
-        r = self.fwd.route
-        hashes = self.p.keys.hash_ids(prompt_ids + c.ids, r.adapter)
-        route = RouteRequest(
-            hashes,
-            r.session,
-            model=r.model,
-            adapter=r.adapter,
-            tenant=r.tenant,
-            priority=r.priority,
-            charged=True,
-        )
-        up = await self.open(tag, route, body, budget=False, headers=headers)
+        up = await self.open(tag, self._route(context), body, budget=False, headers=headers, prefer=prefer)
         if isinstance(up, Response) and up.status_code < 500:
             raise StopRelay(502, f"the continuation was refused: {up.body.decode(errors='replace')[:300]}")
         if not isinstance(up, Upstream):
             raise StopRelay(503, "no replica left to continue the stream", "no_replica")
-        if fetch_from is None:
+        if moved_from is None:
             self.metrics.failovers.inc()
         self.launch(up)
 

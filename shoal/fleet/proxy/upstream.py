@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -52,8 +52,17 @@ class Attempt:
         self.interrupted = False
         self.migrating = False  # interrupted to move its stream to another replica, not a failure
         self.movable = False  # a stream that can go on elsewhere from where it is (StreamRelay)
+        self.on_move: Callable[[], None] | None = None  # its relay's way to move it (copy first)
         self._timeout: asyncio.Timeout | None = None
         replica.attempts.add(self)
+
+    def move(self) -> None:
+        """Moves its stream to another replica: through its relay, which copies the context
+        there first, or at once."""
+        if self.on_move is not None:
+            self.on_move()
+        else:
+            self.migrate()
 
     def migrate(self) -> None:
         """Ends the attempt to continue its stream elsewhere (see StreamRelay.recover)."""

@@ -62,13 +62,14 @@ class ReplicaTable:
 
     def move_streams(self, name: str) -> int:
         """Moves the streams relayed from a replica that leaves service (draining) to others, their
-        K/V fetched from it: when another replica of its model takes requests. Returns how many."""
+        K/V copied from it: when another replica of its model takes requests. Returns how many
+        began to move (a stream whose copy fails stays)."""
         r = self.replicas.get(name)
         if r is None or not any(o is not r for o in self.serving(r.model, time.monotonic())):
             return 0
         moving = [a for a in r.attempts if a.movable]
         for attempt in moving:
-            attempt.migrate()
+            attempt.move()
         return len(moving)
 
     def port_in_use(self, name: str, note: str) -> None:
