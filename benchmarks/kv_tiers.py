@@ -42,14 +42,22 @@ def metric(url: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def two_replicas(pool: str, peer_fetch: bool, folder: Path):
-    """`shoal fleet up` of two replicas with `pool` each, alternating requests between them."""
+def two_replicas(
+    pool: str,
+    peer_fetch: bool,
+    folder: Path,
+    policy: str = "round_robin",
+    more: tuple[str, ...] = (),
+    seqs: int = 0,
+):
+    """`shoal fleet up` of two replicas with `pool` each (and `seqs` sequences at most), requests
+    alternating between them (or as `policy` says); `more`: further flags of the fleet's."""
     config = folder / f"fleet-{peer_fetch}.toml"
     config.write_text(f"[gateway]\npeer_fetch_min_tokens = {128 if peer_fetch else 0}\n")
-    replica_args = f"--kv-cache-memory {pool} --threads 1"
+    replica_args = f"--kv-cache-memory {pool} --threads 1" + (f" --max-num-seqs {seqs}" if seqs else "")
     cmd = [sys.executable, "-m", "shoal.cli", "fleet", "up", "--replicas", "2", "--base-port", "0",
-           "--port", str(PORT), "--policy", "round_robin", "--replica-args", replica_args,
-           "--config", str(config)]  # fmt: skip
+           "--port", str(PORT), "--policy", policy, "--replica-args", replica_args,
+           "--config", str(config), *more]  # fmt: skip
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{PORT}"
     try:

@@ -33,6 +33,7 @@ def gateway_flag_set() -> FlagSet:
                 help="larger bodies get 413",
             ),
             Flag("trust_client_priority", help="pass a client's priority on as given"),
+            Flag("rebalance", help="move running streams off replicas with a queue or a full KV cache"),
             Flag("tokenizer", help="checkpoint whose tokenizer hashes prompts"),
         ),
     )

@@ -307,6 +307,7 @@ class AsyncEngine:
             "num_blocks": s.num_blocks,
             "num_steps": s.num_steps,
             "kv_held": s.num_kv_held,
+            "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
         }
 
     # --- the engine thread ---------------------------------------------------------------

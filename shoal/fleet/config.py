@@ -85,6 +85,16 @@ class GatewayConfig:
     # prompt's prefix which another replica holds fetches them from that one instead of computing
     # them (over the K/V transport, with the transfer key). 0: never.
     peer_fetch_min_tokens: int = 128
+    # Rebalancing by live migration (control/rebalancer.py): every interval, a replica with
+    # requests queued in its engine, or KV usage at kv_high or more, moves some running streams to
+    # replicas of its model with nothing queued and KV usage at kv_low or less (at most max_moves a
+    # round; then its model's replicas wait cooldown_s). Needs the K/V transfer key.
+    rebalance: bool = False
+    rebalance_interval_s: float = 0.5
+    rebalance_kv_high: float = 0.9
+    rebalance_kv_low: float = 0.6
+    rebalance_max_moves: int = 4
+    rebalance_cooldown_s: float = 2.0
     # Authenticates the gateway's kv_transfer_params and the workers' K/V pulls to each other;
     # default $SHOAL_KV_TRANSFER_KEY, and a local fleet makes one for itself.
     kv_transfer_key: str | None = field(default_factory=lambda: os.environ.get(KV_TRANSFER_KEY_ENV) or None)

@@ -28,6 +28,7 @@ from shoal.fleet.control.controller import FleetController
 from shoal.fleet.control.cores import CoreAllocator, planned_replicas
 from shoal.fleet.control.launchers.base import Launcher
 from shoal.fleet.control.launchers.local import LocalLauncher
+from shoal.fleet.control.rebalancer import Rebalancer
 from shoal.fleet.listing import ModelListing
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.pipeline import Pipeline
@@ -45,6 +46,7 @@ from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import make_policy
 from shoal.fleet.routing.prompt_keys import PromptKeys
 from shoal.fleet.routing.tiers import TierRouter
+from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,11 @@ class Gateway:
             )
         for i, url in enumerate(config.backends):
             table.add(f"backend-{i}", url)
+        self.rebalancer = None
+        if config.rebalance and not config.kv_transfer_key:
+            log.warning("rebalancing is off: moving streams needs the K/V key $%s", KV_TRANSFER_KEY_ENV)
+        elif config.rebalance:
+            self.rebalancer = Rebalancer(config, table, metrics.registry)
 
     @staticmethod
     def _local_launcher(fleet: FleetConfig) -> LocalLauncher:
@@ -184,8 +191,12 @@ class Gateway:
         await self.health.start()
         await self.keys.start()
         await self.batches.start()
+        if self.rebalancer is not None:
+            await self.rebalancer.start()
 
     async def stop(self) -> None:
+        if self.rebalancer is not None:
+            await self.rebalancer.stop()
         await self.batches.stop()
         await self.usage.stop()
         if self.controller is not None:

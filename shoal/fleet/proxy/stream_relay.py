@@ -349,6 +349,8 @@ class StreamRelay:
         """Starts moving `up`'s stream to another replica (see migration.py)."""
         if self.moving is None and up in self.pumps and not self.cleaned:
             self.moving = asyncio.create_task(self._copy_then_move(up))
+        elif self.moving is None:
+            up.attempt.move_asked = False
 
     async def _copy_then_move(self, up: Upstream) -> None:
         t0 = time.monotonic()
@@ -364,6 +366,7 @@ class StreamRelay:
                 return
             outcome, self.move_to, self.copied = "ended", None, {}  # it ended (or failed) meanwhile
         self.metrics.migrations.labels(outcome).inc()  # the stream stays where it runs
+        up.attempt.move_asked = False  # and may be asked again
 
     async def _copy(self, up: Upstream) -> str:
         """Copies the contexts of `up`'s choices to the replica they will move to, chosen now."""

@@ -53,12 +53,14 @@ class Attempt:
         self.migrating = False  # interrupted to move its stream to another replica, not a failure
         self.movable = False  # a stream that can go on elsewhere from where it is (StreamRelay)
         self.on_move: Callable[[], None] | None = None  # its relay's way to move it (copy first)
+        self.move_asked = False  # a move is under way (cleared by its relay if it stays)
         self._timeout: asyncio.Timeout | None = None
         replica.attempts.add(self)
 
     def move(self) -> None:
         """Moves its stream to another replica: through its relay, which copies the context
         there first, or at once."""
+        self.move_asked = True
         if self.on_move is not None:
             self.on_move()
         else:
