@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
-from tests.fleet_helpers import auth, metric, start_gateway, wait_until
+from tests.fleet_helpers import auth, metric, start_gateway
 from tests.server_helpers import sse_objects, start_server
 
 KEY = "sk-migration-failures"

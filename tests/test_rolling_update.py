@@ -1,7 +1,8 @@
 """`shoal fleet update` on a real fleet: a rolling update under continuous streaming load replaces
-every replica one at a time with no failed request and every stream whole; a version that fails
-to load is rolled back while the old replicas go on serving, and so is a canary that loads and
-stays up but fails the requests it is sent; `shoal fleet status` shows it."""
+every replica one at a time with no failed request and every stream whole (long generations
+move off the replicas it drains, their K/V with them, instead of holding it up); a version that
+fails to load is rolled back while the old replicas go on serving, and so is a canary that loads
+and stays up but fails the requests it is sent; `shoal fleet status` shows it."""
 
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ def wait_for(gw, cond, timeout: float) -> None:
         time.sleep(0.2)
 
 
-async def stream_once(c: httpx.AsyncClient, url: str, i: int) -> dict:
+async def stream_once(c: httpx.AsyncClient, url: str, i: int, tokens: int = 24) -> dict:
     body = {
         "model": MODEL,
         "prompt": f"Story {i}: once upon a time",
-        "max_tokens": 24,
+        "max_tokens": tokens,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -72,8 +73,8 @@ async def stream_once(c: httpx.AsyncClient, url: str, i: int) -> dict:
                 text += ch.get("text") or ""
                 if ch.get("finish_reason"):
                     finish.append(ch["finish_reason"])
-    whole = finish == ["length"] and usage is not None and usage["completion_tokens"] == 24
-    return {"ok": whole, "why": f"finish {finish}, usage {usage}"}
+    whole = finish == ["length"] and usage is not None and usage["completion_tokens"] == tokens
+    return {"ok": whole, "why": f"finish {finish}, usage {usage}", "ended": time.monotonic()}
 
 
 async def load_until(url: str, done, clients: int = 3, at_least: int = 2) -> list[dict]:
@@ -92,21 +93,40 @@ async def load_until(url: str, done, clients: int = 3, at_least: int = 2) -> lis
     return results
 
 
+async def long_streams(url: str, n: int, tokens: int) -> list[dict]:
+    async with httpx.AsyncClient(timeout=300) as c:
+        return await asyncio.gather(*(stream_once(c, url, 500 + i, tokens) for i in range(n)))
+
+
 def test_a_rolling_update_under_streaming_load_fails_no_request(fleet):
+    """Long generations in flight do not hold the drains back: each moves, its K/V with it, to a
+    replica that stays, and the update is over long before they are."""
     before = {r["name"]: r["pid"] for r in replicas(fleet).values()}
-    out = shoal(
-        "fleet", "update", "--gateway", fleet.url, "--replica-args", "--threads 1 --kv-cache-memory 192MiB"
-    )
-    assert out.returncode == 0, out.stderr
-    assert pool(fleet)["updating"]
+
+    async def load() -> tuple[list[dict], list[dict]]:
+        long = asyncio.ensure_future(long_streams(fleet.url, 2, 700))
+        await asyncio.sleep(1.0)  # decoding, one on each replica
+        flags = "--threads 1 --kv-cache-memory 192MiB"
+        update = ("fleet", "update", "--gateway", fleet.url, "--replica-args", flags)
+        out = await asyncio.to_thread(shoal, *update)
+        assert out.returncode == 0, out.stderr
+        assert pool(fleet)["updating"]
+        return await load_until(fleet.url, finished), await long
+
+    done_at: list[float] = []
 
     def finished() -> bool:
         p = pool(fleet)
-        return not p["updating"] and set(p["versions"].values()) == {1}
+        if not p["updating"] and set(p["versions"].values()) == {1}:
+            done_at.append(time.monotonic())
+        return bool(done_at)
 
-    results = asyncio.run(load_until(fleet.url, finished))
-    bad = [r for r in results if not r["ok"]]
+    results, long = asyncio.run(load())
+    bad = [r for r in results + long if not r["ok"]]
     assert len(results) >= 10 and not bad, bad[:3]
+    assert all(r["ended"] > done_at[0] for r in long)  # the drains did not wait for them
+    assert metric(fleet.url, 'shoal:gateway_migrations_total{outcome="ok"') >= 2
+    assert metric(fleet.url, "shoal:gateway_failovers_total") == 0  # nothing was computed again
     reps = replicas(fleet)
     assert len(reps) == 2 and not set(before) & set(reps)  # every replica replaced, by new ones
     for r in reps.values():
