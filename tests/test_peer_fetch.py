@@ -7,7 +7,7 @@ the prompt, with the same answer; a fetch without the fleet's transfer key is re
 moved off its replica mid-generation (`/fleet/migrate`) goes on on the other one, its context
 copied there while it went on decoding, and streams exactly what it would have: seeded sampling
 with n=2 and logprobs (moved early, midway and late), a stop string, and a greedy chat under a
-JSON grammar."""
+JSON grammar; one moved while its long prompt is computed starts again on the other."""
 
 from __future__ import annotations
 
@@ -96,6 +96,9 @@ def read_stream(gw, path: str, body: dict, move_after: int | None = None) -> dic
     with httpx.stream("POST", gw.url + path, json=body, headers=auth(KEY), timeout=120) as r:
         assert r.status_code == 200, r.read()
         replica = r.headers["x-replica"]
+        if move_after == 0:  # before its first token: while its prompt is computed
+            moved = httpx.post(gw.url + "/fleet/migrate", json={"replica": replica}, headers=auth(KEY))
+            assert moved.status_code == 200 and moved.json()["moved"] == 1, moved.text
         for obj in sse_objects(r):
             assert "error" not in obj, obj
             for ch in obj.get("choices") or []:
@@ -111,6 +114,11 @@ def read_stream(gw, path: str, body: dict, move_after: int | None = None) -> dic
 
 SEEDED = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0.8, "seed": 7, "n": 2, "logprobs": 2}
 MOVES = {  # name -> (path, body, the event after which the stream moves)
+    "during-prefill": (
+        "/v1/completions",
+        {"prompt": PROMPT * 6, "max_tokens": 16, "temperature": 0.8, "seed": 3, "logprobs": 1},
+        0,
+    ),
     "seeded-n2-logprobs-early": ("/v1/completions", SEEDED, 1),
     "seeded-n2-logprobs": ("/v1/completions", SEEDED, 12),
     "seeded-n2-logprobs-late": ("/v1/completions", SEEDED, 80),
@@ -148,18 +156,20 @@ def test_a_stream_moved_mid_generation_streams_exactly_what_it_would_have(fleet,
     path, extra, move_after = MOVES[kind]
     body = {"model": "SmolLM2-135M-Instruct", "stream": True, "ignore_eos": "stop" not in extra, **extra}
     want = read_stream(gw, path, body)
-    moves = metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"')
+    outcome = "restarted" if move_after == 0 else "ok"
+    moves = metric(gw.url, f'shoal:gateway_migrations_total{{outcome="{outcome}"')
     copies = metric(gw.url, "shoal:gateway_migration_copy_seconds_count")
     fetched = sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps)
     fallbacks = sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps)
     got = read_stream(gw, path, body, move_after=move_after)
     assert got["texts"] == want["texts"]
     assert got["ids"] == want["ids"]
-    assert metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"') == moves + 1
-    assert metric(gw.url, "shoal:gateway_migration_copy_seconds_count") == copies + 1
-    # The context went over with the stream: its full blocks were fetched, not computed.
-    assert sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps) > fetched
-    assert sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps) == fallbacks  # all loaded
-    assert metric(gw.url, "shoal:gateway_migration_pause_seconds_count") >= 1
+    assert metric(gw.url, f'shoal:gateway_migrations_total{{outcome="{outcome}"') == moves + 1
+    if move_after:  # (before the first token there is nothing to copy, and no pause)
+        assert metric(gw.url, "shoal:gateway_migration_copy_seconds_count") == copies + 1
+        # The context went over with the stream: its full blocks were fetched, not computed.
+        assert sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps) > fetched
+        assert sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps) == fallbacks
+        assert metric(gw.url, "shoal:gateway_migration_pause_seconds_count") >= 1
     for r in reps:
         r.wait_idle()

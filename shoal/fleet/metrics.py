@@ -151,8 +151,9 @@ class GatewayMetrics:
 
         self.migrations = Counter(
             "shoal:gateway_migrations",
-            "Streams asked to move off a replica: moved (ok), nothing left to move, or left where "
-            "they ran (no_target: no replica to take them; target_failed: it failed the copy).",
+            "Streams asked to move off a replica: moved (ok), started again elsewhere before their "
+            "first token (restarted), nothing left to move, or left where they ran (no_target: no "
+            "replica to take them; target_failed: it failed the copy; ended meanwhile).",
             ["outcome"],
             registry=r,
         )

@@ -396,21 +396,24 @@ class StreamRelay:
         up.attempt.done()
         served = self._served(up)
         target, self.move_to = self.move_to, None
+        outcome = "ok" if served else "nothing_left"
         # Anywhere but there, this once: should the target fail, the stream may come back.
         self.failed.add(r.name)
         try:
             if served and up.tag is ORIGINAL and state.events == 0:
+                # Before its first token: it starts again there (its prompt's computed blocks
+                # fetched, when the gateway's index shows them).
                 again = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=False)
                 if not isinstance(again, Upstream):
                     raise StopRelay(503, "no replica left to serve the stream", "no_replica")
                 self.launch(again)
-                served = []
+                served, outcome = [], "restarted"
             for i in served:
                 await self._resume(i, moved_from=r, prefer=target)
         finally:
             self.failed.discard(r.name)
             self.copied = {}
-        self.metrics.migrations.labels("ok" if served else "nothing_left").inc()
+        self.metrics.migrations.labels(outcome).inc()
         self.migrated_at = self.last_token_at or time.monotonic()
 
     def _route(self, context: list[int]) -> RouteRequest:
