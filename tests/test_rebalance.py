@@ -14,7 +14,11 @@ import pytest
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.control.rebalancer import Move, plan_moves
+from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.proxy.upstream import Attempt
+from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Health, Replica
+from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 from tests.fleet_helpers import auth, metric, start_gateway
 from tests.server_helpers import sse_objects, start_server
@@ -51,6 +55,26 @@ def test_the_rule_moves_half_the_gap_from_a_queued_or_full_replica_to_one_with_r
     # At most max_moves a round, and no more than the others have room for.
     assert plan_moves([replica("a", running=40, waiting=9), idle], cfg) == [Move("a", 4, "queued")]
     assert plan_moves([queued, replica("b", running=7)], cfg) == [Move("a", 1, "queued")]
+
+
+def test_a_busy_replica_moves_its_least_urgent_then_longest_streams_first():
+    table = ReplicaTable(PrefixIndex(), GatewayMetrics(), 16)
+    hot, other = (table.add(name, f"http://{name}") for name in ("hot", "other"))
+    hot.state = other.state = Health.READY
+    asked = []
+    streams = {}
+    for name, priority, tokens in [("chat", 0, 500), ("batch-short", 100, 10), ("batch-long", 100, 90)]:
+        a = streams[name] = Attempt(hot, priority)
+        a.tokens, a.movable = tokens, True
+        a.on_move = lambda name=name: asked.append(name)
+    Attempt(hot).on_move = lambda: asked.append("unmovable")  # its tokens are not known exactly
+    assert table.move_streams("hot", 2) == 2
+    assert asked == ["batch-long", "batch-short"]
+    assert table.move_streams("hot", 2) == 1  # the two already moving are not asked again
+    assert asked[-1] == "chat"
+    other.state = Health.DOWN  # no replica left to take them: none moves
+    streams["chat"].move_asked = False
+    assert table.move_streams("hot") == 0
 
 
 @pytest.fixture(scope="module")

@@ -152,7 +152,7 @@ class StreamRelay:
                     self.fwd, replica, out, sent_headers, self.seen
                 )
             content = await p.client.encode(out, self.fwd.size)
-            attempt = Attempt(replica)
+            attempt = Attempt(replica, route.priority)
             try:
                 async with attempt.deadline(cfg.first_byte_timeout_s):
                     resp = await p.client.send(replica, self.fwd.path, content, sent_headers)

@@ -46,8 +46,9 @@ class Attempt:
     """Registered with its replica while in flight, so that marking the replica down
     (replicas/table.py) interrupts it."""
 
-    def __init__(self, replica: Replica):
+    def __init__(self, replica: Replica, priority: int = 0):
         self.replica = replica
+        self.priority = priority  # its request's (a larger number: less urgent)
         self.tokens = 0  # output tokens the replica has sent for it
         self.interrupted = False
         self.migrating = False  # interrupted to move its stream to another replica, not a failure

@@ -62,13 +62,15 @@ class ReplicaTable:
 
     def move_streams(self, name: str, limit: int | None = None) -> int:
         """Moves the streams relayed from a replica to others, their K/V copied from it (it leaves
-        service, or is too busy: `limit` streams, the longest first): when another replica of its
-        model takes requests. Returns how many began to move (one whose copy fails stays)."""
+        service, or is too busy: `limit` streams, the least urgent and then the longest first, so
+        that a burst of interactive requests finds room where batch work ran): when another
+        replica of its model takes requests. Returns how many began to move (one whose copy
+        fails stays)."""
         r = self.replicas.get(name)
         if r is None or not any(o is not r for o in self.serving(r.model, time.monotonic())):
             return 0
         movable = [a for a in r.attempts if a.movable and not a.move_asked]
-        moving = sorted(movable, key=lambda a: a.tokens, reverse=True)[:limit]
+        moving = sorted(movable, key=lambda a: (a.priority, a.tokens), reverse=True)[:limit]
         for attempt in moving:
             attempt.move()
         return len(moving)
