@@ -6,8 +6,9 @@ of the queue waiting on them or the engine preempting and recomputing.
 Routing balances what arrives; this balances what has stayed: requests of very different
 lengths, sessions pinned to a replica, a replica that came up after a burst. Moves go to the
 replicas the routing policy picks among the others, the least urgent streams first (batch work
-makes room for an interactive burst), then the longest (they hold the most blocks); a model's replicas wait `rebalance_cooldown_s` after a move, so that their next /load
-answers show its effect before another is decided."""
+makes room for an interactive burst), then the longest (they hold the most blocks). A model's
+replicas wait `rebalance_cooldown_s` after a move, so that their next /load answers show its
+effect before another is decided."""
 
 from __future__ import annotations
 
