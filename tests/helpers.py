@@ -67,6 +67,17 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
 
 
+def add_gguf_tokenizer(writer, vocab_size: int) -> None:
+    """A GGUF's tokenizer metadata for test files: byte-level BPE over tokens t0, t1, ..., no merges."""
+    writer.add_vocab_size(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab_size)])
+    writer.add_token_types([1] * vocab_size)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """HF greedy continuation of one unpadded prompt, EOS treated as any other token.
 

@@ -15,7 +15,7 @@ from gguf.quants import quantize
 
 from shoal import LLM, SamplingParams
 from shoal.models.loader import load_model
-from tests.helpers import assert_pool_whole, hf_greedy
+from tests.helpers import add_gguf_tokenizer, assert_pool_whole, hf_greedy
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
 
@@ -54,13 +54,7 @@ def write_gguf(path, qtype: Q) -> None:
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
-    w.add_token_types([1] * VOCAB)
-    w.add_token_merges([])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    add_gguf_tokenizer(w, VOCAB)
 
     def mat(rows, cols):
         return rng.normal(0, 0.08, (rows, cols)).astype(np.float32)

@@ -63,6 +63,14 @@ MODEL_FEATURES: dict[str, Callable[[Any], bool]] = {
     "qkv_bias": _any,  # ProjectionParams.bias
     "qk_norm": lambda v: not v,  # per-head norms of q and k: not in cpu_layer.c
     "sliding_window": lambda v: v is None or v > 0,  # LayerParams.window
+    "qk_norm_per_head": _any,  # (qk_norm itself refuses)
+    "clip_qkv": lambda v: v is None,
+    "num_experts": lambda v: v == 0,  # a mixture of experts runs in torch (models/moe.py)
+    "num_experts_per_tok": _any,  # the rest of the MoE fields mean nothing without experts
+    "moe_intermediate_size": _any,
+    "shared_expert_intermediate_size": _any,
+    "norm_topk_prob": _any,
+    "dense_layers": _any,
 }
 # The children of a DecoderLayer the C layer reads; another child (q_norm, an adapter) refuses.
 LAYER_CHILDREN = {"input_layernorm", "post_attention_layernorm", *PROJECTIONS}

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from shoal.cache_dir import cache_root
-from shoal.models.config import ModelConfig, RopeScaling
+from shoal.models.config import ModelConfig
 from shoal.models.parallel import ModelShard
 from shoal.models.quant import BlockWeights
 from shoal.models.sharded_read import read_block_part, read_slice
@@ -90,11 +90,7 @@ def load_cached(path: Path, dtype: torch.dtype) -> CachedModel | None:
     if entry is None or not (entry / "blocks.json").exists():
         return None
     try:
-        raw = json.loads((entry / "config.json").read_text())
-        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-        if raw["rope_freq_factors"] is not None:
-            raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
-        cfg = ModelConfig(**raw)
+        cfg = ModelConfig.from_dict(json.loads((entry / "config.json").read_text()))
         meta = json.loads((entry / "tokenizer_meta.json").read_text())
         tok = Tokenizer(
             HFTokenizer.from_file(str(entry / "tokenizer.json")),

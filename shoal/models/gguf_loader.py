@@ -15,8 +15,20 @@ from shoal.models.config import ModelConfig, RopeScaling
 from shoal.models.gguf_meta import field_value, open_gguf  # noqa: F401  (open_gguf re-exported)
 from shoal.models.quant import BlockWeights
 
-# GGUF architecture name -> ours. Mistral files are written with the llama architecture.
-_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF architecture name -> ours. Mistral files are written with the llama architecture, and so
+# are Mixtral's (with experts).
+_ARCHS = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+}
+# Whether the router's top-k weights are renormalised, where a file does not say
+# (expert_weights_norm): as llama.cpp builds each architecture.
+_NORM_TOPK = {"mixtral": True, "qwen3_moe": True}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -30,7 +42,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# A layer's experts stacked in one tensor [experts, rows, cols]: HF's name of one expert's part.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -46,6 +65,15 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def hf_expert_names(gguf_name: str, experts: int) -> list[str] | None:
+    """The HF name of each expert's slice of a stacked expert tensor (None: not one)."""
+    m = _LAYER_RE.match(gguf_name)
+    if not m or m.group(2) not in _EXPERT_NAMES:
+        return None
+    part = _EXPERT_NAMES[m.group(2)]
+    return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{part}.weight" for e in range(experts)]
 
 
 def tensor_to_numpy(t) -> np.ndarray:
@@ -85,24 +113,42 @@ def load_gguf_config(reader: GGUFReader) -> ModelConfig:
     if scaling_type not in ("none", None) and factors is None:
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
     sliding = key("attention.sliding_window")
+    experts = int(key("expert_count", 0) or 0)
+    arch = "mixtral" if arch_name == "llama" and experts else _ARCHS[arch_name]
+    layers = int(key("block_count"))
+    moe = {}
+    if experts:
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=int(key("expert_used_count")),
+            moe_intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+            shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
+            norm_topk_prob=bool(key("expert_weights_norm", _NORM_TOPK.get(arch, False))),
+            dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names),
+        )
+    q_norm = next((t for t in reader.tensors if t.name == "blk.0.attn_q_norm.weight"), None)
+    head_dim = int(key("attention.key_length", hidden // heads))
     return ModelConfig(
-        architecture=_ARCHS[arch_name],
+        architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm=q_norm is not None,
+        # olmoe norms the whole q projection, qwen3 each head
+        qk_norm_per_head=q_norm is None or int(q_norm.shape[0]) == head_dim,
         sliding_window=int(sliding) if sliding else None,
         rope_freq_factors=factors,
+        **moe,
     )
 
 
@@ -112,6 +158,12 @@ def iter_gguf_weights(
     permuted = field_value(reader, "general.architecture") == "llama"
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
+        experts = hf_expert_names(t.name, cfg.num_experts)
+        if experts is not None:
+            arr = tensor_to_numpy(t)
+            for e, expert_name in enumerate(experts):
+                yield expert_name, torch.from_numpy(np.ascontiguousarray(arr[e])).to(dtype)
+            continue
         if name is None:
             if t.name == "rope_freqs.weight":
                 continue
@@ -134,7 +186,7 @@ def _blocks_of(t) -> BlockWeights | None:
     kind = t.tensor_type
     if kind not in _BLOCK_BYTES:
         return None
-    rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+    rows = int(np.prod([int(n) for n in t.shape[1:]])) if len(t.shape) > 1 else 1  # all experts' rows
     blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, _BLOCK_BYTES[kind])
 
     def part(start: int, end: int | None = None) -> np.ndarray:
@@ -154,6 +206,14 @@ def iter_gguf_blocks(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str
     permuted = field_value(reader, "general.architecture") == "llama"
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
+        experts = hf_expert_names(t.name, cfg.num_experts)
+        if experts is not None:
+            blocks = _blocks_of(t)
+            if blocks is not None:
+                per = blocks.shape[0] // len(experts)
+                for e, expert_name in enumerate(experts):
+                    yield expert_name, blocks.select_rows(torch.arange(e * per, (e + 1) * per))
+            continue
         blocks = None if name is None or not name.endswith(".weight") else _blocks_of(t)
         if blocks is None:
             continue

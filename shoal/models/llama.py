@@ -15,6 +15,8 @@ from torch import nn
 
 from shoal.kernels.cpu import kernels_for
 from shoal.models.config import ModelConfig
+from shoal.models.moe import SparseMoE, module_name, unpack_experts
+from shoal.models.ops import linear, silu_mul
 from shoal.models.parallel import ModelShard, VocabParallelEmbedding
 from shoal.models.rope import RotaryEmbedding
 
@@ -68,23 +70,6 @@ class RMSNorm(nn.Module):
         return self(residual)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T; on CPU a few float32 rows go through the C kernel, which reads the weights at
-    memory speed where torch's small-batch matmul does not."""
-    kernels = kernels_for(x, weight) if x.dim() == 2 else None
-    if kernels is None or kernels.choices.f32_uses_torch(x.shape[0]):
-        return F.linear(x, weight)
-    return kernels.f32_linear(x, weight)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    kernels = kernels_for(gate_up)
-    if kernels is not None:
-        return kernels.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class DecoderLayer(nn.Module):
     """One layer; under tensor parallelism `cfg` is the rank's own (its heads, its MLP columns) and
     `all_reduce` sums the partial outputs of o_proj and down_proj across ranks."""
@@ -98,11 +83,26 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            per_head = cfg.qk_norm_per_head
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.is_sparse(index):
+            self.mlp = SparseMoE(cfg)
+        else:
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def projection_sites(self) -> list[tuple[nn.Module, str, str]]:
+        """(module, attribute, checkpoint module path) of each of the layer's projections, the
+        experts' included (a router stays as it is: it is small, and decides which experts run)."""
+        sites = [(self, "qkv_proj", "self_attn"), (self, "o_proj", "self_attn")]
+        mlps = [(self, "mlp")]
+        if hasattr(self, "mlp"):
+            mlps = [(expert, f"mlp.experts.{e}") for e, expert in enumerate(self.mlp.experts)]
+            if hasattr(self.mlp, "shared_expert"):
+                mlps.append((self.mlp.shared_expert, "mlp.shared_expert"))
+        return sites + [(mlp, name, path) for mlp, path in mlps for name in ("gate_up_proj", "down_proj")]
 
     def forward(self, x, delta, cos_sin, attn: AttentionFn):
         """x: the residual stream [T, hidden], updated in place; delta: the previous layer's output,
@@ -112,22 +112,31 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm.add_and_norm(x, delta)
         qkv = self.qkv_proj(h)
         heads = cfg.num_heads + cfg.num_kv_heads
-        if cfg.qk_norm:
+        if cfg.qk_norm or cfg.clip_qkv is not None:
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(t, cfg.num_heads, cfg.head_dim))
-            k = self.k_norm(k.reshape(t, cfg.num_kv_heads, cfg.head_dim))
+            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                if cfg.qk_norm_per_head:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                else:
+                    q, k = self.q_norm(q.reshape(t, -1)).view_as(q), self.k_norm(k.reshape(t, -1)).view_as(k)
+            if cfg.clip_qkv is not None:
+                c = cfg.clip_qkv
+                q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
             qk = RotaryEmbedding.apply(torch.cat([q, k], dim=1), *cos_sin)
+            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         else:
             # q and k rotate together in one pass: they are adjacent columns of the fused output.
             qk = RotaryEmbedding.apply(
                 qkv[:, : cfg.q_size + cfg.kv_size].view(t, heads, cfg.head_dim), *cos_sin
             )
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = self.o_proj(attn(self.index, q, k, v).reshape(t, cfg.q_size))
         self.all_reduce(o)
         h = self.post_attention_layernorm.add_and_norm(x, o)
-        out = self.down_proj(silu_mul(self.gate_up_proj(h)))
+        out = self.mlp(h) if hasattr(self, "mlp") else self.down_proj(silu_mul(self.gate_up_proj(h)))
         self.all_reduce(out)
         return out
 
@@ -216,45 +225,31 @@ class LlamaForCausalLM(nn.Module):
         in the whole model; tensors of other stages are skipped."""
         cfg = self.cfg
         params = dict(self.named_parameters())
-        sizes = {
-            "q_proj": cfg.q_size,
-            "k_proj": cfg.kv_size,
-            "v_proj": cfg.kv_size,
-            "gate_proj": cfg.intermediate_size,
-            "up_proj": cfg.intermediate_size,
-        }
-        fused = {}  # part -> (packed parameter, row offset, rows)
-        for packed, parts in PACKED_PARTS.items():
-            offset = 0
-            for part in parts:
-                fused[part] = (packed, offset, sizes[part])
-                offset += sizes[part]
-        loaded: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            name = self.shard.local_name(name)
-            if name is None:
+        qkv_rows = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size)}
+        qkv_rows["v_proj"] = (cfg.q_size + cfg.kv_size, cfg.kv_size)
+        covered: dict[str, int] = {}  # parameter -> rows loaded
+        for full_name, checkpoint_tensor in weights:
+            local = self.shard.local_name(full_name)
+            if local is None:
                 continue
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
+            local = local.removeprefix("model.")
+            if "rotary_emb" in local or (local.startswith("lm_head.") and cfg.tie_word_embeddings):
                 continue
-            name = name.replace("self_attn.", "").replace("mlp.", "")
-            target, start, size = name, 0, None
-            for part, (packed, off, length) in fused.items():
-                if f".{part}." in name:
-                    target, start, size = name.replace(part, packed), off, length
-                    break
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} model")
-            param = params[target]
-            dst = param.data if size is None else param.data.narrow(0, start, size)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.setdefault(target, set()).add(start)
-        missing = [
-            p
-            for p in params
-            if len(loaded.get(p, ())) < next((len(v) for k, v in PACKED_PARTS.items() if k in p), 1)
-        ]
+            for name, tensor in unpack_experts(local, checkpoint_tensor):
+                target, part = module_name(name, params)
+                if target not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} model")
+                param = params[target]
+                dst = param.data
+                if part in qkv_rows:
+                    dst = dst.narrow(0, *qkv_rows[part])
+                elif part is not None:  # gate_proj or up_proj: a half of gate_up_proj
+                    half = dst.shape[0] // 2
+                    dst = dst.narrow(0, half * PACKED_PARTS["gate_up_proj"].index(part), half)
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                covered[target] = covered.get(target, 0) + (dst.shape[0] if dst.dim() else 1)
+        missing = [p for p, t in params.items() if covered.get(p, 0) < (t.shape[0] if t.dim() else 1)]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}")

@@ -109,6 +109,8 @@ class LoRASlots:
     ):
         if model.shard.tp_size > 1 or model.shard.pp_size > 1:
             raise ValueError("LoRA adapters with tensor or pipeline parallelism are not supported yet")
+        if model.cfg.num_experts:
+            raise ValueError("LoRA adapters on a mixture-of-experts model are not supported yet")
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.batch = LoRABatch()

@@ -192,6 +192,11 @@ def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
     hq, hk = cfg.num_heads, cfg.num_kv_heads
     if tp == 1:
         return
+    if cfg.num_experts:
+        raise ShardingError(
+            "a mixture-of-experts model does not split across tensor-parallel ranks yet; "
+            "pipeline parallelism splits it by layers"
+        )
     if hq % hk:
         raise ShardingError(f"{hq} query heads do not group evenly over {hk} KV heads")
     if hk >= tp:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.kernels.cpu import QK, cpu_kernels
-from shoal.models.llama import PACKED_PARTS, PROJECTIONS
+from shoal.models.llama import PACKED_PARTS
 
 QUANT_METHODS = ("int8", "int4")
 # What --quantization takes: a method, "none" (the checkpoint's weights unquantized: the fp32
@@ -226,17 +226,17 @@ def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights
         raise ValueError(f"unknown quantization {method!r}; choose from {list(QUANT_METHODS)}")
     stored = stored or {}
     for i, layer in enumerate(model.layers):
-        for name in PROJECTIONS:
-            linear = getattr(layer, name)
+        for owner, name, path in layer.projection_sites():
+            linear = getattr(owner, name)
             if method == "int4":
-                blocks = _stored_projection(stored, i, name) or quantize_q4_1(linear.weight)
-                setattr(layer, name, BlockQuantLinear(blocks, linear.bias))
+                blocks = _stored_projection(stored, f"model.layers.{i}.{path}", name)
+                setattr(owner, name, BlockQuantLinear(blocks or quantize_q4_1(linear.weight), linear.bias))
             elif name == "down_proj":
                 # down_proj's input (silu(gate) * up) has outlier channels that one scale per token
                 # rounds away: top-1 agreement with fp32 went from 89% to 94% with scales per block.
-                setattr(layer, name, BlockQuantLinear(quantize_q8_0(linear.weight), linear.bias))
+                setattr(owner, name, BlockQuantLinear(quantize_q8_0(linear.weight), linear.bias))
             else:
-                setattr(layer, name, Int8Linear(linear.weight, linear.bias))
+                setattr(owner, name, Int8Linear(linear.weight, linear.bias))
     if not model.shard.is_last_stage:
         return  # an earlier pipeline stage has no output head
     head = model.lm_head_weight
@@ -247,11 +247,11 @@ def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights
         model.lm_head = BlockQuantLinear(stored.get(key) or quantize_q8_0(head))
 
 
-def _stored_projection(stored: dict[str, BlockWeights], layer: int, fused: str) -> BlockWeights | None:
-    """The GGUF blocks of a fused projection, when all its parts are stored in one block format."""
-    module = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+def _stored_projection(stored: dict[str, BlockWeights], module: str, fused: str) -> BlockWeights | None:
+    """The GGUF blocks of a fused projection of `module` ("model.layers.0.self_attn"), when all its
+    parts are stored in one block format."""
     names = PACKED_PARTS.get(fused, (fused,))
-    parts = [stored.get(f"model.layers.{layer}.{module}.{p}.weight") for p in names]
+    parts = [stored.get(f"{module}.{p}.weight") for p in names]
     if any(p is None for p in parts) or len({p.format for p in parts}) != 1:
         return None
     if len(parts) == 1:

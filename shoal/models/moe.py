@@ -1,0 +1,125 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router scores every expert
+for each token, the top k experts' MLPs run on it, and their outputs are summed, weighted by the
+router's (softmax) probabilities, renormalised over the k when the model says so; Qwen2-MoE adds a
+shared expert that every token takes, scaled by a sigmoid gate of its own.
+
+The step's tokens are grouped by expert (one stable sort of their choices), and each expert that
+any token chose runs once, on all of its tokens: one product per active expert, no loop over
+tokens. An expert is an ordinary gated MLP of two projections, so the int8 and int4 modes
+(models/quant.py) quantize experts like any other projection and run them on the same kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shoal.models.config import ModelConfig
+from shoal.models.ops import silu_mul
+
+
+class ExpertMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up in one projection."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            ExpertMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+        )
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = ExpertMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # Tokens each expert took since the count was last read (see take_expert_load).
+        self.expert_tokens: torch.Tensor | None = None
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] (float32)."""
+        probs = torch.softmax(self.gate(h).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(h)
+        out = self.run_experts(h, experts, weights)
+        if hasattr(self, "shared_expert"):
+            out += torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return out
+
+    def run_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over each token's choices of weight x expert(token), expert by expert."""
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # choices grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        self._count(counts)
+        rows = order // self.top_k
+        scale = weights.reshape(-1)[order].to(h.dtype).unsqueeze(1)
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                tokens = rows[start : start + n]
+                out.index_add_(0, tokens, self.experts[e](h[tokens]) * scale[start : start + n])
+                start += n
+        return out
+
+    def _count(self, counts: torch.Tensor) -> None:
+        if self.expert_tokens is None:
+            self.expert_tokens = torch.zeros_like(counts)
+        self.expert_tokens += counts
+
+    def take_expert_load(self) -> list[int]:
+        """Tokens each expert took since the last call."""
+        if self.expert_tokens is None:
+            return [0] * len(self.experts)
+        load, self.expert_tokens = self.expert_tokens.tolist(), None
+        return load
+
+
+# --- checkpoint names ------------------------------------------------------------------------
+
+MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert tensors
+FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+FUSED_PARTS |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def unpack_experts(name: str, tensor: torch.Tensor):
+    """A checkpoint tensor as per-expert tensors: transformers' packed layout holds a layer's
+    experts in one tensor (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]);
+    the other layout, and every other tensor, pass as they are."""
+    for packed in ("gate_up_proj", "down_proj"):
+        if name.endswith(f"experts.{packed}") and tensor.dim() == 3:
+            base = name.removesuffix(packed)
+            for e in range(tensor.shape[0]):
+                yield f"{base}{e}.{packed}.weight", tensor[e]
+            return
+    yield name, tensor
+
+
+def module_name(name: str, params) -> tuple[str, str | None]:
+    """The parameter a checkpoint tensor (named as in HF, less "model.") fills, and the part of a
+    fused projection it is (q_proj, gate_proj...) or None: attention's and a dense MLP's tensors
+    sit on the layer itself, an MoE layer's under its `mlp`."""
+    name = name.replace("self_attn.", "").replace("block_sparse_moe.", "mlp.")
+    for short, part in MIXTRAL_PARTS.items():
+        name = name.replace(f".{short}.", f".{part}.")
+    if ".mlp." in name and name.split(".mlp.")[0] + ".mlp.gate.weight" not in params:
+        name = name.replace("mlp.", "")  # a dense layer's MLP
+    for part, fused in FUSED_PARTS.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), part
+    return name, None
