@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -21,10 +22,10 @@ from safetensors.torch import save_file
 from shoal import LLM, SamplingParams
 from shoal.models.gguf_loader import iter_gguf_blocks, open_gguf
 from shoal.models.loader import load_model
-from shoal.models.moe import SparseMoE
 from shoal.models.parallel import ModelShard, ShardingError
 from shoal.models.quant import BlockQuantLinear, Int8Linear
 from tests.helpers import add_gguf_tokenizer, assert_pool_whole, hf_greedy, write_tokenizer
+from tests.server_helpers import start_server
 
 LOGPROB_ATOL = 2e-3
 COMMON = dict(
@@ -100,9 +101,7 @@ def test_a_random_moe_checkpoint_matches_hf(arch, packed, tmp_path):
     assert sparse == ([0, 2] if arch == "qwen2_moe" else [0, 1, 2])
     llm = LLM(loaded=loaded, num_blocks=64, max_num_batched_tokens=64)
     assert llm.engine.core.executor.runner.fused_decoder is None  # experts run in torch
-    moe = [layer.mlp for layer in loaded.model.layers if isinstance(getattr(layer, "mlp", None), SparseMoE)]
-    for m in moe:
-        m.take_expert_load()  # from here on: this test's tokens
+    before = llm.engine.core.stats().moe_expert_tokens  # (the engine's warm-up ran some)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
@@ -115,7 +114,9 @@ def test_a_random_moe_checkpoint_matches_hf(arch, packed, tmp_path):
                 assert abs(value - float(ref_logprobs[step, token_id])) < LOGPROB_ATOL
     assert_pool_whole(llm.engine)
     # Every token of every step went to top_k experts of each sparse layer.
-    loads = [m.take_expert_load() for m in moe]
+    after = llm.engine.core.stats().moe_expert_tokens
+    assert sorted(after) == sparse
+    loads = [[n - m for n, m in zip(after[i], before[i])] for i in sparse]
     steps_tokens = sum(len(p) for p in prompts) + 9 * len(prompts)
     assert all(sum(load) == steps_tokens * cfg.num_experts_per_tok for load in loads)
     assert all(sum(1 for n in load if n) > 1 for load in loads)  # the router spreads them
@@ -143,6 +144,25 @@ def test_quantized_experts_stay_close_to_fp32(mode, tmp_path):
     # Measured 0.92 (int8) and 0.66 (int4); a dense qwen2 of the same width gets 0.95 and 0.78:
     # a quantized router input now and then picks other experts, which moves the output further.
     assert agree >= (0.85 if mode == "int8" else 0.55)
+
+
+def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):
+    write_checkpoint("mixtral", tmp_path, packed=False)
+    server = start_server(str(tmp_path), "--num-blocks", "64")
+    try:
+        body = {"model": tmp_path.name, "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        samples = [line for line in text.splitlines() if line.startswith("shoal:moe_expert_tokens_total{")]
+        labels = {(line.split('layer="')[1][0], line.split('expert="')[1][0]) for line in samples}
+        assert labels == {(str(layer), str(e)) for layer in range(3) for e in range(4)}
+        # Each layer: 2 experts for each of the 5 prompt tokens and 3 decoded ones, and the warm-up's.
+        for layer in range(3):
+            counted = [float(line.rsplit(" ", 1)[1]) for line in samples if f'layer="{layer}"' in line]
+            assert sum(counted) >= 2 * 8
+    finally:
+        server.stop()
 
 
 def test_a_moe_model_refuses_tensor_parallelism(tmp_path):

@@ -466,6 +466,7 @@ class EngineCore:
             lora=self.lora.stats() if self.lora is not None else None,
             kv_offload_saved=dict(tiers.saved) if (tiers := self.kv.tiers) is not None else None,
             kv_offload_loaded=dict(tiers.loaded) if tiers is not None else None,
+            moe_expert_tokens=self.executor.expert_load(),
         )
 
     def take_kv_events(self) -> list:

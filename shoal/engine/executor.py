@@ -16,6 +16,7 @@ from shoal.engine.parallel.messages import RankStats
 from shoal.engine.runner_setup import build_runner
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.models.loader import LoadedModel
+from shoal.models.moe import expert_load
 
 
 class Executor(Protocol):
@@ -50,6 +51,10 @@ class Executor(Protocol):
     @property
     def rank_stats(self) -> list[RankStats] | None:
         """Per-rank timings, for executors that have ranks."""
+        ...
+
+    def expert_load(self) -> dict[int, list[int]] | None:
+        """Tokens each expert of each mixture-of-experts layer has taken (None: no experts here)."""
         ...
 
     def check_health(self) -> None:
@@ -88,6 +93,9 @@ class UniprocExecutor:
     @property
     def rank_stats(self) -> list[RankStats] | None:
         return None
+
+    def expert_load(self) -> dict[int, list[int]] | None:
+        return expert_load(self.runner.model)
 
     def check_health(self) -> None:
         pass  # a step that fails here raises in the step itself

@@ -34,6 +34,7 @@ class EngineStats:
     # With KV offload tiers: blocks put in and taken back from each tier ("host", "disk").
     kv_offload_saved: dict[str, int] | None = None
     kv_offload_loaded: dict[str, int] | None = None
+    moe_expert_tokens: dict[int, list[int]] | None = None  # layer -> tokens each expert took
 
 
 @dataclass

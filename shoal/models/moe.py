@@ -42,7 +42,7 @@ class SparseMoE(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = ExpertMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        # Tokens each expert took since the count was last read (see take_expert_load).
+        # Tokens each expert has taken, all told (the engine's /metrics read it).
         self.expert_tokens: torch.Tensor | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,12 +82,19 @@ class SparseMoE(nn.Module):
             self.expert_tokens = torch.zeros_like(counts)
         self.expert_tokens += counts
 
-    def take_expert_load(self) -> list[int]:
-        """Tokens each expert took since the last call."""
-        if self.expert_tokens is None:
-            return [0] * len(self.experts)
-        load, self.expert_tokens = self.expert_tokens.tolist(), None
-        return load
+    def expert_load(self) -> list[int]:
+        """Tokens each expert has taken."""
+        return [0] * len(self.experts) if self.expert_tokens is None else self.expert_tokens.tolist()
+
+
+def expert_load(model: nn.Module) -> dict[int, list[int]] | None:
+    """Tokens each expert of each sparse layer has taken (None: the model has no experts)."""
+    layers = {
+        i: layer.mlp
+        for i, layer in enumerate(model.layers)
+        if isinstance(getattr(layer, "mlp", None), SparseMoE)
+    }
+    return {i: moe.expert_load() for i, moe in layers.items()} or None
 
 
 # --- checkpoint names ------------------------------------------------------------------------

@@ -102,6 +102,16 @@ class _EngineCollector:
                 for tier in ("host", "disk"):
                     family.add_metric([self.model_name, tier], counts.get(tier, 0))
                 yield family
+        if s.moe_expert_tokens is not None:
+            family = CounterMetricFamily(
+                "shoal:moe_expert_tokens",
+                "Tokens the router sent to each expert of each mixture-of-experts layer.",
+                labels=["model_name", "layer", "expert"],
+            )
+            for layer, counts in s.moe_expert_tokens.items():
+                for expert, n in enumerate(counts):
+                    family.add_metric([self.model_name, str(layer), str(expert)], n)
+            yield family
 
     def _lora_metrics(self, lora):
         resident = GaugeMetricFamily(

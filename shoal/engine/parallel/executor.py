@@ -271,6 +271,9 @@ class MultiprocExecutor:
     def tier_costs(self) -> dict[str, float] | None:
         return None  # each rank's store would time its own shard: the ranks load always
 
+    def expert_load(self) -> dict[int, list[int]] | None:
+        return None  # the ranks' experts are counted where they run, not reported yet
+
     # --- health and shutdown -------------------------------------------------------------
 
     def _check_alive(self) -> None:
