@@ -136,6 +136,11 @@ def parallel_flag_set() -> FlagSet:
                 names=("--pipeline-parallel-size", "-pp"),
                 help="stages the layers are split into",
             ),
+            Flag(
+                "expert_parallel_size",
+                names=("--expert-parallel-size", "-ep"),
+                help="ranks a mixture of experts' experts are split across (its attention by heads)",
+            ),
             Flag("distributed_host", help="address the ranks reach this process at"),
             Flag("distributed_port", help="rank connections here, rendezvous at +1 (0: free)"),
             Flag(

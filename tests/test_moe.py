@@ -8,6 +8,7 @@ does with the file's dequantized experts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -68,11 +69,11 @@ ARCHS = {  # shoal's name -> (transformers config and model class names, their s
 }
 
 
-def write_checkpoint(arch: str, path, packed: bool):
+def write_checkpoint(arch: str, path, packed: bool, **overrides):
     import transformers
 
     prefix, settings = ARCHS[arch]
-    config = getattr(transformers, f"{prefix}Config")(**COMMON, **settings)
+    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **settings, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
@@ -165,11 +166,40 @@ def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):
         server.stop()
 
 
-def test_a_moe_model_refuses_tensor_parallelism(tmp_path):
-    write_checkpoint("mixtral", tmp_path, packed=False)
+# Three ranks need heads that split three ways: 6 query heads over 3 KV heads.
+SPLITS = {"ep2": (2, 1, False), "ep3-packed": (3, 1, True), "ep2-pp2": (2, 2, False)}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_experts_split_across_ranks_answer_as_hf(split, tmp_path):
+    ep, pp, packed = SPLITS[split]
+    hf = write_checkpoint(
+        "qwen2_moe", tmp_path, packed, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+    )
+    shards = [ModelShard(load_model(str(tmp_path)).config, r, ep) for r in range(ep)]
+    assert [(s.experts.start, s.experts.size) for s in shards] == [(r * 6 // ep, 6 // ep) for r in range(ep)]
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (7, 33)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    with LLM(str(tmp_path), expert_parallel_size=ep, pipeline_parallel_size=pp, num_blocks=64) as llm:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 8)
+        assert out.outputs[0].token_ids == ref_tokens
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for token_id, value in lp.top:
+                assert abs(value - float(ref_logprobs[step, token_id])) < LOGPROB_ATOL
+
+
+def test_splits_a_moe_model_cannot_take_are_refused(tmp_path):
+    write_checkpoint("olmoe", tmp_path, packed=False)
     cfg = load_model(str(tmp_path)).config
-    with pytest.raises(ShardingError, match="mixture-of-experts"):
+    with pytest.raises(ShardingError, match="whole projection"):
         ModelShard(cfg, 0, 2)
+    with pytest.raises(ShardingError, match="cannot split 6 experts"):
+        ModelShard(dataclasses.replace(cfg, qk_norm_per_head=True), 0, 8)
+    with pytest.raises(ValueError, match="needs --tensor-parallel-size 2"):
+        LLM(str(tmp_path), expert_parallel_size=2, tensor_parallel_size=4)
 
 
 def write_moe_gguf(hf, path, expert_type: Q) -> None:

@@ -63,6 +63,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # A mixture-of-experts model's experts split whole across the tensor-parallel ranks (its
+    # attention by heads): given alone it sets that many ranks; with -tp it must be the same.
+    expert_parallel_size: int = 1
     # Where the driver (the engine's process) waits for its ranks: their connections on `port`
     # and torch.distributed's rendezvous on `port + 1`; 0 picks free ports (ranks on this host).
     distributed_host: str = "127.0.0.1"
@@ -73,6 +76,16 @@ class ParallelConfig:
     # A rank that does not answer a step (or a collective) within this is taken as dead.
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep > 1 and tp == 1:
+            self.tensor_parallel_size = ep
+        elif ep > 1 and ep != tp:
+            raise ValueError(
+                f"expert parallelism runs over the tensor-parallel ranks: --expert-parallel-size {ep} "
+                f"needs --tensor-parallel-size {ep} (or none)"
+            )
 
     @property
     def world_size(self) -> int:

@@ -62,6 +62,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # Expert parallelism: the experts this rank holds, whole (num_experts stays the router's width).
+    expert_offset: int = 0
+    num_local_experts: int | None = None  # None: all of them
 
     @property
     def q_size(self) -> int:

@@ -36,8 +36,12 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        # Under expert parallelism a rank holds experts offset .. offset + len(experts) - 1; every
+        # rank routes every token, and the ranks' partial sums add up in the layer's all-reduce.
+        self.offset = cfg.expert_offset
+        local = cfg.num_experts if cfg.num_local_experts is None else cfg.num_local_experts
         self.experts = nn.ModuleList(
-            ExpertMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+            ExpertMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(local)
         )
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = ExpertMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
@@ -64,13 +68,14 @@ class SparseMoE(nn.Module):
         """sum over each token's choices of weight x expert(token), expert by expert."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # choices grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=len(self.experts))
-        self._count(counts)
+        counts = torch.bincount(flat, minlength=self.gate.out_features)
+        mine = counts[self.offset : self.offset + len(self.experts)]
+        self._count(mine)
         rows = order // self.top_k
         scale = weights.reshape(-1)[order].to(h.dtype).unsqueeze(1)
         out = torch.zeros_like(h)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
+        start = int(counts[: self.offset].sum())  # the choices of other ranks' experts come first
+        for e, n in enumerate(mine.tolist()):
             if n:
                 tokens = rows[start : start + n]
                 out.index_add_(0, tokens, self.experts[e](h[tokens]) * scale[start : start + n])

@@ -10,6 +10,7 @@ query head sits with its key/value head; a rank's KV pool then holds only its ow
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,9 @@ from torch import nn
 
 from shoal.kernels.cpu import QK  # quantized blocks run along the input dimension: splits keep to them
 from shoal.models.config import ModelConfig
+
+# One expert's tensor ("mlp.experts.3.gate_proj.weight", Mixtral's "block_sparse_moe.experts.3.w1.weight").
+_EXPERT = re.compile(r"^(.*\bexperts\.)(\d+)(\..*)$")
 
 
 class ShardingError(ValueError):
@@ -86,6 +90,18 @@ class ModelShard:
         return _even_spans(self.cfg.intermediate_size, self.tp_size, unit)[self.tp_rank]
 
     @property
+    def experts(self) -> Span:
+        """The experts this rank holds, whole: a mixture of experts splits by experts over the
+        tensor-parallel ranks (expert parallelism), its attention by heads as any model's."""
+        return _even_spans(self.cfg.num_experts, self.tp_size)[self.tp_rank]
+
+    @property
+    def shared_intermediate(self) -> Span:
+        size = self.cfg.shared_expert_intermediate_size
+        unit = QK if size % QK == 0 else 1
+        return _even_spans(size, self.tp_size, unit)[self.tp_rank]
+
+    @property
     def vocab_per_rank(self) -> int:
         """Rows of every rank's vocabulary slice, the last padded with zero rows to this size."""
         return -(-self.cfg.vocab_size // self.tp_size)
@@ -115,13 +131,24 @@ class ModelShard:
     def local_config(self) -> ModelConfig:
         """The config this rank's modules are built from: its own heads, MLP width and layers. The
         vocabulary stays whole: it is what sampling sees."""
-        return dataclasses.replace(
+        layers = self.layers
+        dense = tuple(i - layers.start for i in self.cfg.dense_layers if layers.start <= i < layers.end)
+        local = dataclasses.replace(
             self.cfg,
             num_heads=self.q_heads.size,
             num_kv_heads=self.kv_heads.size,
             intermediate_size=self.intermediate.size,
-            num_layers=self.layers.size,
+            num_layers=layers.size,
+            dense_layers=dense,
         )
+        if self.cfg.num_experts and self.tp_size > 1:
+            local = dataclasses.replace(
+                local,
+                expert_offset=self.experts.start,
+                num_local_experts=self.experts.size,
+                shared_expert_intermediate_size=self.shared_intermediate.size,
+            )
+        return local
 
     # --- checkpoint slices --------------------------------------------------------------
 
@@ -135,6 +162,12 @@ class ModelShard:
             if not layers.start <= index < layers.end:
                 return None
             rest = bare.split(".", 2)[2]
+            expert = _EXPERT.match(rest)
+            if expert and self.tp_size > 1:  # one expert's tensor: on the rank that holds the expert
+                e, experts = int(expert.group(2)), self.experts
+                if not experts.start <= e < experts.end:
+                    return None
+                rest = f"{expert.group(1)}{e - experts.start}{expert.group(3)}"
             return f"model.layers.{index - layers.start}.{rest}"
         if bare.startswith("embed_tokens."):
             return name if self.has_embedding else None
@@ -148,6 +181,11 @@ class ModelShard:
             return None
         d = self.cfg.head_dim
         bare = name.removeprefix("model.")
+        if ".experts." in bare:
+            # Whole experts: one expert's tensor as it is, a layer's packed ones cut to this rank's.
+            return (0, self.experts) if _EXPERT.search(bare) is None else None
+        if ".shared_expert." in bare:
+            return (1 if ".down_proj." in bare else 0), self.shared_intermediate
         if ".q_proj." in bare:
             return 0, Span(self.q_heads.start * d, self.q_heads.size * d)
         if ".k_proj." in bare or ".v_proj." in bare:
@@ -192,11 +230,10 @@ def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
     hq, hk = cfg.num_heads, cfg.num_kv_heads
     if tp == 1:
         return
-    if cfg.num_experts:
-        raise ShardingError(
-            "a mixture-of-experts model does not split across tensor-parallel ranks yet; "
-            "pipeline parallelism splits it by layers"
-        )
+    if cfg.num_experts and tp > cfg.num_experts:
+        raise ShardingError(f"{tp} ranks cannot split {cfg.num_experts} experts: each rank holds whole ones")
+    if cfg.num_experts and cfg.qk_norm and not cfg.qk_norm_per_head:
+        raise ShardingError("a q/k norm over the whole projection (olmoe) does not split across ranks yet")
     if hq % hk:
         raise ShardingError(f"{hq} query heads do not group evenly over {hk} KV heads")
     if hk >= tp:
