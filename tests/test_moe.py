@@ -183,6 +183,10 @@ def test_experts_split_across_ranks_answer_as_hf(split, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     with LLM(str(tmp_path), expert_parallel_size=ep, pipeline_parallel_size=pp, num_blocks=64) as llm:
         outs = llm.generate(prompts, params)
+        # The ranks count their own experts; the engine puts them together, by global layer.
+        load = llm.engine.core.stats().moe_expert_tokens
+    assert sorted(load) == [0, 2] and all(len(counts) == 6 for counts in load.values())
+    assert all(sum(counts) >= 2 * (7 + 33 + 2 * 7) for counts in load.values())
     for prompt, out in zip(prompts, outs):
         ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 8)
         assert out.outputs[0].token_ids == ref_tokens

@@ -92,14 +92,24 @@ class SparseMoE(nn.Module):
         return [0] * len(self.experts) if self.expert_tokens is None else self.expert_tokens.tolist()
 
 
+def sparse_layers(model: nn.Module) -> dict[int, SparseMoE]:
+    """The model's mixture-of-experts blocks, by the index of their layer."""
+    mlps = {i: getattr(layer, "mlp", None) for i, layer in enumerate(model.layers)}
+    return {i: mlp for i, mlp in mlps.items() if isinstance(mlp, SparseMoE)}
+
+
 def expert_load(model: nn.Module) -> dict[int, list[int]] | None:
     """Tokens each expert of each sparse layer has taken (None: the model has no experts)."""
-    layers = {
-        i: layer.mlp
-        for i, layer in enumerate(model.layers)
-        if isinstance(getattr(layer, "mlp", None), SparseMoE)
-    }
-    return {i: moe.expert_load() for i, moe in layers.items()} or None
+    return {i: moe.expert_load() for i, moe in sparse_layers(model).items()} or None
+
+
+def merge_expert_load(parts: list[dict[int, tuple[int, list[int]]] | None]) -> dict[int, list[int]] | None:
+    """Ranks' counts of their own experts (first expert's id, counts, by layer) as one model's."""
+    merged: dict[int, dict[int, int]] = {}
+    for part in parts:
+        for layer, (first, counts) in (part or {}).items():
+            merged.setdefault(layer, {}).update({first + e: n for e, n in enumerate(counts)})
+    return {layer: [c[e] for e in sorted(c)] for layer, c in sorted(merged.items())} or None
 
 
 # --- checkpoint names ------------------------------------------------------------------------

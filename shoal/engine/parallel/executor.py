@@ -37,6 +37,7 @@ from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.kernels.cpu import cpu_kernels
 from shoal.models.checkpoint import resolve_model
 from shoal.models.loader import LoadedModel
+from shoal.models.moe import merge_expert_load
 from shoal.models.parallel import check_parallel_sizes
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ class MultiprocExecutor:
         return None  # each rank's store would time its own shard: the ranks load always
 
     def expert_load(self) -> dict[int, list[int]] | None:
-        return None  # the ranks' experts are counted where they run, not reported yet
+        return merge_expert_load([s.expert_tokens for s in self.rank_stats])
 
     # --- health and shutdown -------------------------------------------------------------
 

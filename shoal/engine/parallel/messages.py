@@ -33,6 +33,9 @@ class RankStats:
     comm_s: float = 0.0
     comm_calls: int = 0
     stage_wait_s: float = 0.0
+    # Mixture of experts: for each of the rank's sparse layers (by its index in the whole model),
+    # its first expert's id and the tokens each of its experts has taken.
+    expert_tokens: dict[int, tuple[int, list[int]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from shoal.engine.parallel.model_files import ModelFiles, local_copy, receive
 from shoal.engine.parallel.rendezvous import AuthStore
 from shoal.engine.runner_setup import DTYPES, build_runner
 from shoal.models.loader import load_model
+from shoal.models.moe import sparse_layers
 from shoal.models.parallel import ModelShard
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class Rank:
         )
         self.fused = self.runner.fused_decoder is not None
         self.stats = RankStats(place.rank)
+        self.moe_layers = sparse_layers(self.runner.model)
 
     def _profile(self, step_ns: int) -> RankStats:
         s = self.stats
@@ -124,6 +126,9 @@ class Rank:
             s.comm_s = ns * 1e-9
         if self.stage is not None:
             s.stage_wait_s = self.stage.wait_ns * 1e-9
+        if self.moe_layers:
+            first = self.runner.model.shard.layers.start
+            s.expert_tokens = {first + i: (m.offset, m.expert_load()) for i, m in self.moe_layers.items()}
         return s
 
     def serve(self) -> None:
