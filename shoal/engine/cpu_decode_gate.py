@@ -71,6 +71,8 @@ MODEL_FEATURES: dict[str, Callable[[Any], bool]] = {
     "shared_expert_intermediate_size": _any,
     "norm_topk_prob": _any,
     "dense_layers": _any,
+    "expert_offset": _any,
+    "num_local_experts": _any,
 }
 # The children of a DecoderLayer the C layer reads; another child (q_norm, an adapter) refuses.
 LAYER_CHILDREN = {"input_layernorm", "post_attention_layernorm", *PROJECTIONS}
