@@ -1,0 +1,120 @@
+"""Mixture of experts (issue 30): decode throughput of a random Mixtral-shaped checkpoint at c=1, 8
+and 32 with its experts on 1, 2 and 3 ranks (expert parallelism; attention split by heads over
+the same ranks), the time a step spends in the ranks' collectives (the all-reduce that combines
+the experts' partial outputs, and attention's), and a dense model of the same active parameter
+count (intermediate size = top_k x an expert's) on one process for comparison; then the load of
+each rank under a skewed router (two experts' router rows scaled up), max over mean.
+
+Shape: hidden 384, 6 heads over 3 KV heads, 12 layers, 6 experts of intermediate 512, top 2; the
+bundled model's tokenizer. fp32 weights; 32-token prompts, 64 greedy tokens, EOS ignored.
+
+    python benchmarks/moe.py [--eps 1,2,3] [--concurrency 1,8,32] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from shoal import LLM, SamplingParams
+from shoal.bench.checkpoints import fill_random_weights, write_config
+
+SHAPE = {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_heads": 3, "num_hidden_layers": 12}
+MOE = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": 512,
+       "num_local_experts": 6, "num_experts_per_tok": 2}  # fmt: skip
+DENSE = {"intermediate_size": 1024}  # top_k x an expert's: the same active parameters per token
+
+
+def decode_rate(llm: LLM, conc: int, tokens: int) -> float:
+    prompts = [[1000 + 7 * i + j for j in range(32)] for i in range(conc)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def collectives_per_step(llm: LLM) -> float | None:
+    stats = llm.engine.core.stats().ranks
+    if not stats:
+        return None
+    return max(s.comm_s / max(1, s.steps) for s in stats)
+
+
+def skew_router(ckpt: Path, hot: tuple[int, ...], factor: float) -> Path:
+    """A copy of `ckpt` whose router favours the `hot` experts (their rows scaled by `factor`)."""
+    out = ckpt.parent / f"{ckpt.name}-skewed"
+    out.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(ckpt / "model.safetensors"))
+    for name, t in weights.items():
+        if name.endswith("block_sparse_moe.gate.weight"):
+            t[list(hot)] *= factor
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def rank_loads(load: dict[int, list[int]], ranks: int) -> list[int]:
+    """Tokens each rank's experts took, all layers together (experts dealt out in even runs)."""
+    per = [0] * ranks
+    for counts in load.values():
+        size = len(counts)
+        for r in range(ranks):
+            per[r] += sum(counts[r * size // ranks : (r + 1) * size // ranks])
+    return per
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--eps", default="1,2,3")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    eps = [int(x) for x in args.eps.split(",")]
+    concs = [int(x) for x in args.concurrency.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
+        moe = fill_random_weights(write_config(Path(tmp) / "moe", **SHAPE, **MOE))
+        dense = fill_random_weights(write_config(Path(tmp) / "dense", **SHAPE, **DENSE))
+        with LLM(str(dense), num_blocks=2048, max_num_seqs=64) as llm:
+            rows.append(
+                ("dense, same active parameters", 1, [decode_rate(llm, c, args.tokens) for c in concs], None)
+            )
+        for ep in eps:
+            with LLM(str(moe), expert_parallel_size=ep, num_blocks=2048, max_num_seqs=64) as llm:
+                rates = [decode_rate(llm, c, args.tokens) for c in concs]
+                rows.append(
+                    (
+                        f"MoE, experts on {ep} rank{'s' if ep > 1 else ''}",
+                        ep,
+                        rates,
+                        collectives_per_step(llm),
+                    )
+                )
+        skewed = skew_router(moe, (0, 1), 4.0)
+        balance = []
+        for ep in [e for e in eps if e > 1]:
+            with LLM(str(skewed), expert_parallel_size=ep, num_blocks=2048, max_num_seqs=64) as llm:
+                decode_rate(llm, 8, args.tokens)
+                per = rank_loads(llm.engine.core.stats().moe_expert_tokens, ep)
+                balance.append((ep, per, max(per) / (sum(per) / len(per))))
+    head = " | ".join(f"c={c} tok/s" for c in concs)
+    print(f"\n| model | ranks | {head} | collectives ms/step |")
+    print("| --- | --- |" + " --- |" * len(concs) + " --- |")
+    for name, ranks, rates, comm in rows:
+        cells = " | ".join(f"{r:.0f}" for r in rates)
+        print(f"| {name} | {ranks} | {cells} | {'-' if comm is None else f'{1000 * comm:.2f}'} |")
+    print("\n| skewed router (experts 0, 1 favoured) | tokens per rank | max / mean |")
+    print("| --- | --- | --- |")
+    for ep, per, ratio in balance:
+        print(f"| EP {ep}, static placement | {per} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
