@@ -3,7 +3,8 @@ and 32 with its experts on 1, 2 and 3 ranks (expert parallelism; attention split
 the same ranks), the time a step spends in the ranks' collectives (the all-reduce that combines
 the experts' partial outputs, and attention's), and a dense model of the same active parameter
 count (intermediate size = top_k x an expert's) on one process for comparison; then the load of
-each rank under a skewed router (two experts' router rows scaled up), max over mean.
+each rank under a skewed router (two experts' router rows scaled up), max over mean, with the
+static placement and with the engine replicating hot experts into 2 spare slots a rank.
 
 Shape: hidden 384, 6 heads over 3 KV heads, 12 layers, 6 experts of intermediate 512, top 2; the
 bundled model's tokenizer. fp32 weights; 32-token prompts, 64 greedy tokens, EOS ignored.
@@ -60,16 +61,6 @@ def skew_router(ckpt: Path, hot: tuple[int, ...], factor: float) -> Path:
     return out
 
 
-def rank_loads(load: dict[int, list[int]], ranks: int) -> list[int]:
-    """Tokens each rank's experts took, all layers together (experts dealt out in even runs)."""
-    per = [0] * ranks
-    for counts in load.values():
-        size = len(counts)
-        for r in range(ranks):
-            per[r] += sum(counts[r * size // ranks : (r + 1) * size // ranks])
-    return per
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--eps", default="1,2,3")
@@ -100,20 +91,25 @@ def main() -> None:
         skewed = skew_router(moe, (0, 1), 4.0)
         balance = []
         for ep in [e for e in eps if e > 1]:
-            with LLM(str(skewed), expert_parallel_size=ep, num_blocks=2048, max_num_seqs=64) as llm:
-                decode_rate(llm, 8, args.tokens)
-                per = rank_loads(llm.engine.core.stats().moe_expert_tokens, ep)
-                balance.append((ep, per, max(per) / (sum(per) / len(per))))
+            for spares in (0, 2):
+                opts = dict(expert_spare_slots=spares, expert_rebalance_steps=16)
+                with LLM(
+                    str(skewed), expert_parallel_size=ep, num_blocks=2048, max_num_seqs=64, **opts
+                ) as llm:
+                    rate = decode_rate(llm, 8, args.tokens)
+                    stats = llm.engine.core.stats().moe_balance
+                    balance.append((ep, spares, stats.imbalance, stats.rebalances, rate))
     head = " | ".join(f"c={c} tok/s" for c in concs)
     print(f"\n| model | ranks | {head} | collectives ms/step |")
     print("| --- | --- |" + " --- |" * len(concs) + " --- |")
     for name, ranks, rates, comm in rows:
         cells = " | ".join(f"{r:.0f}" for r in rates)
         print(f"| {name} | {ranks} | {cells} | {'-' if comm is None else f'{1000 * comm:.2f}'} |")
-    print("\n| skewed router (experts 0, 1 favoured) | tokens per rank | max / mean |")
-    print("| --- | --- | --- |")
-    for ep, per, ratio in balance:
-        print(f"| EP {ep}, static placement | {per} | {ratio:.2f} |")
+    print("\n| skewed router (experts 0, 1 favoured), c=8 | rank load max/mean | placements | tok/s |")
+    print("| --- | --- | --- | --- |")
+    for ep, spares, ratio, placements, rate in balance:
+        how = f"{spares} spare expert slots a rank" if spares else "static placement"
+        print(f"| EP {ep}, {how} | {ratio:.2f} | {placements} | {rate:.0f} |")
 
 
 if __name__ == "__main__":

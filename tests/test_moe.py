@@ -21,6 +21,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
 from shoal import LLM, SamplingParams
+from shoal.engine.expert_balance import imbalance, plan_replicas, rank_loads
 from shoal.models.gguf_loader import iter_gguf_blocks, open_gguf
 from shoal.models.loader import load_model
 from shoal.models.parallel import ModelShard, ShardingError
@@ -69,7 +70,8 @@ ARCHS = {  # shoal's name -> (transformers config and model class names, their s
 }
 
 
-def write_checkpoint(arch: str, path, packed: bool, **overrides):
+def write_checkpoint(arch: str, path, packed: bool, hot: tuple[int, ...] = (), **overrides):
+    """`hot`: experts the routers favour (their rows of each router scaled up)."""
     import transformers
 
     prefix, settings = ARCHS[arch]
@@ -80,6 +82,9 @@ def write_checkpoint(arch: str, path, packed: bool, **overrides):
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
+        for name, p in model.named_parameters():
+            if hot and name.endswith("mlp.gate.weight"):
+                p[list(hot)] *= 4.0
     if packed:  # the layout of transformers' own modules: a layer's experts in one tensor
         config.save_pretrained(path)
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
@@ -297,3 +302,48 @@ def test_a_gguf_moe_file_loads_and_answers_as_its_weights_do(expert_type, tmp_pa
         want = hf.state_dict()["model.layers.0.mlp.experts.down_proj"][2]
         assert torch.allclose(stored.dequantize(), want, atol=1e-6)
         assert len([n for n in blocks if ".experts." in n]) == 2 * 6 * 3  # 2 sparse layers
+
+
+def test_the_balancer_replicates_hot_experts_where_they_even_the_ranks_out():
+    # 6 experts on 2 ranks (0-2, 3-5); experts 0 and 1 take most tokens.
+    counts = [400, 300, 50, 60, 40, 50]
+    assert rank_loads(counts, {}, 2) == [750, 150]
+    one = plan_replicas(counts, 2, spares=1)
+    assert one == {0: [0, 1]}  # the hottest, onto the idle rank
+    assert rank_loads(counts, one, 2) == [550, 350]
+    two = plan_replicas(counts, 2, spares=2)
+    assert two == {0: [0, 1], 1: [0, 1]}
+    assert imbalance(rank_loads(counts, two, 2)) < imbalance(rank_loads(counts, one, 2)) < 1.7
+    assert plan_replicas([10, 10, 10, 10, 10, 10], 2, spares=2) == {}  # even already: nothing
+    assert plan_replicas(counts, 2, spares=0) == {}
+
+
+def test_replicated_experts_even_the_ranks_out_and_answers_stay_hfs(tmp_path):
+    heads = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    hf = write_checkpoint("qwen2_moe", tmp_path, False, hot=(0, 1), **heads)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (9, 20, 31)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    opts = dict(expert_parallel_size=2, expert_spare_slots=2, expert_rebalance_steps=4, num_blocks=64)
+    with LLM(str(tmp_path), **opts) as llm:
+        balancer, seen = llm.engine.core.experts, []
+        observe = balancer.observe
+
+        def observe_and_note(load):
+            observe(load)
+            if balancer.last_imbalance is not None and balancer.last_imbalance not in seen[-1:]:
+                seen.append(balancer.last_imbalance)
+
+        balancer.observe = observe_and_note
+        outs = llm.generate(prompts, params)
+        balance = llm.engine.core.stats().moe_balance
+    print(f"\nrank load max/mean by window: {[round(x, 2) for x in seen]}")
+    assert seen[0] > 1.3  # the hot experts' rank, before any replica
+    for prompt, out in zip(prompts, outs):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 24)
+        assert out.outputs[0].token_ids == ref_tokens
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for token_id, value in lp.top:
+                assert abs(value - float(ref_logprobs[step, token_id])) < LOGPROB_ATOL
+    assert balance.rebalances >= 1
+    assert balance.imbalance < 1.2  # measured over a window after the replicas were placed

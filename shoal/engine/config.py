@@ -66,6 +66,10 @@ class ParallelConfig:
     # A mixture-of-experts model's experts split whole across the tensor-parallel ranks (its
     # attention by heads): given alone it sets that many ranks; with -tp it must be the same.
     expert_parallel_size: int = 1
+    # Expert load balancing: each rank may hold this many replicas of other ranks' experts per
+    # layer (0: none), placed anew when a window of this many steps found the ranks' loads uneven.
+    expert_spare_slots: int = 0
+    expert_rebalance_steps: int = 128
     # Where the driver (the engine's process) waits for its ranks: their connections on `port`
     # and torch.distributed's rendezvous on `port + 1`; 0 picks free ports (ranks on this host).
     distributed_host: str = "127.0.0.1"

@@ -18,6 +18,7 @@ import torch
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.config import EngineConfig
 from shoal.engine.executor import build_executor
+from shoal.engine.expert_balance import ExpertBalancer
 from shoal.engine.faults import FaultConfig, InjectedCrash, InjectedStepError
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_connector.packing import PackedKV
@@ -107,8 +108,9 @@ class EngineCore:
         self.lora = LoRAManager(lora.max_loras, mcfg, lora.max_lora_rank) if lora.enable_lora else None
         for name, path in lora.lora_modules.items():
             self.lora.add(name, path)
+        self.experts = ExpertBalancer.for_model(mcfg, config.parallel)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, self.max_model_len, eos, self.kv_connector, self.lora
+            config.scheduler, self.kv, self.max_model_len, eos, self.kv_connector, self.lora, self.experts
         )
         self.executor = build_executor(config, loaded, num_blocks, self.max_model_len)
         costs = self.executor.tier_costs() if self.kv.tiers is not None else None
@@ -319,6 +321,8 @@ class EngineCore:
         """One step: token deltas per choice that moved or finished, and what the front needs
         besides (finished groups, KV events, stats)."""
         outputs = self._step_outputs()
+        if self.experts is not None:
+            self.experts.observe(self.executor.expert_load())
         finished = {co.group_id for co in outputs if co.group_id not in self.scheduler.groups}
         return StepResult(outputs, finished, self.kv.pool.take_events(), self.stats())
 
@@ -467,6 +471,7 @@ class EngineCore:
             kv_offload_saved=dict(tiers.saved) if (tiers := self.kv.tiers) is not None else None,
             kv_offload_loaded=dict(tiers.loaded) if tiers is not None else None,
             moe_expert_tokens=self.executor.expert_load(),
+            moe_balance=self.experts.snapshot() if self.experts is not None else None,
         )
 
     def take_kv_events(self) -> list:

@@ -71,6 +71,8 @@ MODEL_FEATURES: dict[str, Callable[[Any], bool]] = {
     "shared_expert_intermediate_size": _any,
     "norm_topk_prob": _any,
     "dense_layers": _any,
+    "expert_rank": _any,
+    "expert_ranks": _any,
     "expert_offset": _any,
     "num_local_experts": _any,
 }

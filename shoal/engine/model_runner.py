@@ -35,6 +35,7 @@ from shoal.engine.structured import GrammarBackend
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 from shoal.models.lora_layers import LoRASlots
+from shoal.models.moe import place_experts
 
 PROMPT_LOGPROBS_ROWS = 256
 
@@ -146,6 +147,8 @@ class ModelRunner:
         if self.lora is not None:
             for slot, adapter in so.lora_loads:
                 self.lora.load(slot, adapter)
+        if so.expert_placement is not None:
+            place_experts(self.model, so.expert_placement)  # the same on every rank: in step
         for rid in so.finished_ids:
             self.lora_slot_of.pop(rid, None)
             self.states.pop(rid, None)

@@ -20,6 +20,7 @@ import bisect
 import time
 
 from shoal.engine.config import SchedulerConfig
+from shoal.engine.expert_balance import ExpertBalancer
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from shoal.engine.lora_manager import LoRAManager
@@ -44,10 +45,13 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         connector: KVConnectorScheduler | None = None,
         lora: LoRAManager | None = None,
+        experts: ExpertBalancer | None = None,
     ):
         """`connector`: the KV connector's scheduler side (K/V that arrives from outside, and
-        blocks held for a handoff). `lora`: the adapter slots, taken as requests are admitted."""
+        blocks held for a handoff). `lora`: the adapter slots, taken as requests are admitted.
+        `experts`: where a new placement of replicated experts comes from, to go with a step."""
         self.lora = lora
+        self.experts = experts
         self.cfg = cfg
         self.kv = kv
         self.max_model_len = max_model_len
@@ -308,6 +312,8 @@ class Scheduler:
             out.kv_tier_moves = self.kv.tiers.take_moves()
         if self.lora is not None:
             out.lora_loads = self.lora.take_loads()
+        if self.experts is not None:
+            out.expert_placement = self.experts.take_placement()
         self._finished_ids = []
         self.in_flight.update(scheduled)
         new_blocks, self._new_blocks = self._new_blocks, {}

@@ -55,6 +55,8 @@ class SchedulerOutput:
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)
     # K/V moved between the pool and the offload tiers before the step runs (engine.kv_tiers)
     kv_tier_moves: list[Any] = field(default_factory=list)
+    # A new placement of replicated experts (engine/expert_balance.py), taken before the step runs
+    expert_placement: dict[int, dict[int, list[int]]] | None = None
 
     @property
     def empty(self) -> bool:

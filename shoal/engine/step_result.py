@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.engine.block_pool import KVEvent
+from shoal.engine.expert_balance import BalanceStats
 from shoal.engine.lora_manager import LoRAStats
 from shoal.engine.outputs import EngineCoreOutput
 from shoal.engine.parallel.messages import RankStats
@@ -35,6 +36,7 @@ class EngineStats:
     kv_offload_saved: dict[str, int] | None = None
     kv_offload_loaded: dict[str, int] | None = None
     moe_expert_tokens: dict[int, list[int]] | None = None  # layer -> tokens each expert took
+    moe_balance: BalanceStats | None = None  # expert load balancing across ranks
 
 
 @dataclass

@@ -62,7 +62,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
-    # Expert parallelism: the experts this rank holds, whole (num_experts stays the router's width).
+    # Expert parallelism: this rank of how many, and the experts it owns, whole (num_experts stays
+    # the router's width).
+    expert_rank: int = 0
+    expert_ranks: int = 1
     expert_offset: int = 0
     num_local_experts: int | None = None  # None: all of them
 

@@ -11,11 +11,14 @@ tokens. An expert is an ordinary gated MLP of two projections, so the int8 and i
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from shoal.models.config import ModelConfig
 from shoal.models.ops import silu_mul
+from shoal.models.parallel import expert_spans
 
 
 class ExpertMLP(nn.Module):
@@ -39,6 +42,12 @@ class SparseMoE(nn.Module):
         # Under expert parallelism a rank holds experts offset .. offset + len(experts) - 1; every
         # rank routes every token, and the ranks' partial sums add up in the layer's all-reduce.
         self.offset = cfg.expert_offset
+        self.rank = cfg.expert_rank
+        self.owners = expert_owners(cfg.num_experts, cfg.expert_ranks)
+        # Load balancing (engine/expert_balance.py): replicated experts and the ranks holding them,
+        # the owner first (each takes an even run of the expert's tokens); this rank's replicas.
+        self.holders: dict[int, list[int]] = {}
+        self.replicas = nn.ModuleDict()
         local = cfg.num_experts if cfg.num_local_experts is None else cfg.num_local_experts
         self.experts = nn.ModuleList(
             ExpertMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(local)
@@ -69,18 +78,53 @@ class SparseMoE(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # choices grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.gate.out_features)
-        mine = counts[self.offset : self.offset + len(self.experts)]
-        self._count(mine)
+        self._count(counts[self.offset : self.offset + len(self.experts)])
         rows = order // self.top_k
         scale = weights.reshape(-1)[order].to(h.dtype).unsqueeze(1)
         out = torch.zeros_like(h)
-        start = int(counts[: self.offset].sum())  # the choices of other ranks' experts come first
-        for e, n in enumerate(mine.tolist()):
-            if n:
-                tokens = rows[start : start + n]
-                out.index_add_(0, tokens, self.experts[e](h[tokens]) * scale[start : start + n])
-                start += n
+        ends = torch.cumsum(counts, 0).tolist()  # expert e's choices: ends[e] - counts[e] .. ends[e]
+        for e, module in self._computed_here():
+            start, end = (ends[e - 1] if e else 0), ends[e]
+            held = self.holders.get(e)
+            if held is not None:  # replicated: this rank takes its even run of the tokens
+                i, n = held.index(self.rank), end - start
+                start, end = start + i * n // len(held), start + (i + 1) * n // len(held)
+            if end > start:
+                tokens = rows[start:end]
+                out.index_add_(0, tokens, module(h[tokens]) * scale[start:end])
         return out
+
+    def _computed_here(self):
+        """(expert, module) of each expert whose tokens this rank computes (some of them, when
+        it is replicated): its own, then its replicas, by expert id."""
+        own = [(self.offset + i, m) for i, m in enumerate(self.experts)]
+        if not self.replicas:
+            return own
+        return sorted(own + [(int(e), m) for e, m in self.replicas.items()], key=lambda em: em[0])
+
+    def place(self, holders: dict[int, list[int]], all_gather) -> None:
+        """Takes a new placement of replicas. Every rank runs this with the same placement: an
+        expert replicated on a new rank has its tensors gathered from its owner (all_gather over
+        the ranks, the others sending zeros of the same shapes), kept by the ranks that hold it."""
+        template = self.experts[0]
+        for e in sorted(holders):
+            added = [r for r in holders[e][1:] if r not in self.holders.get(e, [])]
+            if not added:
+                continue
+            owner = self.owners[e]
+            source = self.experts[e - self.offset] if owner == self.rank else template
+            tensors = {}
+            for name, t in source.state_dict().items():
+                sent = t if owner == self.rank else torch.zeros_like(t)
+                tensors[name] = all_gather(sent)[owner]
+            if self.rank in added:
+                replica = copy.deepcopy(template)
+                replica.load_state_dict(tensors)
+                self.replicas[str(e)] = replica
+        for e in list(self.replicas):
+            if self.rank not in holders.get(int(e), [])[1:]:
+                del self.replicas[e]
+        self.holders = {e: list(held) for e, held in holders.items()}
 
     def _count(self, counts: torch.Tensor) -> None:
         if self.expert_tokens is None:
@@ -90,6 +134,19 @@ class SparseMoE(nn.Module):
     def expert_load(self) -> list[int]:
         """Tokens each expert has taken."""
         return [0] * len(self.experts) if self.expert_tokens is None else self.expert_tokens.tolist()
+
+
+def expert_owners(num_experts: int, ranks: int) -> list[int]:
+    """The rank owning each expert under expert parallelism."""
+    return [r for r, span in enumerate(expert_spans(num_experts, ranks)) for _ in range(span.size)]
+
+
+def place_experts(model: nn.Module, placement: dict[int, dict[int, list[int]]]) -> None:
+    """Applies a placement of replicated experts (by the index of the layer in the whole model)
+    to this rank's sparse layers."""
+    first = model.shard.layers.start
+    for i, moe in sparse_layers(model).items():
+        moe.place(placement.get(first + i, {}), model.comm.all_gather)
 
 
 def sparse_layers(model: nn.Module) -> dict[int, SparseMoE]:

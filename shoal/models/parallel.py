@@ -51,6 +51,11 @@ def _even_spans(total: int, parts: int, unit: int = 1) -> list[Span]:
     return spans
 
 
+def expert_spans(num_experts: int, ranks: int) -> list[Span]:
+    """The experts each rank owns under expert parallelism: even runs, in rank order."""
+    return _even_spans(num_experts, ranks)
+
+
 @dataclass(frozen=True)
 class ModelShard:
     """One rank's part of a model: `tp_rank` of `tp_size` within stage `pp_rank` of `pp_size`."""
@@ -93,7 +98,7 @@ class ModelShard:
     def experts(self) -> Span:
         """The experts this rank holds, whole: a mixture of experts splits by experts over the
         tensor-parallel ranks (expert parallelism), its attention by heads as any model's."""
-        return _even_spans(self.cfg.num_experts, self.tp_size)[self.tp_rank]
+        return expert_spans(self.cfg.num_experts, self.tp_size)[self.tp_rank]
 
     @property
     def shared_intermediate(self) -> Span:
@@ -144,6 +149,8 @@ class ModelShard:
         if self.cfg.num_experts and self.tp_size > 1:
             local = dataclasses.replace(
                 local,
+                expert_rank=self.tp_rank,
+                expert_ranks=self.tp_size,
                 expert_offset=self.experts.start,
                 num_local_experts=self.experts.size,
                 shared_expert_intermediate_size=self.shared_intermediate.size,

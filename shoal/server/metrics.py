@@ -102,6 +102,16 @@ class _EngineCollector:
                 for tier in ("host", "disk"):
                     family.add_metric([self.model_name, tier], counts.get(tier, 0))
                 yield family
+        if s.moe_balance is not None:
+            if s.moe_balance.imbalance is not None:
+                yield gauge(
+                    "shoal:moe_rank_load_imbalance",
+                    "Max over mean of the tokens the ranks' experts took in the last balancing window.",
+                    s.moe_balance.imbalance,
+                )
+            yield counter(
+                "shoal:moe_rebalances", "New placements of replicated experts.", s.moe_balance.rebalances
+            )
         if s.moe_expert_tokens is not None:
             family = CounterMetricFamily(
                 "shoal:moe_expert_tokens",
