@@ -141,6 +141,11 @@ def parallel_flag_set() -> FlagSet:
                 names=("--expert-parallel-size", "-ep"),
                 help="ranks a mixture of experts' experts are split across (its attention by heads)",
             ),
+            Flag(
+                "expert_spare_slots",
+                help="replicas of other ranks' experts a rank may hold per layer, to even out the load",
+            ),
+            Flag("expert_rebalance_steps", help="steps a window of expert load is counted over"),
             Flag("distributed_host", help="address the ranks reach this process at"),
             Flag("distributed_port", help="rank connections here, rendezvous at +1 (0: free)"),
             Flag(
