@@ -99,6 +99,16 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, torch.stack(logprobs).cpu()
 
 
+def assert_matches_hf(hf, prompts, outs, new_tokens: int, atol: float = 2e-3) -> None:
+    """Each output's greedy tokens are HF's, and its top log-probs HF's within `atol`."""
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, new_tokens)
+        assert out.outputs[0].token_ids == ref_tokens
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for token_id, value in lp.top:
+                assert abs(value - float(ref_logprobs[step, token_id])) < atol
+
+
 def closeness_to_reference(llm, reference: dict, new_tokens: int, lora: str | None = None) -> dict:
     """How close `llm` (with the LoRA adapter `lora`, if given) stays to HF fp32 on PROMPTS.
     Teacher-forced on HF's greedy continuations: the share of positions where its top token is HF's,

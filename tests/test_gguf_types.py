@@ -15,7 +15,7 @@ from gguf.quants import quantize
 
 from shoal import LLM, SamplingParams
 from shoal.models.loader import load_model
-from tests.helpers import add_gguf_tokenizer, assert_pool_whole, hf_greedy
+from tests.helpers import add_gguf_tokenizer, assert_matches_hf, assert_pool_whole
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
 
@@ -100,12 +100,7 @@ def test_gguf_type_matches_transformers(qtype, tmp_path):
     llm = LLM(loaded=loaded, num_blocks=32)
     prompts = [[5, 9, 200, 31, 7], list(range(40, 77))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))
-    for prompt, out in zip(prompts, outs):
-        tokens, logprobs = hf_greedy(hf, prompt, 8)
-        assert out.outputs[0].token_ids == tokens
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for tid, value in lp.top:
-                assert abs(value - float(logprobs[step, tid])) < 2e-3
+    assert_matches_hf(hf, prompts, outs, 8)
     assert_pool_whole(llm.engine)
 
 

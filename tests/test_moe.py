@@ -26,7 +26,7 @@ from shoal.models.gguf_loader import iter_gguf_blocks, open_gguf
 from shoal.models.loader import load_model
 from shoal.models.parallel import ModelShard, ShardingError
 from shoal.models.quant import BlockQuantLinear, Int8Linear
-from tests.helpers import add_gguf_tokenizer, assert_pool_whole, hf_greedy, write_tokenizer
+from tests.helpers import add_gguf_tokenizer, assert_matches_hf, assert_pool_whole, write_tokenizer
 from tests.server_helpers import start_server
 
 LOGPROB_ATOL = 2e-3
@@ -112,12 +112,7 @@ def test_a_random_moe_checkpoint_matches_hf(arch, packed, tmp_path):
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 10)
-        assert out.outputs[0].token_ids == ref_tokens
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, value in lp.top:
-                assert abs(value - float(ref_logprobs[step, token_id])) < LOGPROB_ATOL
+    assert_matches_hf(hf, prompts, outs, 10, LOGPROB_ATOL)
     assert_pool_whole(llm.engine)
     # Every token of every step went to top_k experts of each sparse layer.
     after = llm.engine.core.stats().moe_expert_tokens
@@ -192,12 +187,7 @@ def test_experts_split_across_ranks_answer_as_hf(split, tmp_path):
         load = llm.engine.core.stats().moe_expert_tokens
     assert sorted(load) == [0, 2] and all(len(counts) == 6 for counts in load.values())
     assert all(sum(counts) >= 2 * (7 + 33 + 2 * 7) for counts in load.values())
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 8)
-        assert out.outputs[0].token_ids == ref_tokens
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, value in lp.top:
-                assert abs(value - float(ref_logprobs[step, token_id])) < LOGPROB_ATOL
+    assert_matches_hf(hf, prompts, outs, 8, LOGPROB_ATOL)
 
 
 def test_splits_a_moe_model_cannot_take_are_refused(tmp_path):
@@ -288,12 +278,7 @@ def test_a_gguf_moe_file_loads_and_answers_as_its_weights_do(expert_type, tmp_pa
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (6, 30)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))
-    for prompt, out in zip(prompts, outs):
-        tokens, logprobs = hf_greedy(hf, prompt, 8)
-        assert out.outputs[0].token_ids == tokens
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for tid, value in lp.top:
-                assert abs(value - float(logprobs[step, tid])) < LOGPROB_ATOL
+    assert_matches_hf(hf, prompts, outs, 8, LOGPROB_ATOL)
     # The int4 path takes a Q4_0 file's expert blocks as stored (not quantized again).
     if expert_type == Q.Q4_0:
         reader = open_gguf(tmp_path / "moe.gguf")
@@ -339,11 +324,6 @@ def test_replicated_experts_even_the_ranks_out_and_answers_stay_hfs(tmp_path):
         balance = llm.engine.core.stats().moe_balance
     print(f"\nrank load max/mean by window: {[round(x, 2) for x in seen]}")
     assert seen[0] > 1.3  # the hot experts' rank, before any replica
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 24)
-        assert out.outputs[0].token_ids == ref_tokens
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, value in lp.top:
-                assert abs(value - float(ref_logprobs[step, token_id])) < LOGPROB_ATOL
+    assert_matches_hf(hf, prompts, outs, 24, LOGPROB_ATOL)
     assert balance.rebalances >= 1
     assert balance.imbalance < 1.2  # measured over a window after the replicas were placed
