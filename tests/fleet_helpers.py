@@ -45,7 +45,9 @@ def wait_replicas_ready(
             raise RuntimeError(f"gateway exited: {gw.log()}")
         try:
             reps = httpx.get(gw.url + "/replicas", timeout=2, headers=auth(api_key)).json()["replicas"]
-            if sum(r["state"] == "ready" for r in reps) >= count:
+            # Routable: its probes say ready, and the controller has taken it into traffic (a
+            # replica is ready by probe a moment before its fleet promotes it from "starting").
+            if sum(r["state"] == "ready" and r.get("lifecycle", "ready") == "ready" for r in reps) >= count:
                 return reps
         except (httpx.HTTPError, KeyError):
             pass
