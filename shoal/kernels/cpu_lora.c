@@ -189,7 +189,10 @@ void shoal_lora_apply(const LoRAParams *p, const float *x, int64_t M, const int6
         i = j;
     }
     tile_start[tiles] = used;
-#pragma omp parallel for schedule(dynamic, 1) if (tiles > 1)
+    /* Static: each thread takes a run of tiles in slot order, so its reads go up through the
+     * slots' weights in one stream (dynamic hand-outs alternated threads tile by tile: 9.5 ms a
+     * step for 32 distinct rank-8 adapters, against 8.1-8.7 ms here). */
+#pragma omp parallel for schedule(static) if (tiles > 1)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t *rows = order + tile_start[t];
         lora_tile_any(p, row_slots[rows[0]], rows, (int)(tile_start[t + 1] - tile_start[t]), x, y, ldy);
