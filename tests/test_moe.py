@@ -24,6 +24,7 @@ from shoal import LLM, SamplingParams
 from shoal.engine.expert_balance import imbalance, plan_replicas, rank_loads
 from shoal.models.gguf_loader import iter_gguf_blocks, open_gguf
 from shoal.models.loader import load_model
+from shoal.models.lora import AdapterError, load_adapter
 from shoal.models.parallel import ModelShard, ShardingError
 from shoal.models.quant import BlockQuantLinear, Int8Linear
 from tests.helpers import add_gguf_tokenizer, assert_matches_hf, assert_pool_whole, write_tokenizer
@@ -327,3 +328,44 @@ def test_replicated_experts_even_the_ranks_out_and_answers_stay_hfs(tmp_path):
     assert_matches_hf(hf, prompts, outs, 24, LOGPROB_ATOL)
     assert balance.rebalances >= 1
     assert balance.imbalance < 1.2  # measured over a window after the replicas were placed
+
+
+def test_lora_adapters_on_a_moe_models_attention_match_hf_with_peft(tmp_path):
+    import peft
+    import transformers
+
+    hf = write_checkpoint("mixtral", tmp_path / "base", packed=False)
+    config = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(9)
+    tuned = peft.get_peft_model(hf, config)
+    with torch.no_grad():
+        for n, p in tuned.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)
+    tuned.save_pretrained(tmp_path / "adapter")
+    tuned.unload()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    ref = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    llm = LLM(
+        loaded=load_model(str(tmp_path / "base")),
+        enable_lora=True,
+        lora_modules={"tuned": str(tmp_path / "adapter")},
+        num_blocks=64,
+    )
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (8, 21)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    assert_matches_hf(ref, prompts, llm.generate(prompts, params, lora="tuned"), 8, LOGPROB_ATOL)
+    # An adapter on a sparse layer's MLP is refused with the reason.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 4}))
+    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+    save_file(
+        {f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(48, 4)},
+        str(bad / "adapter_model.safetensors"),
+    )
+    with pytest.raises(AdapterError, match="mixture of experts"):
+        load_adapter("bad", bad, llm.engine.core.loaded.config, 8)

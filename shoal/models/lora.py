@@ -20,6 +20,7 @@ from shoal.models.config import ModelConfig
 
 # The projections an adapter may target, by PEFT's (HF's) module names.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")  # not in a mixture of experts' sparse layers
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 # Adapter features that change the arithmetic beyond B @ A: refused by name, not run wrongly.
 _UNSUPPORTED = {
@@ -99,6 +100,11 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
             raise AdapterError(f"adapter {name!r}: targets {module!r}; supported: {supported}")
         if not 0 <= layer < cfg.num_layers:
             raise AdapterError(f"adapter {name!r}: layer {layer} (the model has {cfg.num_layers})")
+        if module in MLP_MODULES and cfg.is_sparse(layer):
+            raise AdapterError(
+                f"adapter {name!r}: targets {module} of layer {layer}, a mixture of experts; "
+                "adapters on experts are not supported (attention and dense layers are)"
+            )
         parts.setdefault((layer, module), {})[which] = tensor
     if not parts:
         raise AdapterError(f"adapter {name!r}: no LoRA weights in {path}")

@@ -13,7 +13,7 @@ from torch import nn
 
 from shoal.kernels.cpu import LORA_DTYPE_IDS, kernels_for
 from shoal.models.llama import PACKED_PARTS, PROJECTIONS, LlamaForCausalLM
-from shoal.models.lora import LoRAAdapter, module_shapes
+from shoal.models.lora import MLP_MODULES, LoRAAdapter, module_shapes
 
 
 class LoRABatch:
@@ -109,8 +109,6 @@ class LoRASlots:
     ):
         if model.shard.tp_size > 1 or model.shard.pp_size > 1:
             raise ValueError("LoRA adapters with tensor or pipeline parallelism are not supported yet")
-        if model.cfg.num_experts:
-            raise ValueError("LoRA adapters on a mixture-of-experts model are not supported yet")
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.batch = LoRABatch()
@@ -120,6 +118,8 @@ class LoRASlots:
         self.stacks: dict[tuple[int, str], LoRAStack] = {}
         for i, layer in enumerate(model.layers):
             for fused in PROJECTIONS:
+                if not hasattr(layer, fused):
+                    continue  # a mixture of experts' layer: adapters reach its attention only
                 parts, offset = [], 0
                 for module in PACKED_PARTS.get(fused, (fused,)):
                     fan_in, fan_out = shapes[module]
@@ -140,6 +140,11 @@ class LoRASlots:
 
 
 def slot_bytes(cfg, max_rank: int, dtype: torch.dtype) -> int:
-    """Bytes one adapter slot takes in the model (every target module at the maximum rank)."""
-    per_layer = sum((fan_in + fan_out) * max_rank for fan_in, fan_out in module_shapes(cfg).values())
-    return per_layer * cfg.num_layers * dtype.itemsize
+    """Bytes one adapter slot takes in the model (every target module at the maximum rank; a
+    mixture of experts' layers have their attention's)."""
+    total = 0
+    for layer in range(cfg.num_layers):
+        for module, (fan_in, fan_out) in module_shapes(cfg).items():
+            if module not in MLP_MODULES or not cfg.is_sparse(layer):
+                total += (fan_in + fan_out) * max_rank
+    return total * dtype.itemsize
