@@ -168,21 +168,36 @@ def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):
 
 
 # Three ranks need heads that split three ways: 6 query heads over 3 KV heads.
-SPLITS = {"ep2": (2, 1, False), "ep3-packed": (3, 1, True), "ep2-pp2": (2, 2, False)}
+# (ranks, pipeline stages, packed layout, whole experts per rank): expert parallelism, or tensor
+# parallelism inside each expert (its columns split, every rank holding every expert). Three
+# ranks need heads that split three ways: 6 query heads over 3 KV heads.
+SPLITS = {
+    "ep2": (2, 1, False, True),
+    "ep3-packed": (3, 1, True, True),
+    "ep2-pp2": (2, 2, False, True),
+    "tp2": (2, 1, False, False),
+    "tp2-packed": (2, 1, True, False),
+}
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_experts_split_across_ranks_answer_as_hf(split, tmp_path):
-    ep, pp, packed = SPLITS[split]
-    hf = write_checkpoint(
-        "qwen2_moe", tmp_path, packed, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
-    )
-    shards = [ModelShard(load_model(str(tmp_path)).config, r, ep) for r in range(ep)]
-    assert [(s.experts.start, s.experts.size) for s in shards] == [(r * 6 // ep, 6 // ep) for r in range(ep)]
+    ranks, pp, packed, whole = SPLITS[split]
+    heads = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, moe_intermediate_size=64)
+    hf = write_checkpoint("qwen2_moe", tmp_path, packed, **heads)
+    cfg = load_model(str(tmp_path)).config
+    shards = [ModelShard(cfg, r, ranks, expert_parallel=whole) for r in range(ranks)]
+    if whole:
+        assert [(s.experts.start, s.experts.size) for s in shards] == [
+            (r * 6 // ranks, 6 // ranks) for r in range(ranks)
+        ]
+    else:
+        assert [(s.experts.size, s.expert_intermediate.size) for s in shards] == [(6, 32)] * 2
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (7, 33)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-    with LLM(str(tmp_path), expert_parallel_size=ep, pipeline_parallel_size=pp, num_blocks=64) as llm:
+    split_by = {"expert_parallel_size": ranks} if whole else {"tensor_parallel_size": ranks}
+    with LLM(str(tmp_path), **split_by, pipeline_parallel_size=pp, num_blocks=64) as llm:
         outs = llm.generate(prompts, params)
         # The ranks count their own experts; the engine puts them together, by global layer.
         load = llm.engine.core.stats().moe_expert_tokens
@@ -197,7 +212,7 @@ def test_splits_a_moe_model_cannot_take_are_refused(tmp_path):
     with pytest.raises(ShardingError, match="whole projection"):
         ModelShard(cfg, 0, 2)
     with pytest.raises(ShardingError, match="cannot split 6 experts"):
-        ModelShard(dataclasses.replace(cfg, qk_norm_per_head=True), 0, 8)
+        ModelShard(dataclasses.replace(cfg, qk_norm_per_head=True), 0, 8, expert_parallel=True)
     with pytest.raises(ValueError, match="needs --tensor-parallel-size 2"):
         LLM(str(tmp_path), expert_parallel_size=2, tensor_parallel_size=4)
 

@@ -66,8 +66,8 @@ class ExpertBalancer:
     @classmethod
     def for_model(cls, cfg: ModelConfig, parallel: ParallelConfig) -> ExpertBalancer | None:
         """One for a mixture of experts split over ranks (None otherwise)."""
-        if not cfg.num_experts or parallel.tensor_parallel_size < 2:
-            return None
+        if not cfg.num_experts or parallel.expert_parallel_size < 2:
+            return None  # (tensor parallelism inside experts gives every rank every expert)
         return cls(
             parallel.tensor_parallel_size, parallel.expert_spare_slots, parallel.expert_rebalance_steps
         )

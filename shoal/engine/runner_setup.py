@@ -38,7 +38,9 @@ def pool_block_bytes(config: EngineConfig, mcfg: ModelConfig) -> int:
     p = config.parallel
     return max(
         kv_bytes_per_block(shard.local_config(), config.cache.block_size, kv_dtype_of(config))
-        for shard in all_shards(mcfg, p.tensor_parallel_size, p.pipeline_parallel_size)
+        for shard in all_shards(
+            mcfg, p.tensor_parallel_size, p.pipeline_parallel_size, p.expert_parallel_size > 1
+        )
     )
 
 

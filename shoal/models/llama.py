@@ -241,6 +241,9 @@ class LlamaForCausalLM(nn.Module):
                     raise KeyError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} model")
                 param = params[target]
                 dst = param.data
+                whole = part is None and ".experts." in name and name.endswith("gate_up_proj.weight")
+                if whole and tensor.shape[0] != dst.shape[0]:  # a packed layer's, read whole
+                    tensor = self.shard.cut_gate_up(tensor)
                 if part in qkv_rows:
                     dst = dst.narrow(0, *qkv_rows[part])
                 elif part is not None:  # gate_proj or up_proj: a half of gate_up_proj

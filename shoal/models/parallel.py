@@ -65,9 +65,12 @@ class ModelShard:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # A mixture of experts over the tensor-parallel ranks: whole experts dealt out to them (expert
+    # parallelism), or else every expert split like an MLP (tensor parallelism inside experts).
+    expert_parallel: bool = False
 
     def __post_init__(self):
-        check_parallel_sizes(self.cfg, self.tp_size, self.pp_size)
+        check_parallel_sizes(self.cfg, self.tp_size, self.pp_size, self.expert_parallel)
 
     # --- the split ----------------------------------------------------------------------
 
@@ -96,9 +99,18 @@ class ModelShard:
 
     @property
     def experts(self) -> Span:
-        """The experts this rank holds, whole: a mixture of experts splits by experts over the
-        tensor-parallel ranks (expert parallelism), its attention by heads as any model's."""
+        """The experts this rank holds: its run of them under expert parallelism, else all."""
+        if not self.expert_parallel:
+            return Span(0, self.cfg.num_experts)
         return expert_spans(self.cfg.num_experts, self.tp_size)[self.tp_rank]
+
+    @property
+    def expert_intermediate(self) -> Span:
+        """The columns of each expert's MLP this rank holds: all under expert parallelism."""
+        size = self.cfg.moe_intermediate_size
+        if self.expert_parallel:
+            return Span(0, size)
+        return _even_spans(size, self.tp_size, QK if size % QK == 0 else 1)[self.tp_rank]
 
     @property
     def shared_intermediate(self) -> Span:
@@ -149,10 +161,11 @@ class ModelShard:
         if self.cfg.num_experts and self.tp_size > 1:
             local = dataclasses.replace(
                 local,
-                expert_rank=self.tp_rank,
-                expert_ranks=self.tp_size,
+                expert_rank=self.tp_rank if self.expert_parallel else 0,
+                expert_ranks=self.tp_size if self.expert_parallel else 1,
                 expert_offset=self.experts.start,
                 num_local_experts=self.experts.size,
+                moe_intermediate_size=self.expert_intermediate.size,
                 shared_expert_intermediate_size=self.shared_intermediate.size,
             )
         return local
@@ -170,7 +183,7 @@ class ModelShard:
                 return None
             rest = bare.split(".", 2)[2]
             expert = _EXPERT.match(rest)
-            if expert and self.tp_size > 1:  # one expert's tensor: on the rank that holds the expert
+            if expert and self.expert_parallel:  # one expert's tensor: on the rank that holds it
                 e, experts = int(expert.group(2)), self.experts
                 if not experts.start <= e < experts.end:
                     return None
@@ -189,8 +202,7 @@ class ModelShard:
         d = self.cfg.head_dim
         bare = name.removeprefix("model.")
         if ".experts." in bare:
-            # Whole experts: one expert's tensor as it is, a layer's packed ones cut to this rank's.
-            return (0, self.experts) if _EXPERT.search(bare) is None else None
+            return self._expert_slice(bare)
         if ".shared_expert." in bare:
             return (1 if ".down_proj." in bare else 0), self.shared_intermediate
         if ".q_proj." in bare:
@@ -206,6 +218,24 @@ class ModelShard:
         if bare.startswith(("embed_tokens.", "lm_head.")):
             return 0, self.vocab
         return None
+
+    def _expert_slice(self, bare: str) -> tuple[int, Span] | None:
+        one = _EXPERT.search(bare) is not None  # one expert's tensor, or a layer's packed ones
+        if self.expert_parallel:  # whole experts: this rank's run of the packed ones
+            return None if one else (0, self.experts)
+        span = self.expert_intermediate
+        if bare.endswith(("down_proj.weight", "w2.weight")):
+            return 1, span
+        if bare.endswith("experts.down_proj"):
+            return 2, span
+        # A layer's packed gate_up [E, 2I, H] holds this rank's rows in two runs: read whole, and
+        # cut by `cut_gate_up` once it is one expert's.
+        return (0, span) if one else None
+
+    def cut_gate_up(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of one expert's whole gate_up [2I, H] (its gate's, then its up's)."""
+        span, half = self.expert_intermediate, t.shape[0] // 2
+        return torch.cat([t.narrow(0, span.start, span.size), t.narrow(0, half + span.start, span.size)])
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a whole checkpoint tensor (vocabulary rows padded with zeros)."""
@@ -223,12 +253,12 @@ class ModelShard:
         return F.pad(part, (0, 0, 0, self.vocab_per_rank - part.shape[0]))
 
 
-def all_shards(cfg: ModelConfig, tp: int, pp: int) -> list[ModelShard]:
+def all_shards(cfg: ModelConfig, tp: int, pp: int, expert_parallel: bool = False) -> list[ModelShard]:
     """Every rank's shard, by global rank (pipeline stage major, tensor-parallel rank minor)."""
-    return [ModelShard(cfg, t, tp, p, pp) for p in range(pp) for t in range(tp)]
+    return [ModelShard(cfg, t, tp, p, pp, expert_parallel) for p in range(pp) for t in range(tp)]
 
 
-def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
+def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int, expert_parallel: bool = False) -> None:
     """Raises ShardingError, with what would work, where the model does not split this way."""
     if tp < 1 or pp < 1:
         raise ShardingError("tensor and pipeline parallel sizes must be at least 1")
@@ -237,8 +267,10 @@ def check_parallel_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
     hq, hk = cfg.num_heads, cfg.num_kv_heads
     if tp == 1:
         return
-    if cfg.num_experts and tp > cfg.num_experts:
+    if cfg.num_experts and expert_parallel and tp > cfg.num_experts:
         raise ShardingError(f"{tp} ranks cannot split {cfg.num_experts} experts: each rank holds whole ones")
+    if cfg.num_experts and not expert_parallel and tp > cfg.moe_intermediate_size:
+        raise ShardingError(f"{tp} ranks cannot split experts {cfg.moe_intermediate_size} columns wide")
     if cfg.num_experts and cfg.qk_norm and not cfg.qk_norm_per_head:
         raise ShardingError("a q/k norm over the whole projection (olmoe) does not split across ranks yet")
     if hq % hk:

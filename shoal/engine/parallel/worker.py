@@ -93,7 +93,7 @@ class Rank:
             self.comm = tp_communicator(
                 groups[place.pp_rank], tp, place.tp_rank, name, device, par.step_timeout_s
             )
-        parallel = (place.tp_rank, tp, place.pp_rank, pp)
+        parallel = (place.tp_rank, tp, place.pp_rank, pp, par.expert_parallel_size > 1)
         loaded = load_model(
             config.model,
             dtype=DTYPES[config.dtype],
