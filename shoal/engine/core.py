@@ -321,10 +321,11 @@ class EngineCore:
         """One step: token deltas per choice that moved or finished, and what the front needs
         besides (finished groups, KV events, stats)."""
         outputs = self._step_outputs()
+        stats = self.stats()
         if self.experts is not None:
-            self.experts.observe(self.executor.expert_load())
+            self.experts.observe(stats.moe_expert_tokens)
         finished = {co.group_id for co in outputs if co.group_id not in self.scheduler.groups}
-        return StepResult(outputs, finished, self.kv.pool.take_events(), self.stats())
+        return StepResult(outputs, finished, self.kv.pool.take_events(), stats)
 
     def _step_outputs(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()

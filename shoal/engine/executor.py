@@ -16,7 +16,7 @@ from shoal.engine.parallel.messages import RankStats
 from shoal.engine.runner_setup import build_runner
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.models.loader import LoadedModel
-from shoal.models.moe import expert_load
+from shoal.models.moe import sparse_layers
 
 
 class Executor(Protocol):
@@ -70,6 +70,7 @@ class UniprocExecutor:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.moe_layers = sparse_layers(runner.model)  # none for a dense model: nothing to count
         self._submitted: deque[SchedulerOutput] = deque()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -95,7 +96,7 @@ class UniprocExecutor:
         return None
 
     def expert_load(self) -> dict[int, list[int]] | None:
-        return expert_load(self.runner.model)
+        return {i: moe.expert_load() for i, moe in self.moe_layers.items()} or None
 
     def check_health(self) -> None:
         pass  # a step that fails here raises in the step itself

@@ -155,11 +155,6 @@ def sparse_layers(model: nn.Module) -> dict[int, SparseMoE]:
     return {i: mlp for i, mlp in mlps.items() if isinstance(mlp, SparseMoE)}
 
 
-def expert_load(model: nn.Module) -> dict[int, list[int]] | None:
-    """Tokens each expert of each sparse layer has taken (None: the model has no experts)."""
-    return {i: moe.expert_load() for i, moe in sparse_layers(model).items()} or None
-
-
 def merge_expert_load(parts: list[dict[int, tuple[int, list[int]]] | None]) -> dict[int, list[int]] | None:
     """Ranks' counts of their own experts (first expert's id, counts, by layer) as one model's."""
     merged: dict[int, dict[int, int]] = {}

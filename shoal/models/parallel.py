@@ -92,10 +92,13 @@ class ModelShard:
         per = cfg.num_heads // self.tp_size
         return Span(self.tp_rank * per, per)
 
+    def _columns(self, size: int) -> Span:
+        """This rank's run of an MLP's `size` columns (in whole quantized blocks where they fit)."""
+        return _even_spans(size, self.tp_size, QK if size % QK == 0 else 1)[self.tp_rank]
+
     @property
     def intermediate(self) -> Span:
-        unit = QK if self.cfg.intermediate_size % QK == 0 else 1
-        return _even_spans(self.cfg.intermediate_size, self.tp_size, unit)[self.tp_rank]
+        return self._columns(self.cfg.intermediate_size)
 
     @property
     def experts(self) -> Span:
@@ -108,15 +111,11 @@ class ModelShard:
     def expert_intermediate(self) -> Span:
         """The columns of each expert's MLP this rank holds: all under expert parallelism."""
         size = self.cfg.moe_intermediate_size
-        if self.expert_parallel:
-            return Span(0, size)
-        return _even_spans(size, self.tp_size, QK if size % QK == 0 else 1)[self.tp_rank]
+        return Span(0, size) if self.expert_parallel else self._columns(size)
 
     @property
     def shared_intermediate(self) -> Span:
-        size = self.cfg.shared_expert_intermediate_size
-        unit = QK if size % QK == 0 else 1
-        return _even_spans(size, self.tp_size, unit)[self.tp_rank]
+        return self._columns(self.cfg.shared_expert_intermediate_size)
 
     @property
     def vocab_per_rank(self) -> int:
