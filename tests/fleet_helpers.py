@@ -93,14 +93,15 @@ def metric(url: str, name: str) -> float:
     return total
 
 
-def wait_until(gw: ServerProcess, cond, timeout: float, every: float = 0.1) -> None:
-    """Until cond() holds (errors while the gateway comes up count as not yet), or fails with its log."""
+def wait_until(gw: ServerProcess, cond, timeout: float, every: float = 0.1):
+    """Until cond() holds (errors while the gateway comes up count as not yet), or fails with its
+    log: what cond() gave."""
     deadline = time.monotonic() + timeout
     while True:
         assert gw.proc.poll() is None, gw.log()
         try:
-            if cond():
-                return
+            if held := cond():
+                return held
         except (httpx.HTTPError, KeyError):
             pass
         assert time.monotonic() < deadline, f"timed out; {gw.log()[-3000:]}"

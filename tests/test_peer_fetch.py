@@ -11,6 +11,8 @@ JSON grammar; one moved while its long prompt is computed starts again on the ot
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -171,5 +173,106 @@ def test_a_stream_moved_mid_generation_streams_exactly_what_it_would_have(fleet,
         assert sum(metric(r.url, "shoal:kv_peer_fetched_blocks_total") for r in reps) > fetched
         assert sum(metric(r.url, "shoal:kv_transfer_fallbacks_total") for r in reps) == fallbacks
         assert metric(gw.url, "shoal:gateway_migration_pause_seconds_count") >= 1
+    for r in reps:
+        r.wait_idle()
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+UNARY = {  # name -> (path, body): non-streamed requests, answered through the gateway as a fold
+    "chat-seeded-n2-logprobs-ids": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Name three rivers."}],
+            "max_tokens": 24,
+            "temperature": 0.9,
+            "seed": 11,
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_token_ids": True,
+        },
+    ),
+    "chat-required-tool-call": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+            "tool_choice": "required",
+            "max_tokens": 60,
+            "temperature": 0,
+        },
+    ),
+    "completions-two-prompts-n2-logprobs": (
+        "/v1/completions",
+        {"prompt": ["The sky is", "Rivers flow"], "max_tokens": 12, "temperature": 0.7, "seed": 5}
+        | {"n": 2, "logprobs": 3},
+    ),
+    "completions-echo-logprobs-stop": (
+        "/v1/completions",
+        {"prompt": "Count: one, two, three,", "max_tokens": 40, "temperature": 0, "echo": True}
+        | {"logprobs": 1, "stop": [" ten"], "return_token_ids": True},
+    ),
+}
+
+
+def without_ids(answer: dict) -> dict:
+    """An answer less what differs between two runs of one request (which of them found the
+    prompt cached, too)."""
+    out = {k: v for k, v in answer.items() if k not in ("id", "created")}
+    out["usage"] = {k: v for k, v in out["usage"].items() if k != "prompt_tokens_details"}
+    for ch in out["choices"]:
+        for call in (ch.get("message") or {}).get("tool_calls") or []:
+            assert call.pop("id").startswith("call_")
+    return out
+
+
+@pytest.mark.parametrize("kind", list(UNARY))
+def test_a_non_streamed_answer_through_the_gateway_is_the_replicas_own(fleet, kind):
+    """The gateway relays it as a stream and folds the chunks back: field for field what the
+    replica answers to the request itself."""
+    gw, (first, _) = fleet
+    path, extra = UNARY[kind]
+    body = {"model": "SmolLM2-135M-Instruct", **extra}
+    direct = httpx.post(first.url + path, json=body, headers=auth(KEY), timeout=120)
+    via = httpx.post(gw.url + path, json=body, headers=auth(KEY), timeout=120)
+    assert direct.status_code == via.status_code == 200, (direct.text, via.text)
+    assert without_ids(via.json()) == without_ids(direct.json())
+    if "tools" in body:
+        assert via.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert via.json()["id"] and via.headers["x-replica"] in ("backend-0", "backend-1")
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_non_streamed_request_moved_mid_generation_answers_as_if_unmoved(fleet, kind):
+    """Moved off its replica while it decodes, with seeded sampling, n=2 and logprobs: its one
+    answer is the one it gives unmoved, and the move is a migration, not a rerun."""
+    gw, reps = fleet
+    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    body = {"model": "SmolLM2-135M-Instruct", **SEEDED, "max_tokens": 96, "ignore_eos": True}
+    if kind == "chat":
+        del body["prompt"], body["logprobs"]
+        body |= {"messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 2}
+    want = httpx.post(gw.url + path, json=body, headers=auth(KEY), timeout=120)
+    assert want.status_code == 200, want.text
+    moves = metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"')
+    failovers = metric(gw.url, "shoal:gateway_failovers_total")
+    made = {r.url: metric(r.url, "shoal:generation_tokens_total") for r in reps}
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, gw.url + path, json=body, headers=auth(KEY), timeout=120)
+
+        def decoding() -> str | None:  # the replica it runs on, once it has made a few tokens
+            return next(
+                (r for r in reps if metric(r.url, "shoal:generation_tokens_total") >= made[r.url] + 16), None
+            )
+
+        source = wait_until(gw, decoding, 60)
+        name = "backend-0" if source is reps[0] else "backend-1"
+        moved = httpx.post(gw.url + "/fleet/migrate", json={"replica": name}, headers=auth(KEY))
+        assert moved.status_code == 200 and moved.json()["moved"] == 1, moved.text
+        got = sent.result()
+    assert got.status_code == 200, got.text
+    assert without_ids(got.json()) == without_ids(want.json())
+    assert metric(gw.url, 'shoal:gateway_migrations_total{outcome="ok"') == moves + 1
+    assert metric(gw.url, "shoal:gateway_failovers_total") == failovers
     for r in reps:
         r.wait_idle()

@@ -1,8 +1,8 @@
 """`shoal fleet update` on a real fleet: a rolling update under continuous streaming load replaces
-every replica one at a time with no failed request and every stream whole (long generations
-move off the replicas it drains, their K/V with them, instead of holding it up); a version that
-fails to load is rolled back while the old replicas go on serving, and so is a canary that loads
-and stays up but fails the requests it is sent; `shoal fleet status` shows it."""
+every replica one at a time with no failed request and every stream whole (long generations,
+streamed or not, move off the replicas it drains, their K/V with them, instead of holding it
+up); a version that fails to load is rolled back while the old replicas go on serving, and so
+is a canary that loads and stays up but fails the requests it is sent; `shoal fleet status` shows it."""
 
 from __future__ import annotations
 
@@ -93,18 +93,30 @@ async def load_until(url: str, done, clients: int = 3, at_least: int = 2) -> lis
     return results
 
 
-async def long_streams(url: str, n: int, tokens: int) -> list[dict]:
+async def unary_once(c: httpx.AsyncClient, url: str, i: int, tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": tokens}
+    body["ignore_eos"] = True
+    r = await c.post(url + "/v1/completions", json=body)
+    if r.status_code != 200:
+        return {"ok": False, "why": f"HTTP {r.status_code}: {r.text[:200]}"}
+    (choice,), usage = r.json()["choices"], r.json()["usage"]
+    whole = choice["finish_reason"] == "length" and usage["completion_tokens"] == tokens
+    return {"ok": whole, "why": f"finish {choice['finish_reason']}, usage {usage}", "ended": time.monotonic()}
+
+
+async def long_requests(url: str, tokens: int) -> list[dict]:
+    """A long stream and a long non-streamed request (both can move)."""
     async with httpx.AsyncClient(timeout=300) as c:
-        return await asyncio.gather(*(stream_once(c, url, 500 + i, tokens) for i in range(n)))
+        return await asyncio.gather(stream_once(c, url, 500, tokens), unary_once(c, url, 501, tokens))
 
 
 def test_a_rolling_update_under_streaming_load_fails_no_request(fleet):
-    """Long generations in flight do not hold the drains back: each moves, its K/V with it, to a
-    replica that stays, and the update is over long before they are."""
+    """Long generations in flight, streamed or not, do not hold the drains back: each moves, its
+    K/V with it, to a replica that stays, and the update is over long before they are."""
     before = {r["name"]: r["pid"] for r in replicas(fleet).values()}
 
     async def load() -> tuple[list[dict], list[dict]]:
-        long = asyncio.ensure_future(long_streams(fleet.url, 2, 700))
+        long = asyncio.ensure_future(long_requests(fleet.url, 700))
         await asyncio.sleep(1.0)  # decoding, one on each replica
         flags = "--threads 1 --kv-cache-memory 192MiB"
         update = ("fleet", "update", "--gateway", fleet.url, "--replica-args", flags)

@@ -51,6 +51,10 @@ class GatewayConfig:
     first_byte_timeout_s: float = 120.0  # a stream's first event (queueing and prefill included)
     stream_idle_timeout_s: float = 30.0  # between events of a stream
     request_timeout_s: float = 1800.0  # the whole of a non-streamed request
+    # A non-streamed completion goes upstream as a stream, folded back into one answer, so that it
+    # goes on from where it was when its replica dies and can be moved live, like a stream. False:
+    # sent as it came (for backends whose streamed answers say less than their whole ones).
+    fold_unary: bool = True
     # A request present when its replica died is struck; one that kills (or is in) a second, or
     # alone crashes an engine, is poison: failed once and refused for this long.
     poison_ttl_s: float = 600.0

@@ -1,7 +1,8 @@
 """A streamed request: opened before the first byte (with retries), relayed, and continued on
 other replicas when its replica dies, one resume request per unfinished choice, merged back into
 the client's one stream. A stream asked to move (fleet/replicas/table.py move_streams) has its
-context copied to another replica while it runs (migration.py), then goes on there."""
+context copied to another replica while it runs (migration.py), then goes on there. A
+non-streamed completion goes the same way, folded back into one answer (fold.py)."""
 
 from __future__ import annotations
 
@@ -10,84 +11,42 @@ import logging
 import time
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from shoal.fleet.admission.dispatch import NoReplicaError
 from shoal.fleet.proxy.disagg import peer_params
+from shoal.fleet.proxy.fold import StreamFold, streamed
 from shoal.fleet.proxy.forward import Forward, passthrough, unavailable
 from shoal.fleet.proxy.migration import copy_to_another
 from shoal.fleet.proxy.parts import RelayParts
+from shoal.fleet.proxy.stream_parts import (
+    RelayResponse,
+    StopRelay,
+    Upstream,
+    keep,
+    response_headers,
+    with_usage,
+)
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
 from shoal.fleet.proxy.upstream import Attempt, Outcome, sse_events
 from shoal.fleet.replicas.replica import Health
 from shoal.fleet.routing.policies import RouteRequest
-from shoal.protocol.errors import APIError, error_body
+from shoal.protocol.errors import APIError
 from shoal.protocol.sse import SSE_DONE, sse
 
 log = logging.getLogger(__name__)
 
-_closing: set[asyncio.Task] = set()  # cleanup tasks outliving their relay (the loop holds tasks weakly)
-
-
-def _keep(task: asyncio.Task) -> None:
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
-
-
-def _with_usage(body: dict) -> dict:
-    """The upstream always reports usage (the tenant's tokens); the client sees it only if it asked.
-    A copy: the client's body stays as it came (its poison fingerprint, say)."""
-    options = body.get("stream_options")
-    if not isinstance(options, dict | None) or (options or {}).get("include_usage"):
-        return body
-    return {**body, "stream_options": {**(options or {}), "include_usage": True}}
-
-
-class RelayResponse(StreamingResponse):
-    """A relayed stream that cleans up after itself however the response ends, even when the
-    client left before its first byte (and the generator never started)."""
-
-    def __init__(self, cleanup, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.cleanup = cleanup
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.cleanup()
-
-
-class StopRelay(Exception):
-    """Ends the client's stream with an in-band error."""
-
-    def __init__(self, status: int, message: str, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-        self.event = sse(error_body(status, message, code=code))
-
-
-class Upstream:
-    def __init__(self, attempt: Attempt, resp: httpx.Response, tag: Tag, with_ids: bool):
-        self.attempt = attempt
-        self.resp = resp
-        self.tag = tag
-        self.with_ids = with_ids  # asked for token ids: its output can be continued exactly
-        self.released = False
-
-    @property
-    def replica(self):
-        return self.attempt.replica
-
 
 class StreamRelay:
-    def __init__(self, parts: RelayParts, fwd: Forward):
+    def __init__(self, parts: RelayParts, fwd: Forward, folded: bool = False):
+        """`folded`: a non-streamed request, relayed as a stream and answered once (fold.py)."""
         self.p = parts
         self.fwd = fwd
         self.cfg = parts.config
         self.dispatch = parts.dispatch
         self.metrics = parts.metrics
-        self.state = StreamState(fwd.path, fwd.body)
+        self.folded = folded
+        self.state = StreamState(fwd.path, streamed(fwd.body) if folded else fwd.body)
         self.failed: set[str] = set()  # replicas that failed this request: not tried again
         self.seen: dict = {}  # deaths already judged for this request
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=64)
@@ -105,21 +64,39 @@ class StreamRelay:
     # --- opening -------------------------------------------------------------------------
 
     async def start(self) -> Response:
-        try:
-            up = await self.open(ORIGINAL, self.fwd.route, _with_usage(self.fwd.body), budget=True)
-        except StopRelay as stop:
-            up = APIError(stop.status, stop.message, code=stop.code).response()
+        up = await self._open_original()
         if not isinstance(up, Upstream):
             self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
             return up
         self.launch(up)
-        rid = up.resp.headers.get("x-request-id")
-        return RelayResponse(
-            self.cleanup,
-            self.run(),
-            media_type="text/event-stream",
-            headers={"x-replica": up.replica.name, **({"x-request-id": rid} if rid else {})},
-        )
+        headers = response_headers(up)
+        return RelayResponse(self.cleanup, self.run(), media_type="text/event-stream", headers=headers)
+
+    async def answer(self) -> Response:
+        """The folded relay's one answer, once its stream has ended."""
+        fold = StreamFold(self.fwd.path, self.fwd.body)
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                up = await self._open_original()
+                if not isinstance(up, Upstream):
+                    return up
+                self.launch(up)
+                async for obj in self.events():
+                    fold.add(obj)
+        except StopRelay as stop:
+            return APIError(stop.status, stop.message, code=stop.code).response()
+        except TimeoutError:
+            message = f"the request did not finish within {self.cfg.request_timeout_s:.0f} s"
+            return APIError(504, message, code="timeout").response()
+        finally:
+            self.cleanup()
+        return JSONResponse(fold.answer(self.state.prompt_ids_for), headers=response_headers(up))
+
+    async def _open_original(self) -> Upstream | Response:
+        try:
+            return await self.open(ORIGINAL, self.fwd.route, with_usage(self.state.body), budget=True)
+        except StopRelay as stop:
+            return APIError(stop.status, stop.message, code=stop.code).response()
 
     async def open(
         self,
@@ -242,6 +219,16 @@ class StreamRelay:
             await self.dispatch.release(up.replica, ok, reason, failed)
 
     async def run(self):
+        """The client's stream."""
+        try:
+            async for obj in self.events():
+                yield sse(obj)
+        except StopRelay as stop:
+            yield stop.event
+        yield SSE_DONE
+
+    async def events(self):
+        """What the client is sent, as objects, until the stream ends or a StopRelay ends it."""
         state = self.state
         try:
             while self.pumps:
@@ -255,12 +242,12 @@ class StreamRelay:
                             self.metrics.migration_pause.observe(now - self.migrated_at)
                             self.migrated_at = None
                     if out is not None:
-                        if self.first_event:
+                        if self.first_event and not self.folded:  # a folded answer's client sees none
                             self.first_event = False
                             ttft = time.monotonic() - self.fwd.started
                             self.metrics.ttft.observe(ttft)
                             self.p.demand.observe_ttft(self.fwd.route.model, ttft)
-                        yield sse(out)
+                        yield out
                     continue
                 self.pumps.pop(up, None)
                 if outcome is None:
@@ -270,11 +257,7 @@ class StreamRelay:
                 await self.recover(up, outcome)
             usage = state.final_usage()
             if usage is not None:
-                yield sse(usage)
-            yield SSE_DONE
-        except StopRelay as stop:
-            yield stop.event
-            yield SSE_DONE
+                yield usage
         finally:
             self.cleanup()
 
@@ -292,10 +275,10 @@ class StreamRelay:
                 self.dispatch.release_nowait(up.replica, None)
             up.attempt.done()
             if up not in self.pumps:
-                _keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
+                keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
         for t in [*self.pumps.values(), *([self.moving] if self.moving else [])]:
             t.cancel()
-            _keep(t)
+            keep(t)
         self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
         self.fwd.usage = self.state.token_counts()
         self.fwd.settle()
@@ -329,7 +312,7 @@ class StreamRelay:
         up.attempt.done()
         if up.tag is ORIGINAL and state.events == 0:
             # Nothing reached the client: the original request, from the start, elsewhere.
-            again = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=False)
+            again = await self.open(ORIGINAL, self.fwd.route, with_usage(state.body), budget=False)
             if not isinstance(again, Upstream):
                 raise StopRelay(503, "no replica left to serve the stream", "no_replica")
             self.metrics.failovers.inc()
@@ -403,7 +386,7 @@ class StreamRelay:
             if served and up.tag is ORIGINAL and state.events == 0:
                 # Before its first token: it starts again there (its prompt's computed blocks
                 # fetched, when the gateway's index shows them).
-                again = await self.open(ORIGINAL, self.fwd.route, self.fwd.body, budget=False)
+                again = await self.open(ORIGINAL, self.fwd.route, with_usage(state.body), budget=False)
                 if not isinstance(again, Upstream):
                     raise StopRelay(503, "no replica left to serve the stream", "no_replica")
                 self.launch(again)
