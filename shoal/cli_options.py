@@ -197,6 +197,13 @@ def serve_flag_sets() -> tuple[FlagSet, FlagSet, FlagSet]:
                 help="how the model writes tool calls; auto: the format its chat template uses (SmolLM2's "
                 "own where the template has no tools)",
             ),
+            Flag(
+                "embedding_pooling",
+                choices=("auto", "mean", "last"),
+                help="how /v1/embeddings pools the final hidden states: the mean over the prompt, "
+                "the last token's, or auto: as the checkpoint says (sentence-transformers' pooling "
+                "config, GGUF pooling_type), else last",
+            ),
             Flag("log_level"),
             Flag(
                 "peer_timeout_s",

@@ -90,6 +90,13 @@ class LLM:
                     done[out.request_id] = out
         return [done[rid] for rid in order]
 
+    def embed(
+        self, prompts: str | Sequence[str] | Sequence[list[int]], pooling: str = "last"
+    ) -> list[list[float]]:
+        """Each prompt's final hidden states pooled ("mean" or "last"), L2-normalized."""
+        outs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling))
+        return [o.embedding for o in outs]
+
     def chat(
         self,
         messages: Conversation | list[Conversation],

@@ -90,6 +90,16 @@ def test_openai_api_passes_through(fleet, urls):
     assert metric(fleet.url, "shoal:gateway_retries_total") == retries
 
 
+def test_embeddings_pass_through_the_gateway(fleet, urls):
+    body = {"model": MODEL, "input": ["Name a colour.", "Rivers run to the sea."]}
+    via = post(fleet, body, path="/v1/embeddings").json()
+    first = next(iter(urls.values()))
+    direct = httpx.post(first + "/v1/embeddings", json=body, headers=auth(KEY), timeout=60)
+    assert [d["index"] for d in via["data"]] == [0, 1] and via["usage"] == direct.json()["usage"]
+    for a, b in zip(via["data"], direct.json()["data"]):
+        assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"])) < 1e-5
+
+
 def test_round_robin_spreads_and_session_sticks(gateways):
     rr = gateways["round_robin"]
     seen = Counter(post(rr, {"prompt": f"q{i}", "max_tokens": 1}).headers["x-replica"] for i in range(6))

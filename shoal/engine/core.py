@@ -375,11 +375,10 @@ class EngineCore:
                 arrival_time=req.arrival_time,
                 first_scheduled_time=req.first_scheduled_time,
             )
-        for rid, found in result.prompt_logprobs.items():
-            co = outs.get(rid)
-            if co is None:
-                co = outs[rid] = EngineCoreOutput(rid, rid, 0)
-            co.prompt_logprobs = found
+        for rid in result.prompt_logprobs.keys() | result.embeddings.keys():
+            co = outs.setdefault(rid, EngineCoreOutput(rid, rid, 0))
+            co.prompt_logprobs = result.prompt_logprobs.get(rid)
+            co.embedding = result.embeddings.get(rid)
         return list(outs.values())
 
     def _check_faults(self, so: SchedulerOutput) -> None:

@@ -28,6 +28,7 @@ from shoal.engine.kv_tier_store import KVTierStore
 from shoal.engine.kv_tiers import TierSpec
 from shoal.engine.outputs import TokenLogprob
 from shoal.engine.parallel.comm import StageLink
+from shoal.engine.pooling import PromptPooler
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import Proposer
@@ -135,6 +136,8 @@ class ModelRunner:
         # rest): prompt logprobs, a grammar.
         self.prompt_logprob_ids: set[str] = set()
         self.structured_ids: set[str] = set()
+        # Requests for an embedding of their prompt (the last stage's: it holds the final norm).
+        self.pooler = PromptPooler(model.norm if self.samples else None)
         self._applied_step: dict[str, int] = {}  # the step whose table changes a request has taken
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -155,6 +158,7 @@ class ModelRunner:
             self.tables.drop(rid)
             self.prompt_logprob_ids.discard(rid)
             self.structured_ids.discard(rid)
+            self.pooler.drop(rid)
             self._applied_step.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.drop(rid)
@@ -179,6 +183,8 @@ class ModelRunner:
                 self.structured_ids.add(new.request_id)
             if new.params.prompt_logprobs is not None:
                 self.prompt_logprob_ids.add(new.request_id)
+            if new.params.pooling is not None:
+                self.pooler.add(new.request_id, new.params.pooling)
             self.states[new.request_id] = state
             self.tables.put(new.request_id, new.block_ids)
             self._applied_step[new.request_id] = so.step_id
@@ -260,7 +266,17 @@ class ModelRunner:
             for c, end in zip(chunks, ends):
                 if c.request_id in self.prompt_logprob_ids:
                     self._prompt_logprobs(c, hidden, end - len(c.token_ids), out)
-        sampling = [(c, end) for c, end in zip(chunks, ends) if c.sample]
+        pooler = self.pooler
+        if pooler:
+            for c, end in zip(chunks, ends):
+                if c.request_id in pooler:
+                    prompt_len = len(self.states[c.request_id].prompt_token_ids)
+                    rows = hidden[end - len(c.token_ids) : end]
+                    vec = pooler.take(c.request_id, rows, c.start_pos, prompt_len)
+                    if vec is not None:
+                        out.embeddings[c.request_id] = vec
+        # (an embedding's request samples nothing: its prompt was the whole job)
+        sampling = [(c, end) for c, end in zip(chunks, ends) if c.sample and c.request_id not in pooler]
         if not sampling:
             return out
         num_rows = sum(c.num_sampled_rows for c, _ in sampling)

@@ -23,6 +23,7 @@ class _Group:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [0] is always None: nothing predicts it
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    embedding: list[float] | None = None
 
 
 class OutputProcessor:
@@ -88,6 +89,8 @@ class OutputProcessor:
             if co.prompt_logprobs is not None and group.prompt_logprobs is not None:
                 start, lps = co.prompt_logprobs
                 group.prompt_logprobs[start : start + len(lps)] = lps
+            if co.embedding is not None:
+                group.embedding = co.embedding
             if co.index == 0 and co.num_cached_tokens > 0:
                 group.num_cached_tokens = co.num_cached_tokens
             if not group.metrics and co.first_scheduled_time is not None:
@@ -143,6 +146,7 @@ class OutputProcessor:
                     prompt_logprobs=group.prompt_logprobs,
                     metrics=metrics,
                     error=group.error,
+                    embedding=group.embedding,
                 )
             )
             if finished:

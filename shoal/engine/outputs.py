@@ -42,6 +42,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # a step failed for this request (it finished with it)
+    embedding: list[float] | None = None  # its prompt's, for a request with `pooling`
 
 
 @dataclass
@@ -59,5 +60,6 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: tuple[int, list[TokenLogprob]] | None = None  # (first position, entries)
+    embedding: list[float] | None = None
     arrival_time: float | None = None
     first_scheduled_time: float | None = None

@@ -24,6 +24,9 @@ class InvalidParamError(ValueError):
         self.param = param
 
 
+POOLINGS = ("mean", "last")  # how an embedding pools the final hidden states
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -50,6 +53,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # when set, only these tokens can be sampled
     # A grammar the output must follow (shoal.engine.structured.StructuredOutput), or None.
     structured: Any = None
+    # An embedding of the prompt instead of output (max_tokens 0): its final hidden states pooled
+    # ("mean" of every position, or the "last" one's), L2-normalized. Mean pooling bypasses the
+    # prefix cache, as prompt_logprobs do.
+    pooling: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -119,6 +126,8 @@ class SamplingParams:
                 "logit_bias",
                 "logit_bias maps token ids to biases in [-100, 100]",
             ),
+            (self.pooling in (None, *POOLINGS), "pooling", f"pooling must be one of {', '.join(POOLINGS)}"),
+            (self.pooling is None or self.max_tokens == 0, "max_tokens", "an embedding generates nothing"),
             (
                 self.allowed_token_ids is None
                 or (len(self.allowed_token_ids) > 0 and min(self.allowed_token_ids) >= 0),
@@ -129,6 +138,11 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidParamError(message, param)
+
+    @property
+    def needs_every_row(self) -> bool:
+        """Whether every prompt token must run through the model (none taken from a cache)."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def greedy(self) -> bool:

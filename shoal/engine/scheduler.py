@@ -264,12 +264,12 @@ class Scheduler:
             and self.waiting[0].priority <= urgent
         ):
             req = self.waiting[0]
-            wants_prompt_logprobs = req.params.prompt_logprobs is not None
+            every_row = req.params.needs_every_row
             external = self.connector.num_external_tokens(req)
-            cached = [] if wants_prompt_logprobs or external else self.kv.find_cached_prefix(req)
+            cached = [] if every_row or external else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             # Blocks past the pool's prefix that an offload tier holds arrive like external K/V.
-            tiered = 0 if wants_prompt_logprobs or external else self.kv.find_tiered(req, len(cached))
+            tiered = 0 if every_row or external else self.kv.find_tiered(req, len(cached))
             tiered_tokens = tiered * self.kv.block_size
             n = min(req.num_tokens - num_cached - external - tiered_tokens, budget)
             if req.lora is not None and not req.lora_slot:

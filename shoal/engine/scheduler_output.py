@@ -74,10 +74,12 @@ class ModelRunnerOutput:
     proposed: dict[str, list[int]] = field(default_factory=dict)
     # request id -> (tokens proposed this step, how many were accepted)
     spec_results: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # request id -> its prompt's embedding (pooling requests, in the step that ends their prompt)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
     # Seconds of the model's forward, logits and sampling in this step (the rest is host work).
     forward_s: float = 0.0
 
     def merge(self, other: ModelRunnerOutput) -> None:
-        for name in ("sampled", "logprobs", "prompt_logprobs", "proposed", "spec_results"):
+        for name in ("sampled", "logprobs", "prompt_logprobs", "embeddings", "proposed", "spec_results"):
             getattr(self, name).update(getattr(other, name))
         self.forward_s += other.forward_s

@@ -94,6 +94,10 @@ def build_app(self: Edge) -> FastAPI:
     async def chat(raw: Request):
         return await self.pipeline.forward(raw, "/v1/chat/completions")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request):
+        return await self.pipeline.forward(raw, "/v1/embeddings")
+
     @app.post("/tokenize")
     async def tokenize(raw: Request):
         return await self.pipeline.forward(raw, "/tokenize")

@@ -20,10 +20,12 @@ from shoal.protocol.errors import APIError, error_body, install_error_handlers, 
 from shoal.server.chat import chat_prompt, create_chat_completion
 from shoal.server.common import ServingContext
 from shoal.server.completions import create_completion
+from shoal.server.embeddings import create_embedding
 from shoal.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
@@ -132,6 +134,11 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def chat_completions(raw: Request):
         body = await body_of(raw, ChatCompletionRequest)
         return await create_chat_completion(body, raw, state.serving())
+
+    @app.post("/v1/embeddings", **documented(EmbeddingRequest))
+    async def embeddings(raw: Request):
+        body = await body_of(raw, EmbeddingRequest)
+        return await create_embedding(body, raw, state.serving())
 
     @app.get("/v1/models")
     async def models():

@@ -43,6 +43,8 @@ class ServingContext:
     # The LoRA adapters a request may name as its model (kept by the load and unload routes); None:
     # adapters are not enabled.
     adapters: dict[str, str] | None = None
+    pooling: str = "last"  # how /v1/embeddings pools the final hidden states
+    embedding_width: int = 0  # the model's hidden size: an embedding's length
     # Tokenizing a long prompt takes a while: it must never stall the event loop (and with it
     # /health and every other stream), so it runs here.
     text_pool: ThreadPoolExecutor = field(

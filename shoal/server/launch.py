@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import uvicorn
 
@@ -18,6 +19,7 @@ from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from shoal.engine.config import EngineConfig
 from shoal.engine.core import EngineCore
 from shoal.engine.parallel.executor import ExecutorDeadError
+from shoal.models.pooling_config import checkpoint_pooling
 from shoal.models.tool_formats import tool_format
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.errors import EXIT_ENGINE_DEAD, EXIT_RANK_LOST
@@ -46,6 +48,7 @@ class ServerConfig:
     trust_request_priority: bool = False
     kv_salt: str | None = None
     tool_call_parser: str = "auto"  # see models.tool_formats
+    embedding_pooling: str = "auto"  # /v1/embeddings: "mean", "last", or auto (the checkpoint's, else last)
     kv: KVConnectorConfig = field(default_factory=KVConnectorConfig)  # role and K/V handoff
     # Data a client's connection leaves unacknowledged this long means its link is gone (a host cut
     # off): the connection drops and its requests are aborted, not run on for nobody.
@@ -70,7 +73,15 @@ def load_serving_context(engine_config: EngineConfig, server_config: ServerConfi
         tool_format=tool_format(server_config.tool_call_parser, engine.tokenizer.chat_template),
         kv=KVConnector(kv, front, metrics.registry, server_config.api_key),
         adapters=None if engine.lora is None else {n: a.path for n, a in engine.lora.adapters.items()},
+        pooling=_pooling(server_config.embedding_pooling, engine.loaded.path),
+        embedding_width=engine.loaded.config.hidden_size,
     )
+
+
+def _pooling(flag: str, checkpoint: Path) -> str:
+    if flag != "auto":
+        return flag
+    return checkpoint_pooling(checkpoint) or "last"  # a causal model's last position has seen all
 
 
 def create_server(

@@ -23,6 +23,7 @@ from shoal.protocol.seeds import SEED_MAX, SEED_MIN
 
 # Prompts in one completions request (each is an engine request, times n).
 MAX_PROMPTS = 64
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs in one embeddings request
 MAX_TOOLS = 128  # OpenAI's limit on tools in one request
 # OpenAI fields shoal does not implement yet. Ignoring them would hand a client plain text where
 # it asked for a tool call or JSON, so each is refused by name; the value that means "off" passes.
@@ -342,6 +343,27 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class EmbeddingRequest(_Request):
+    model: StrictStr
+    input: (
+        StrictStr
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    # The first `dimensions` of the embedding, normalized again.
+    dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
+    user: StrictStr | None = None
+    priority: Annotated[StrictInt, Field(ge=-(2**31), le=2**31)] = 0
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str) or (x and isinstance(x[0], int)):
+            return [x]
+        return list(x)
 
 
 class TokenizeRequest(_Request):

@@ -36,10 +36,14 @@ def prompt_chars(path: str, body: dict) -> int:
             elif isinstance(content, list):
                 total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
         return total
-    prompt = body.get("prompt")
+    prompt = body.get(_prompt_field(path))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     return len(prompt) if isinstance(prompt, str | list) else 0
+
+
+def _prompt_field(path: str) -> str:
+    return "input" if path.endswith("/embeddings") else "prompt"
 
 
 class PromptKeys:
@@ -85,7 +89,7 @@ class PromptKeys:
                 self.tool_format,
                 body.get("add_generation_prompt") is not False,
             )
-        prompt = body.get("prompt")
+        prompt = body.get(_prompt_field(path))
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # several prompts: route by the first
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
