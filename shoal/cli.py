@@ -8,6 +8,7 @@ import sys
 from shoal.cli_bench import add_bench_parsers
 from shoal.cli_flags import add_flags, build
 from shoal.cli_fleet import add_fleet_parsers
+from shoal.cli_index import add_index_parsers
 from shoal.cli_options import (
     add_engine_args,
     add_sampling_args,
@@ -146,6 +147,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     add_bench_parsers(sub, wanted)
+    add_index_parsers(sub)
     return parser
 
 

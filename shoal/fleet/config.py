@@ -16,6 +16,7 @@ from shoal.fleet.routing.policies import POLICIES
 from shoal.fleet.routing.tiers import TierConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
+from shoal.retrieval.router import RetrievalIndexConfig
 
 
 @dataclass
@@ -108,6 +109,9 @@ class GatewayConfig:
     # Requests waiting for a replica go by priority, then by each tenant's weighted share of tokens
     # served (fair_queue.py); false: by priority, then first come first served.
     fair_queuing: bool = True
+    # Retrieval indexes ([[retrieval]] tables): sharded vector indexes that /v1/retrieve searches
+    # and chats are grounded in (see fleet/grounding.py).
+    retrieval: list[RetrievalIndexConfig] = field(default_factory=list)
     # Tiers routes ([[tiers]] tables): a model id that answers from a cheap model or a strong one.
     tiers: list[TierConfig] = field(default_factory=list)
     # Where the gateway keeps what must survive it (batch jobs, usage totals); default: the
@@ -254,6 +258,7 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
     gateway.tenants = [_fill(TenantConfig, t) for t in data.pop("tenants", [])]
     gateway.tiers = [_fill(TierConfig, t) for t in data.pop("tiers", [])]
+    gateway.retrieval = [_fill(RetrievalIndexConfig, t) for t in data.pop("retrieval", [])]
     models = [_model(m) for m in data.pop("models", [])]
     autoscale = _fill(AutoscaleConfig, data.pop("autoscale", {}))
     cores = _fill(CoresConfig, data.pop("cores", {}))

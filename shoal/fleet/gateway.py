@@ -29,6 +29,7 @@ from shoal.fleet.control.cores import CoreAllocator, planned_replicas
 from shoal.fleet.control.launchers.base import Launcher
 from shoal.fleet.control.launchers.local import LocalLauncher
 from shoal.fleet.control.rebalancer import Rebalancer
+from shoal.fleet.grounding import Grounding
 from shoal.fleet.listing import ModelListing
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.pipeline import Pipeline
@@ -127,6 +128,7 @@ class Gateway:
             self.proxy,
             metrics,
             self.adapters,
+            Grounding(config.retrieval, self.client.http, metrics) if config.retrieval else None,
         )
         self.listing = ModelListing(table, self.catalog, self.tiers, self.client, self.adapters)
         self.batches = BatchService(

@@ -183,5 +183,31 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.retrieval_queries = Counter(
+            "shoal:gateway_retrieval_queries",
+            "Retrieval queries by index, whole or partial (a shard missed the latency budget).",
+            ["index", "answer"],
+            registry=r,
+        )
+        self.retrieval_shard_seconds = Histogram(
+            "shoal:gateway_retrieval_shard_seconds",
+            "Time each shard's answer took, from the replica that gave it.",
+            ["index", "shard"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retrieval_hedges = Counter(
+            "shoal:gateway_retrieval_hedges",
+            "Queries sent to a second replica of a shard because the first was slow.",
+            ["index"],
+            registry=r,
+        )
+        self.retrieval_failovers = Counter(
+            "shoal:gateway_retrieval_failovers",
+            "Queries sent to another replica of a shard because one failed.",
+            ["index"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import asdict
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -22,6 +23,7 @@ from shoal.fleet.admission.dispatch import Dispatcher
 from shoal.fleet.admission.tenants import DEFAULT_COMPLETION_ESTIMATE, Tenant, Tenants, Ticket
 from shoal.fleet.catalog import ModelCatalog
 from shoal.fleet.config import GatewayConfig
+from shoal.fleet.grounding import Grounding, annotate
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.proxy.forward import Forward
 from shoal.fleet.proxy.proxy import Proxy
@@ -57,7 +59,9 @@ class Pipeline:
         proxy: Proxy,
         metrics: GatewayMetrics,
         adapters: AdapterDirectory,
+        grounding: Grounding | None = None,
     ):
+        """`grounding`: the [[retrieval]] indexes chats may be grounded in (None: none)."""
         self.config = config
         self.catalog = catalog
         self.tenants = tenants
@@ -67,10 +71,11 @@ class Pipeline:
         self.proxy = proxy
         self.metrics = metrics
         self.adapters = adapters
+        self.grounding = grounding
         self.priority_base = min([0, *(t.config.priority for t in tenants.all.values())])
 
     async def forward(self, raw: Request, path: str) -> Response:
-        tenant = priority = None
+        tenant = priority = note = None
         try:
             tenant = self.authenticate(raw)
             data = await raw.body()
@@ -84,6 +89,8 @@ class Pipeline:
                 )
             self.tenants.check_model(tenant, body.get("model"))
             priority = self.priority(tenant, body)
+            if "retrieval" in body:
+                body, note = await self._ground(path, body, tenant, priority)
             tier = self.tiers.get(body.get("model"))
             routed = {**body, "model": tier.cheap} if tier is not None else body
             route = await self.route_keys(path, routed, raw.headers)
@@ -102,6 +109,8 @@ class Pipeline:
                 )
         except APIError as exc:
             resp = exc.response()
+        if note is not None:
+            annotate(resp, note)
         if tenant is not None:
             resp.headers.update(tenant.rate_headers())
             if priority is not None:
@@ -218,23 +227,71 @@ class Pipeline:
         self._record(ticket, fwd)
         ticket.settle()
 
+    # --- retrieval ------------------------------------------------------------------------
+
+    async def _ground(self, path: str, body: dict, tenant: Tenant, priority: int) -> tuple[dict, dict]:
+        if self.grounding is None or not path.endswith("chat/completions"):
+            message = "retrieval grounds chat completions, on a gateway with [[retrieval]] indexes"
+            raise APIError(400, message, "retrieval")
+        return await self.grounding.ground(body, self.embedder(tenant, priority))
+
+    async def retrieve(self, raw: Request) -> dict:
+        """POST /v1/retrieve: {"index", "input" (text) or "vector", "top_k", "model"}."""
+        tenant = self.authenticate(raw)
+        body = parse_json_object(await raw.body())
+        if self.grounding is None:
+            raise APIError(404, "this gateway has no [[retrieval]] indexes", "index")
+        text = body.get("input")
+        if text is not None and not isinstance(text, str):
+            raise APIError(400, "input must be a string", "input")
+        found = await self.grounding.retrieve(body, text, body.get("model"), self.embedder(tenant, 0))
+        return {
+            "object": "list",
+            "index": body["index"],
+            "data": [asdict(h) for h in found.hits],
+            "partial": found.partial,
+            "missed_shards": found.missed,
+        }
+
+    def embedder(self, tenant: Tenant, priority: int):
+        """Embeds a query through the fleet, as the tenant's own request at `priority`."""
+
+        async def embed(text: str, model: str | None) -> list[float]:
+            body = {"model": model, "input": text}
+            status, out = await self.run_internal("/v1/embeddings", body, tenant, priority)
+            if status != 200:
+                why = (out.get("error") or {}).get("message", "") if isinstance(out, dict) else ""
+                message = f"embedding the query failed (HTTP {status}): {why}"
+                raise APIError(502, message, code="retrieval_failed")
+            return out["data"][0]["embedding"]
+
+        return embed
+
     # --- the batch lane's requests -------------------------------------------------------
 
-    async def run_internal(self, path: str, body: dict, tenant: Tenant) -> tuple[int, dict]:
+    async def run_internal(
+        self, path: str, body: dict, tenant: Tenant, priority: int | None = None
+    ) -> tuple[int, dict]:
         """One unstreamed request of the batch lane: after every interactive request waiting, and
-        not held to the tenant's interactive limits. (status, JSON body) whatever happens."""
-        cls = self.config.batch_priority
+        not held to the tenant's interactive limits; or, at an interactive `priority`, one that
+        the gateway makes for a client's request (its query's embedding), admitted as the tenant's
+        own. (status, JSON body) whatever happens."""
+        batch = priority is None
+        cls = self.config.batch_priority if batch else priority
         body = {**body, "stream": False, "priority": self.engine_priority(cls)}
         body.pop("kv_transfer_params", None)
-        ticket = self.tenants.batch_ticket(tenant)
-        self.metrics.tenant_requests.labels(tenant.name, "batch").inc()
+        ticket = self.tenants.batch_ticket(tenant) if batch else None
+        self.metrics.tenant_requests.labels(tenant.name, "batch" if batch else "interactive").inc()
         try:
             self.tenants.check_model(tenant, body.get("model"))
             route = await self.route_keys(path, body, {})
             route.priority = cls
+            if ticket is None:
+                ticket = self.tenants.admit(tenant, body.get("model"), route.tokens)
             resp = await self.send(path, body, self.upstream_headers(), route, ticket, 0, settle=True)
         except APIError as exc:
-            ticket.settle()
+            if ticket is not None:
+                ticket.settle()
             return exc.status, exc.body()
         try:
             return resp.status_code, json.loads(resp.body)

@@ -94,6 +94,11 @@ def build_app(self: Edge) -> FastAPI:
     async def chat(raw: Request):
         return await self.pipeline.forward(raw, "/v1/chat/completions")
 
+    @app.post("/v1/retrieve")
+    async def retrieve(raw: Request):
+        """shoal's extension: an index's nearest passages to a query (see fleet/grounding.py)."""
+        return await self.pipeline.retrieve(raw)
+
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request):
         return await self.pipeline.forward(raw, "/v1/embeddings")
