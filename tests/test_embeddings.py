@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from shoal.engine.sampling_params import SamplingParams
 from shoal.llm import LLM
+from shoal.models.pooling_config import checkpoint_pooling
 from tests.server_helpers import start_server
+from tests.test_hf_parity import make_random_checkpoint
 
 TEXTS = [
     "The lighthouse stood on the rocks above the bay. " * 8,  # longer than two chunks
@@ -138,3 +140,19 @@ def test_bad_embedding_input_is_refused_and_leaves_nothing(server, body, param):
         assert err["param"].split(".")[0] == param
     server.wait_idle()  # nothing runs, nothing waits, every KV block is free
     assert post(server.url, {"input": "still fine"}).status_code == 200
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_random_checkpoints_embed_as_hf_and_their_pooling_config_is_read(arch, tmp_path):
+    hf = make_random_checkpoint(arch, tmp_path)
+    assert checkpoint_pooling(tmp_path) is None
+    (tmp_path / "1_Pooling").mkdir()  # sentence-transformers' pooling config beside the weights
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    assert checkpoint_pooling(tmp_path) == "mean"
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (3, 40, 90)]
+    with LLM(str(tmp_path), num_blocks=64, max_num_batched_tokens=32) as llm:
+        for pooling in ("mean", "last"):
+            for prompt, got in zip(prompts, llm.embed(prompts, pooling)):
+                want = hf_embedding(hf, prompt, pooling)
+                assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, atol=1e-4), pooling

@@ -3,8 +3,10 @@ finds (`retrieval: {"index": ..., "top_k": ...}`, shoal's extension).
 
 A grounded chat has the passages put into its system message, in the order of their ids (not of
 their scores), so that requests that retrieve the same passages share one prompt prefix: the prefix
-cache and the KV-aware router reuse its K/V across them. The answer names the passages it was given
-(`retrieval` in the body of a non-streamed answer, the `x-shoal-retrieval` header of both kinds)."""
+cache and the KV-aware router reuse its K/V across them. (`"order": "score"` puts the best first,
+as most RAG pipelines do, and gives that up: benchmarks/rag.py measures what it costs.) The
+answer names the passages it was given (`retrieval` in the body of a non-streamed answer, the
+`x-shoal-retrieval` header of both kinds)."""
 
 from __future__ import annotations
 
@@ -78,8 +80,11 @@ class Grounding:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "a grounded chat needs messages", "messages")
+        order = spec.get("order", "id")
+        if order not in ("id", "score"):
+            raise APIError(400, 'retrieval order must be "id" (stable: K/V reused) or "score"', "order")
         found = await self.retrieve(spec, last_user_text(messages), body.get("model"), embed)
-        passages = sorted(found.hits, key=lambda h: h.id)
+        passages = sorted(found.hits, key=lambda h: h.id) if order == "id" else found.hits
         body = {**body, "messages": with_passages(messages, [h.text or "" for h in passages])}
         return body, answer_note(spec["index"], passages, found)
 

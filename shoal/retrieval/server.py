@@ -37,8 +37,10 @@ from shoal.retrieval.shard import IndexShard, SearchParams
 
 log = logging.getLogger(__name__)
 
-# Fault injection for tests and benchmarks: every search answers this much later (a slow replica).
+# Fault injection for tests and benchmarks: searches answer this much later (a slow replica), all
+# of them or the given share of them (a replica with hiccups: a noisy neighbour, a paging host).
 SEARCH_DELAY_ENV = "SHOAL_FAULT_SEARCH_DELAY_S"
+SEARCH_DELAY_SHARE_ENV = "SHOAL_FAULT_SEARCH_DELAY_SHARE"
 MAX_QUERIES = 256
 PROBE_QUERIES = 16
 
@@ -94,6 +96,7 @@ class ShardMetrics:
 def build_index_app(shard: IndexShard, config: IndexServerConfig) -> FastAPI:
     metrics = ShardMetrics(shard)
     delay = float(os.environ.get(SEARCH_DELAY_ENV) or 0)
+    delay_share = float(os.environ.get(SEARCH_DELAY_SHARE_ENV) or 1)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -136,7 +139,7 @@ def build_index_app(shard: IndexShard, config: IndexServerConfig) -> FastAPI:
         if not np.all(np.linalg.norm(queries, axis=1) > 0):
             raise APIError(400, "a query vector is all zeros", "vectors")
         t0 = time.perf_counter()
-        if delay:
+        if delay and random.random() < delay_share:
             await asyncio.sleep(delay)
         hits = await asyncio.to_thread(shard.search, queries, req.top_k, req.params())
         metrics.seconds.observe(time.perf_counter() - t0)
