@@ -38,6 +38,8 @@ def test_the_rule_moves_half_the_gap_from_a_queued_or_full_replica_to_one_with_r
     queued = replica("a", running=8, waiting=3, kv_usage=0.5)
     idle = replica("b", running=2, kv_usage=0.2)
     assert plan_moves([queued, idle], cfg) == [Move("a", 3, "queued")]
+    # A request waiting while seats are free is about to run: not a queue to move streams for.
+    assert plan_moves([replica("a", running=5, waiting=1), idle], cfg) == []
     full = replica("a", running=6, kv_usage=0.95)
     assert plan_moves([full, idle], cfg) == [Move("a", 2, "kv_full")]
     # Nowhere to go: the other has a queue, a fuller cache, no seat; or is another model's.

@@ -36,7 +36,11 @@ class Move:
 
 def _hot(r: Replica, kv_high: float) -> str | None:
     load = r.load
-    if load.get("waiting", 0) > 0:
+    seats = load.get("max_num_seqs")
+    full = not isinstance(seats, int) or load.get("running", 0) >= seats
+    if load.get("waiting", 0) > 0 and full:
+        # Queued behind a full batch. A request waiting while seats are free is one step from
+        # running (a /load taken between its arrival and its first step): nothing to move for.
         return "queued"
     if load.get("kv_usage", 0.0) >= kv_high:
         return "kv_full"
