@@ -1,6 +1,5 @@
 """Three real replicas behind real gateways on 127.0.0.1: routing policies, passthrough,
-backpressure, passive ejection, and kill -9 mid-stream (or mid non-streamed answer) with no
-failed or altered answer."""
+backpressure, passive ejection, and kill -9 mid-stream with no failed or altered answer."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import signal
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -21,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from tests.fleet_helpers import FLEET_KEY as KEY
-from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready, wait_until
+from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
 from tests.server_helpers import free_port
 
 LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in range(14))
@@ -311,31 +309,3 @@ def test_kill_9_mid_stream_loses_nothing(fleet, gateways):
     for i in range(9):
         post(fleet, {"prompt": f"after {i}", "max_tokens": 1})
     assert replicas(fleet, KEY)[victim]["requests_total"] > served
-
-
-def test_kill_9_mid_answer_continues_a_non_streamed_request(fleet):
-    """A non-streamed completion whose replica is killed while it decodes goes on elsewhere from
-    where it was (the gateway relays it as a stream), not from the start: its one answer is the
-    uninterrupted one, seeded sampling and logprobs included."""
-    body = {"prompt": "Write about the northern lights.", "max_tokens": 120, "temperature": 0.8}
-    body |= {"seed": 21, "logprobs": 1, "ignore_eos": True}
-    want = post(fleet, body).json()
-    before = wait_replicas_ready(fleet, 3, api_key=KEY)
-    urls = {r["name"]: r["url"] for r in before}
-    made = {n: metric(u, "shoal:generation_tokens_total") for n, u in urls.items()}
-    failovers = metric(fleet.url, "shoal:gateway_failovers_total")
-
-    def decoding() -> str | None:  # the replica it runs on, once it has made some tokens
-        return next(
-            (n for n, u in urls.items() if metric(u, "shoal:generation_tokens_total") >= made[n] + 20), None
-        )
-
-    with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(post, fleet, body)
-        victim = wait_until(fleet, decoding, 60)
-        os.kill({r["name"]: r for r in before}[victim]["pid"], signal.SIGKILL)
-        got = sent.result().json()
-    assert got["choices"] == want["choices"]
-    assert got["usage"]["completion_tokens"] == 120
-    assert metric(fleet.url, "shoal:gateway_failovers_total") == failovers + 1
-    wait_replicas_ready(fleet, 3, api_key=KEY)

@@ -330,25 +330,30 @@ def test_a_busy_port_is_never_started_on_nor_called_ready(fleet):
     assert "running" in replicas(fleet, KEY)["replica-0"]["load"], replicas(fleet, KEY)["replica-0"]
 
 
-def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
+def test_non_streamed_requests_go_on_elsewhere_when_their_replica_is_killed(fleet):
+    """Relayed as streams (fleet/proxy/fold.py), they continue from where they were, not from the
+    start: each answer, seeded sampling and logprobs included, is the uninterrupted one."""
     wait_replicas_ready(fleet, 3, api_key=KEY)
-    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0.8, "logprobs": 1, "ignore_eos": True}
     prompts = [f"Tell me about river number {i}." for i in range(4)]
 
-    async def alone():  # greedy tokens do not depend on the batch: all at once
+    def request(i: int) -> dict:
+        return {**body, "prompt": prompts[i], "seed": 100 + i}
+
+    async def alone():  # seeded draws do not depend on the batch: all at once
         async with httpx.AsyncClient(timeout=120, headers=auth(KEY)) as c:
             answers = await asyncio.gather(
-                *(c.post(fleet.url + "/v1/completions", json={**body, "prompt": p}) for p in prompts)
+                *(c.post(fleet.url + "/v1/completions", json=request(i)) for i in range(4))
             )
-        return {p: r.json()["choices"][0]["text"] for p, r in zip(prompts, answers)}
+        return [r.json()["choices"] for r in answers]
 
     expected = asyncio.run(alone())
+    failovers = metric(fleet.url, "shoal:gateway_failovers_total")
 
     async def run():
         async with httpx.AsyncClient(timeout=300, headers=auth(KEY)) as c:
             tasks = [
-                asyncio.create_task(c.post(fleet.url + "/v1/completions", json={**body, "prompt": p}))
-                for p in prompts
+                asyncio.create_task(c.post(fleet.url + "/v1/completions", json=request(i))) for i in range(4)
             ]
             while True:  # kill the replica holding the most of them, once they run
                 busy = max(replicas(fleet, KEY).values(), key=lambda r: r["inflight"])
@@ -359,7 +364,8 @@ def test_non_streamed_requests_run_again_when_their_replica_is_killed(fleet):
             os.kill(busy["pid"], signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
-    for p, r in zip(prompts, asyncio.run(run())):
+    for i, r in enumerate(asyncio.run(run())):
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == expected[p]
+        assert r.json()["choices"] == expected[i]
+    assert metric(fleet.url, "shoal:gateway_failovers_total") > failovers  # continued, not run again
     wait_replicas_ready(fleet, 3, api_key=KEY)
