@@ -11,7 +11,7 @@
 The vectors are a mixture of Gaussian clusters (embeddings cluster by topic), unit-normalized;
 the queries come from the same mixture. Goal: recall@10 >= 0.95 at >= 10x the QPS of flat.
 
-    python benchmarks/retrieval.py [--n 1000000] [--dim 576] [--queries 300]
+    python benchmarks/retrieval.py [--n 1000000] [--dim 576] [--queries 300] [--sharded-n N]
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=576)
     ap.add_argument("--queries", type=int, default=300)
+    ap.add_argument("--sharded-n", type=int, default=0, help="vectors for parts 2 and 3 (default: --n)")
     ap.add_argument("--kinds", default="flat,ivfpq,hnsw")
     ap.add_argument("--port", type=int, default=8190)
     args = ap.parse_args()
@@ -190,6 +191,8 @@ def main() -> None:
     truth = [[h.id for h in row] for row in exact]
     print(f"machine: {os.cpu_count()} cores; brute-force truth in {time.perf_counter() - t0:.1f} s")
     single_shard(vectors, docs, queries, truth, args.kinds.split(","))
+    if args.sharded_n and args.sharded_n < args.n:
+        vectors, docs = vectors[: args.sharded_n], docs[: args.sharded_n]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         sharded(vectors, docs, queries, root, args.port)
