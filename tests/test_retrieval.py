@@ -23,7 +23,7 @@ import pytest
 from shoal.retrieval.build import shard_of
 from shoal.retrieval.server import SEARCH_DELAY_ENV
 from shoal.retrieval.shard import IndexShard, IndexSpec, SearchParams, unit_rows
-from tests.fleet_helpers import metric, start_gateway
+from tests.fleet_helpers import metric, start_gateway, wait_until
 from tests.server_helpers import ServerProcess, free_port, wait_ready
 
 pytest.importorskip("faiss")
@@ -185,6 +185,10 @@ def test_a_replica_killed_under_query_load_leaves_answers_whole(data, shards, tm
             assert not a["partial"] and [h["id"] for h in a["data"]] == list(t)
         after = retrieve(gw, queries[0].tolist())
         assert not after["partial"] and [h["id"] for h in after["data"]] == truth[0]
+        # The probes see it gone, and its shard's other replica up.
+        up = 'shoal:gateway_retrieval_replica_up{{index="vecs",replica="{}",shard="0"'
+        wait_until(gw, lambda: metric(gw.url, up.format(victim.url)) == 0, 10)
+        assert metric(gw.url, up.format(shards[0][1].url)) == 1
     finally:
         gw.stop()
 

@@ -195,8 +195,12 @@ class Gateway:
         await self.batches.start()
         if self.rebalancer is not None:
             await self.rebalancer.start()
+        if self.pipeline.grounding is not None:
+            await self.pipeline.grounding.start()
 
     async def stop(self) -> None:
+        if self.pipeline.grounding is not None:
+            await self.pipeline.grounding.stop()
         if self.rebalancer is not None:
             await self.rebalancer.stop()
         await self.batches.stop()

@@ -31,6 +31,14 @@ class Grounding:
         self.http = http
         self.routers = {c.name: RetrievalRouter(c, http, metrics) for c in indexes}
 
+    async def start(self) -> None:
+        for r in self.routers.values():
+            await r.start()
+
+    async def stop(self) -> None:
+        for r in self.routers.values():
+            await r.stop()
+
     def router(self, name) -> RetrievalRouter:
         r = self.routers.get(name) if isinstance(name, str) else None
         if r is None:

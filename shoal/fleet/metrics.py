@@ -202,6 +202,12 @@ class GatewayMetrics:
             ["index"],
             registry=r,
         )
+        self.retrieval_replica_up = Gauge(
+            "shoal:gateway_retrieval_replica_up",
+            "1 while a shard replica answers its health probe.",
+            ["index", "shard", "replica"],
+            registry=r,
+        )
         self.retrieval_failovers = Counter(
             "shoal:gateway_retrieval_failovers",
             "Queries sent to another replica of a shard because one failed.",

@@ -2,11 +2,14 @@
 best hits are merged. Within a latency budget: what has arrived when it runs out is the answer,
 marked partial with the shards that missed. A replica slow past `hedge_ms` has the query sent to
 a second replica of its shard as well (the first answer wins); a replica that fails is left for
-`down_s` and its shard's next replica asked at once."""
+`down_s` and its shard's next replica asked at once. Every replica's /health is probed as well, so
+that one that died is left out before a query has to find out (and one that came back is asked
+again)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +28,7 @@ class RetrievalIndexConfig:
     budget_ms: float = 250.0
     hedge_ms: float = 50.0  # 0: never hedge
     down_s: float = 2.0
+    probe_interval_s: float = 1.0  # every replica's /health, so a dead one is skipped before a query finds it
     api_key: str | None = None  # the shard servers' key
     # Queries are embedded by this fleet model (default: the one the request names), or by any
     # OpenAI-compatible /v1/embeddings server at embed_url.
@@ -53,6 +57,7 @@ class _Replica:
         self.down_until = 0.0
         self.latency_s = 0.0  # a moving average: the faster replica is asked first
         self.last_seconds = 0.0
+        self.probed_down = False
 
     def observe(self, seconds: float) -> None:
         self.latency_s = seconds if not self.latency_s else 0.8 * self.latency_s + 0.2 * seconds
@@ -69,6 +74,38 @@ class RetrievalRouter:
         self.http = http
         self.metrics = metrics
         self.shards = [[_Replica(u) for u in urls] for urls in config.shards]
+        self._probing: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._probing = asyncio.create_task(self._probe_forever())
+
+    async def stop(self) -> None:
+        if self._probing is not None:
+            self._probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probing
+
+    async def _probe_forever(self) -> None:
+        cfg = self.config
+        while True:
+            replicas = [(i, r) for i, shard in enumerate(self.shards) for r in shard]
+            ups = await asyncio.gather(*(self._healthy(r) for _, r in replicas))
+            for (i, r), up in zip(replicas, ups):
+                if not up:
+                    r.down_until = time.monotonic() + max(cfg.down_s, cfg.probe_interval_s)
+                elif r.probed_down:
+                    r.down_until = 0.0  # back: asked again at once
+                r.probed_down = not up
+                if self.metrics is not None:
+                    self.metrics.retrieval_replica_up.labels(cfg.name, str(i), r.url).set(int(up))
+            await asyncio.sleep(cfg.probe_interval_s)
+
+    async def _healthy(self, r: _Replica) -> bool:
+        try:
+            resp = await self.http.get(r.url + "/health", timeout=max(0.2, self.config.probe_interval_s))
+            return resp.status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def search(self, vector: list[float], top_k: int | None = None) -> Retrieved:
         cfg = self.config
