@@ -140,9 +140,7 @@ def main() -> None:
                 cached = statistics.mean(c for _, c in runs)
                 print(f"{order:<20}{p50 * 1000:>13.0f}{mean * 1000:>9.0f}{p90 * 1000:>9.0f}{cached:>15.0f}")
             (p50_s, mean_s), (p50_i, mean_i) = results["score"], results["id"]
-            print(
-                f"stable order against score order: p50 {p50_s / p50_i:.2f}x, mean {mean_s / mean_i:.2f}x"
-            )
+            print(f"stable order against score order: p50 {p50_s / p50_i:.2f}x, mean {mean_s / mean_i:.2f}x")
         finally:
             gw.terminate()
             shard.terminate()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal.engine.pooling import PromptPooler
 from shoal.engine.sampling_params import SamplingParams
 from shoal.llm import LLM
 from shoal.models.pooling_config import checkpoint_pooling
@@ -156,3 +157,17 @@ def test_random_checkpoints_embed_as_hf_and_their_pooling_config_is_read(arch, t
             for prompt, got in zip(prompts, llm.embed(prompts, pooling)):
                 want = hf_embedding(hf, prompt, pooling)
                 assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, atol=1e-4), pooling
+
+
+def test_a_prompt_computed_again_is_pooled_once():
+    """A retried step or a preempted request's second pass replaces the sums it made before."""
+    pooler = PromptPooler(lambda rows: rows)
+    rows = torch.arange(12, dtype=torch.float64).reshape(6, 2)
+    want = F.normalize(rows.mean(0), dim=0)
+    pooler.add("r", "mean")
+    assert pooler.take("r", rows[0:2], 0, 6) is None
+    assert pooler.take("r", rows[2:4], 2, 6) is None
+    assert pooler.take("r", rows[2:4], 2, 6) is None  # the same step again
+    assert pooler.take("r", rows[0:3], 0, 6) is None  # preempted: from the start, other chunks
+    assert torch.allclose(torch.tensor(pooler.take("r", rows[3:6], 3, 6), dtype=torch.float64), want)
+    assert not pooler.sums

@@ -13,8 +13,8 @@ class PromptPooler:
     def __init__(self, norm: Callable[[torch.Tensor], torch.Tensor] | None):
         self.norm = norm
         self.modes: dict[str, str] = {}  # request id -> "mean" | "last"
-        # request id -> {chunk's first position: its rows' sum}: a step run again (after a failure)
-        # replaces its sums instead of adding them twice.
+        # request id -> {chunk's first position: its rows' sum}: a chunk computed again replaces
+        # the sums from its position on instead of adding them twice.
         self.sums: dict[str, dict[int, torch.Tensor]] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -37,6 +37,8 @@ class PromptPooler:
         if self.modes[request_id] == "last":
             return _unit(self.norm(rows[-1:])[0]) if ends else None
         sums = self.sums.setdefault(request_id, {})
+        for later in [p for p in sums if p >= start_pos]:  # an earlier try's (a retried step, or
+            del sums[later]  # a preempted request computing its prompt again from the start)
         sums[start_pos] = self.norm(rows).to(torch.float64).sum(0)
         if not ends:
             return None
