@@ -115,23 +115,27 @@ def test_a_rolling_update_under_streaming_load_fails_no_request(fleet):
     K/V with it, to a replica that stays, and the update is over long before they are."""
     before = {r["name"]: r["pid"] for r in replicas(fleet).values()}
 
+    done_at: list[float] = []
+
+    async def watch() -> None:  # the update's end, to a tenth of a second
+        while not done_at:
+            p = await asyncio.to_thread(pool, fleet)
+            if not p["updating"] and set(p["versions"].values()) == {1}:
+                done_at.append(time.monotonic())
+            await asyncio.sleep(0.1)
+
     async def load() -> tuple[list[dict], list[dict]]:
-        long = asyncio.ensure_future(long_requests(fleet.url, 1000))
+        long = asyncio.ensure_future(long_requests(fleet.url, 1200))
         await asyncio.sleep(1.0)  # decoding, one on each replica
         flags = "--threads 1 --kv-cache-memory 192MiB"
         update = ("fleet", "update", "--gateway", fleet.url, "--replica-args", flags)
         out = await asyncio.to_thread(shoal, *update)
         assert out.returncode == 0, out.stderr
         assert pool(fleet)["updating"]
-        return await load_until(fleet.url, finished), await long
-
-    done_at: list[float] = []
-
-    def finished() -> bool:
-        p = pool(fleet)
-        if not p["updating"] and set(p["versions"].values()) == {1}:
-            done_at.append(time.monotonic())
-        return bool(done_at)
+        watcher = asyncio.ensure_future(watch())
+        results = await load_until(fleet.url, lambda: bool(done_at))
+        await watcher
+        return results, await long
 
     results, long = asyncio.run(load())
     bad = [r for r in results + long if not r["ok"]]
