@@ -71,7 +71,7 @@ class Grounding:
             return await embed(text, cfg.embed_model or model)
         resp = await self.http.post(
             cfg.embed_url.rstrip("/") + "/v1/embeddings",
-            json={"model": cfg.embed_model or model or "default", "input": text},
+            json={"model": cfg.embed_model or model, "input": text},
             timeout=30,
         )
         if resp.status_code != 200:

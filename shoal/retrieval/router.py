@@ -175,8 +175,8 @@ class RetrievalRouter:
         resp = await self.http.post(r.url + "/search", json=body, headers=headers)
         if resp.status_code != 200:
             raise ShardFailed(f"{r.url}: HTTP {resp.status_code}")
-        r.observe(time.monotonic() - t0)
         r.last_seconds = time.monotonic() - t0
+        r.observe(r.last_seconds)
         (row,) = resp.json()["results"]
         return [Hit(h["id"], h["score"], h.get("text"), h.get("metadata") or {}) for h in row]
 
