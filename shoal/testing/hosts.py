@@ -189,9 +189,12 @@ class Host:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"host {self.name}: processes {sorted(pids)} survive SIGKILL")
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            # Stopped first, all of them, then killed: otherwise a parent whose child died a moment
+            # before it could see that death and exit on its own, which a power cut never allows.
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
             time.sleep(0.005)  # exits are asynchronous; look again until none is left
         for proc in (*self._procs, self._holder):
             proc.wait()
