@@ -41,7 +41,10 @@ class RotaryEmbedding(torch.nn.Module):
         self._args = (head_dim, max_positions, theta, scaling, freq_factors)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.rebuild(torch.get_default_device())
+        # On the meta device the loader rebuilds them once the model is real; computing them on meta
+        # would import torch._dynamo (through torch._refs), a second of every start.
+        if torch.get_default_device().type != "meta":
+            self.rebuild(torch.get_default_device())
 
     def rebuild(self, device: torch.device | str) -> None:
         """(Re)computes the tables on `device`; needed after building the model on the meta device."""
