@@ -16,6 +16,7 @@ from shoal.cli_options import (
     sampling_params,
     serve_flag_sets,
 )
+from shoal.cli_sim import add_sim_parsers
 from shoal.protocol.secrets import api_key_from
 
 
@@ -148,6 +149,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     add_bench_parsers(sub, wanted)
     add_index_parsers(sub)
+    add_sim_parsers(sub, wanted)
     return parser
 
 
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = " ".join([a for a in argv if not a.startswith("-")][:2])  # "": none, build no options
     args = build_parser(command).parse_args(argv)
+    args.argv = argv  # as typed: `shoal profile` passes its engine flags on to the server it starts
     from shoal.models.checkpoint import ModelNotFoundError
 
     try:

@@ -35,6 +35,7 @@ def gateway_flag_set() -> FlagSet:
             Flag("trust_client_priority", help="pass a client's priority on as given"),
             Flag("rebalance", help="move running streams off replicas with a queue or a full KV cache"),
             Flag("tokenizer", help="checkpoint whose tokenizer hashes prompts"),
+            Flag("record_trace", metavar="PATH", help="append a JSON line per request served, for shoal sim"),
         ),
     )
 

@@ -132,6 +132,7 @@ class EngineCore:
         self._failed_steps = 0
         self.num_failed_requests = 0
         self.num_steps = 0
+        self.last_step: SchedulerOutput | None = None  # what the last step ran (shoal profile reads it)
         # Where the steps' time went: the model's forward and sampling, and the rest (host work).
         self.forward_seconds = 0.0
         self.host_seconds = 0.0
@@ -341,6 +342,7 @@ class EngineCore:
             if so.empty:
                 return []
         self.num_steps += 1
+        self.last_step = so
         if self.measure_occupancy:
             self.last_kv_occupancy = self._occupancy(so)
         for rid in failures:

@@ -56,6 +56,8 @@ class GatewayConfig:
     # goes on from where it was when its replica dies and can be moved live, like a stream. False:
     # sent as it came (for backends whose streamed answers say less than their whole ones).
     fold_unary: bool = True
+    # A JSON line per request served, for `shoal sim --trace` (None: none kept).
+    record_trace: str | None = None
     # A request present when its replica died is struck; one that kills (or is in) a second, or
     # alone crashes an engine, is poison: failed once and refused for this long.
     poison_ttl_s: float = 600.0

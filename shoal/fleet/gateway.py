@@ -47,6 +47,7 @@ from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import make_policy
 from shoal.fleet.routing.prompt_keys import PromptKeys
 from shoal.fleet.routing.tiers import TierRouter
+from shoal.fleet.workload_trace import WorkloadTrace
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class Gateway:
             metrics,
             self.adapters,
             Grounding(config.retrieval, self.client.http, metrics) if config.retrieval else None,
+            WorkloadTrace(config.record_trace) if config.record_trace else None,
         )
         self.listing = ModelListing(table, self.catalog, self.tiers, self.client, self.adapters)
         self.batches = BatchService(
@@ -209,3 +211,5 @@ class Gateway:
             await self.controller.stop()
         await self.health.stop()
         await self.client.aclose()
+        if self.pipeline.trace is not None:
+            self.pipeline.trace.close()

@@ -31,6 +31,7 @@ from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import RouteRequest
 from shoal.fleet.routing.prompt_keys import PromptKeys
 from shoal.fleet.routing.tiers import TierConfig, TierRouter
+from shoal.fleet.workload_trace import WorkloadTrace
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError
 
@@ -60,8 +61,10 @@ class Pipeline:
         metrics: GatewayMetrics,
         adapters: AdapterDirectory,
         grounding: Grounding | None = None,
+        trace: WorkloadTrace | None = None,
     ):
-        """`grounding`: the [[retrieval]] indexes chats may be grounded in (None: none)."""
+        """`grounding`: the [[retrieval]] indexes chats may be grounded in (None: none). `trace`:
+        where each request served is recorded for the simulator (None: nowhere)."""
         self.config = config
         self.catalog = catalog
         self.tenants = tenants
@@ -72,6 +75,7 @@ class Pipeline:
         self.metrics = metrics
         self.adapters = adapters
         self.grounding = grounding
+        self.trace = trace
         self.priority_base = min([0, *(t.config.priority for t in tenants.all.values())])
 
     async def forward(self, raw: Request, path: str) -> Response:
@@ -225,6 +229,8 @@ class Pipeline:
 
     def _settle(self, ticket: Ticket, fwd: Forward) -> None:
         self._record(ticket, fwd)
+        if self.trace is not None:
+            self.trace.record(fwd, ticket.tenant.name)
         ticket.settle()
 
     # --- retrieval ------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""Issue 31: the simulator against the real thing. Each row runs a real fleet on this machine under
+`shoal bench serve`, then `shoal sim` predicts the same workload (the same arrival times, lengths
+and client cap) from this node's profile, taken first with the replicas' own settings; it prints
+measured beside predicted, and the error.
+
+    python benchmarks/sim_accuracy.py [--quick]
+
+Rows: one replica (both cores) at a Poisson rate; the same replica with 16 clients that never
+pause; two replicas (one core each) behind the kv_aware gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.sim.fleet import FleetShape, FleetSim
+from shoal.sim.profiler import ProfileConfig, measure
+from shoal.sim.replica import ReplicaShape
+from shoal.sim.workload import SimRequest, tokens
+
+REPLICA = {"max_model_len": 2048, "kv_cache_memory": 512 << 20, "max_num_seqs": 32}
+SERVE_FLAGS = "--max-model-len 2048 --kv-cache-memory 512MiB --max-num-seqs 32"
+
+
+@dataclass
+class Row:
+    name: str
+    replicas: int
+    threads: int
+    rate: float
+    concurrency: int | None
+    num_requests: int
+    input_len: int = 256
+    output_len: int = 64
+
+
+def bench_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """When `shoal bench serve` sends each request: it sleeps an exponential gap after each send,
+    drawn from its own Random(seed)."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+    return out
+
+
+def run_real(row: Row) -> dict:
+    from fleet_routing import spawn, wait_ready  # a sibling script's helpers
+
+    flags = f"{SERVE_FLAGS} --threads {row.threads}"
+    url, proc = spawn("fleet", "up", "--replicas", str(row.replicas), "--replica-args", flags)
+    try:
+        wait_ready(url, row.replicas)
+        cfg = ServeBenchConfig(
+            base_url=url,
+            num_requests=row.num_requests,
+            input_len=row.input_len,
+            output_len=row.output_len,
+            request_rate=row.rate,
+            max_concurrency=row.concurrency,
+            seed=1,
+        )
+        return run_serve_bench(cfg)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def run_sim(row: Row, profile) -> dict:
+    rng = random.Random(7)
+    reqs = [
+        SimRequest(f"r{i}", at, tokens(rng, row.input_len), row.output_len)
+        for i, at in enumerate(bench_arrivals(row.num_requests, row.rate, 1))
+    ]
+    shape = FleetShape(row.replicas, "kv_aware", ReplicaShape(REPLICA["max_num_seqs"]), row.concurrency)
+    return FleetSim(profile, shape).run(reqs).summary()
+
+
+def figures(s: dict) -> dict[str, float]:
+    return {
+        "throughput tok/s": s["output_token_throughput"],
+        "TTFT p50 ms": 1e3 * s["ttft_s"]["p50"],
+        "TTFT p99 ms": 1e3 * s["ttft_s"]["p99"],
+        "ITL p50 ms": 1e3 * s["itl_s"]["p50"],
+        "ITL p99 ms": 1e3 * s["itl_s"]["p99"],
+        "replica-s": s["duration_s"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    n = 48 if args.quick else 128
+    rows = [
+        Row("one replica, Poisson 1.5 req/s", 1, 2, 1.5, None, n),
+        Row("one replica, 16 clients", 1, 2, math.inf, 16, n),
+        Row("two replicas kv_aware, 3 req/s", 2, 1, 3.0, None, n),
+    ]
+    profiles = {}
+    for threads in sorted({r.threads for r in rows}):
+        t0 = time.perf_counter()
+        cfg = ProfileConfig({**REPLICA, "num_threads": threads}, startup=threads == 2)
+        if args.quick:
+            cfg.decode_batches, cfg.contexts, cfg.prompt_lengths, cfg.repeats = (
+                (1, 4, 16, 32),
+                (64, 768),
+                (128, 512),
+                1,
+            )
+        cfg.serve_flags = [*SERVE_FLAGS.split(), "--threads", str(threads)]
+        cfg.through_gateway = True  # the rows run behind a gateway on the same two cores
+        profiles[threads] = measure(cfg)
+        print(profiles[threads].describe())
+        print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
+    print(f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}")
+    for row in rows:
+        real = figures(run_real(row))
+        sim = figures(run_sim(row, profiles[row.threads]))
+        real["replica-s"] *= row.replicas
+        sim["replica-s"] *= row.replicas
+        for k in real:
+            err = (sim[k] - real[k]) / real[k]
+            print(f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%")
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""One replica of the fast simulator (fast.py), with the scheduler's rules held in aggregate:
+each step gives the token budget to decodes first, then to prompts already running, then admits
+waiting ones first come first served while a row and KV blocks are free; a pool that runs dry
+preempts the newest request (recompute); a prompt whose shared prefix a replica still holds skips
+it, and the blocks of a prefix are held once for all the requests that use it. What makes it fast:
+decode rows are not walked. A decoding request only notes the step count at which it will finish,
+so a stretch of steps with nothing to admit is one event, cut short when a request arrives."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from shoal.sim.profile import NodeProfile
+from shoal.sim.workload import SimRequest
+
+ITL_BUCKETS = np.geomspace(1e-5, 1e3, 801)  # inter-token times end in a histogram of these bounds
+
+
+@dataclass(slots=True)
+class Flow:
+    """One request inside a replica."""
+
+    index: int  # into the run's result arrays
+    prompt_len: int  # its prompt (after a preemption: prompt and output so far)
+    prompt_left: int  # of those, not yet computed
+    out_left: int  # output tokens still to come
+    out_done: int
+    prefix_id: int | None
+    prefix_len: int
+    seq: int  # arrival order: the newest is preempted first
+    finish_at: int = 0  # the replica's decode clock when it finishes
+    joined: int = 0  # the clock when it began to decode
+    shared: int = 0  # tokens of its prefix held once for every request that uses them
+    sent: float = 0.0
+
+
+class FastReplica:
+    def __init__(
+        self,
+        index: int,
+        profile: NodeProfile,
+        max_num_seqs: int,
+        max_tokens: int,
+        holders: dict[int, dict[int, None]] | None,
+        out: RunArrays,
+        overhead: float = 0.0,
+    ):
+        """`holders`: the fleet's map of which replicas hold which shared prefix, latest last (None: prefixes
+        are not tracked); `out`: where each request's figures go."""
+        self.index = index
+        self.profile = profile
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max_tokens
+        self.block_size = profile.block_size
+        self.reserve = int(0.01 * profile.num_kv_blocks)
+        self._per_context = profile.decode.per_context_token
+        self.overhead = overhead  # seconds each request spends outside the engine
+        self._mixed_coef = tuple(profile.mixed.coef)
+        self.holders = holders
+        self.out = out
+        self._planned: tuple[list[tuple[Flow, int]], int, float] | None = None  # chunks, rows, seconds
+        self.waiting: deque[Flow] = deque()
+        self.prefilling: list[Flow] = []
+        self.decoding: list[tuple[int, int, Flow]] = []  # heap by finish_at
+        self.clock = 0  # decode steps taken: a decoding row gains one token each
+        self.tokens = 0  # K/V tokens held by running requests
+        self.decode_context = 0  # sum of the decoding rows' context lengths
+        self.prefixes: OrderedDict[int, int] = OrderedDict()  # resident shared prefixes -> blocks
+        self.pinned: dict[int, int] = {}  # prefix id -> running requests using it
+        self.idle_cached = 0  # blocks of cached prefixes no running request uses
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found cached
+        self.outstanding = 0
+        self.busy_until: float | None = None
+        self.version = 0  # bumps when its pending event is replaced
+        # A stretch of identical decode steps: (start, steps, rows, first step's cost less the
+        # growth, growth of each step's cost over the last).
+        self.segment: tuple[float, int, int, float, float] | None = None
+        self.busy_s = 0.0
+        self.steps = 0
+        self.waking = False  # given work while idle: its next event plans a step, ends none
+        self._seq = 0
+
+    # --- KV ---------------------------------------------------------------------------------
+
+    def used_blocks(self) -> int:
+        running = len(self.decoding) + len(self.prefilling)
+        return -(-self.tokens // self.block_size) + running // 2  # each row's last block is half full
+
+    def free_blocks(self) -> int:
+        return self.profile.num_kv_blocks - self.used_blocks()
+
+    def _trim_prefixes(self) -> None:
+        """Cached prefixes nobody uses sit in free blocks: the oldest go when those run short."""
+        if self.idle_cached <= self.free_blocks():
+            return
+        room = self.free_blocks()
+        for pid in list(self.prefixes):
+            if self.idle_cached <= room:
+                break
+            if not self.pinned.get(pid):
+                self.idle_cached -= self.prefixes.pop(pid)
+                self.holders[pid].pop(self.index, None)
+
+    def _prefix_tokens(self, f: Flow) -> int:
+        # Whole blocks only, and never the whole prompt: its last token is always computed.
+        return min(f.prefix_len, f.prompt_len - 1) // self.block_size * self.block_size
+
+    def _share(self, f: Flow, tokens_held: bool) -> None:
+        """f uses the cached blocks of its prefix, held once for all their users while any runs
+        (`tokens_held`: f computed them itself, and counted them as its own until now)."""
+        pid, own = f.prefix_id, self._prefix_tokens(f)
+        new = pid not in self.prefixes
+        if new:
+            self.prefixes[pid] = own // self.block_size
+            self.holders.setdefault(pid, {})[self.index] = None
+        self.prefixes.move_to_end(pid)
+        size = self.prefixes[pid] * self.block_size
+        f.shared = min(size, own)
+        if tokens_held:
+            self.tokens -= f.shared
+        users = self.pinned.get(pid, 0)
+        if not users:
+            self.tokens += size
+            if not new:
+                self.idle_cached -= self.prefixes[pid]  # it sat in the cache, unused
+        self.pinned[pid] = users + 1
+
+    def _unshare(self, f: Flow) -> None:
+        if not f.shared:
+            return
+        pid = f.prefix_id
+        users = self.pinned[pid] - 1
+        if users:
+            self.pinned[pid] = users
+        else:
+            del self.pinned[pid]
+            self.tokens -= self.prefixes[pid] * self.block_size  # cached: free until evicted
+            self.idle_cached += self.prefixes[pid]
+        f.shared = 0
+        self._trim_prefixes()
+
+    def _prefix_hit(self, f: Flow) -> int:
+        if self.holders is None or f.prefix_id is None or f.prefix_id not in self.prefixes:
+            return 0
+        return min(self.prefixes[f.prefix_id] * self.block_size, self._prefix_tokens(f))
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add(self, index: int, req: SimRequest, now: float) -> None:
+        n = req.prompt_len
+        out = max(1, min(req.output_len, self.profile.max_model_len - n))
+        self._seq += 1
+        self.waiting.append(Flow(index, n, n, out, 0, req.prefix_id, req.prefix_len, self._seq, sent=now))
+        self.outstanding += 1
+
+    def can_admit(self) -> bool:
+        if not self.waiting:
+            return False
+        running = len(self.decoding) + len(self.prefilling)
+        if running >= self.max_num_seqs:
+            return False
+        f, bs = self.waiting[0], self.block_size
+        need = -(-(f.prompt_left if f.prompt_left < self.max_tokens else self.max_tokens) // bs)
+        used = -(-self.tokens // bs) + running // 2
+        return need <= self.profile.num_kv_blocks - used - self.reserve
+
+    def _preempt(self) -> bool:
+        """The newest running request gives its blocks back and waits again (recompute)."""
+        rows = [f for f in self.prefilling] + [f for _, _, f in self.decoding]
+        if not rows:
+            return False
+        victim = max(rows, key=lambda f: f.seq)
+        if victim in self.prefilling:
+            self.prefilling.remove(victim)
+            self.tokens -= victim.prompt_len - victim.prompt_left - victim.shared
+        else:
+            self.decoding = [e for e in self.decoding if e[2] is not victim]
+            heapq.heapify(self.decoding)
+            steps = self.clock - victim.joined
+            ctx = victim.prompt_len + steps
+            self.tokens -= ctx - victim.shared
+            self.decode_context -= ctx
+            victim.out_left -= steps
+            victim.out_done += steps
+            victim.prompt_len = ctx + 1  # the last sampled token too: recomputed as prompt
+        self._unshare(victim)
+        victim.prompt_left = victim.prompt_len
+        self.waiting.appendleft(victim)
+        return True
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def plan(self, now: float) -> float | None:
+        """Plans the next step, or a stretch of decode steps with nothing to admit; returns when it
+        ends (None: nothing to run)."""
+        rows = len(self.decoding)
+        if rows and not self.prefilling and not self.can_admit():
+            # Steps until the first finish, and never so many that the decodes run the pool dry.
+            k = self.decoding[0][0] - self.clock
+            k = max(1, min(k, self.free_blocks() * self.block_size // rows))
+            # Each step of the stretch costs `g` more than the last: its rows' context grows.
+            g = self._per_context * rows
+            a = self.profile.decode.decode_seconds(rows, self.decode_context + rows) - g
+            self.segment = (now, k, rows, a, g)
+            return now + segment_time(a, g, k)
+        if not rows and not self.prefilling and not self.waiting:
+            return None
+        self.tokens += rows  # each decode computes one more token's K/V
+        preempted = False
+        while self.free_blocks() < 0 and self.prefilling + self.decoding:
+            self.tokens -= len(self.decoding)
+            self._preempt()
+            self.tokens += len(self.decoding)
+            preempted = True
+        rows = len(self.decoding)
+        budget = self.max_tokens - rows
+        chunks = []
+        for f in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(f.prompt_left, budget)
+            chunks.append((f, n))
+            budget -= n
+            self.tokens += n
+        while budget > 0 and not preempted and self.can_admit():
+            f = self.waiting.popleft()
+            hit = self._prefix_hit(f) if f.prompt_left == f.prompt_len else 0
+            if f.out_done == 0 and f.prompt_left == f.prompt_len:
+                self.prefix_queries += f.prompt_len
+                self.prefix_hits += hit
+            if hit:
+                f.prompt_left -= hit
+                self._share(f, tokens_held=False)
+            n = min(f.prompt_left, budget)
+            self.prefilling.append(f)
+            chunks.append((f, n))
+            budget -= n
+            self.tokens += n
+        if not rows and not chunks:
+            return None
+        context = self.decode_context + rows
+        attention = context
+        tokens = rows
+        for f, n in chunks:
+            end = f.prompt_len - f.prompt_left + n
+            context += end
+            attention += n * end
+            tokens += n
+        if chunks:
+            c = self._mixed_coef
+            seconds = c[0] + c[1] * (rows + len(chunks)) + c[2] * tokens + c[3] * attention
+        else:
+            seconds = self.profile.decode.decode_seconds(rows, context)
+        self._planned = (chunks, rows, seconds)
+        self.busy_s += seconds
+        self.steps += 1
+        return now + seconds
+
+    def cut(self, now: float) -> float | None:
+        """A request arrived during a stretch of decode steps: the stretch ends with the step in
+        progress (when it ends is returned), so the next step can admit it."""
+        if self.segment is None:
+            return None
+        start, k, rows, a, g = self.segment
+        m = steps_by(a, g, now - start)
+        if m >= k:
+            return None
+        self.segment = (start, m, rows, a, g)
+        return start + segment_time(a, g, m)
+
+    def finish(self, now: float) -> None:
+        """The planned step (or stretch) ends at `now`."""
+        out = self.out
+        if self.segment is not None:
+            _, k, rows, a, g = self.segment
+            self.segment = None
+            self.busy_s += segment_time(a, g, k)
+            self.steps += k
+            self.clock += k
+            self.tokens += rows * k
+            self.decode_context += rows * k
+            # The stretch's first and last steps stand for it.
+            out.itl_seconds.extend((a + g, a + g * k))
+            out.itl_weights.extend((rows * k / 2, rows * k / 2))
+        else:
+            chunks, rows, seconds = self._planned
+            self._planned = None
+            if rows:
+                self.clock += 1
+                self.decode_context += rows
+                out.itl_seconds.append(seconds)
+                out.itl_weights.append(rows)
+            for f, n in chunks:
+                f.prompt_left -= n
+                if f.prompt_left:
+                    continue
+                self.prefilling.remove(f)
+                if self.holders is not None and f.prefix_id is not None and not f.shared:
+                    self._share(f, tokens_held=True)  # computed here: cached for the next ones
+                if math.isnan(out.ttft[f.index]):  # its first token
+                    out.ttft[f.index] = now - f.sent + self.overhead
+                f.out_left -= 1
+                f.out_done += 1
+                if f.out_left == 0:
+                    self._done(f, now, f.prompt_len)
+                    continue
+                f.joined, f.finish_at = self.clock, self.clock + f.out_left
+                self.decode_context += f.prompt_len
+                heapq.heappush(self.decoding, (f.finish_at, f.seq, f))
+        while self.decoding and self.decoding[0][0] <= self.clock:
+            _, _, f = heapq.heappop(self.decoding)
+            ctx = f.prompt_len + (self.clock - f.joined)
+            self.decode_context -= ctx
+            f.out_done += self.clock - f.joined
+            self._done(f, now, ctx)
+
+    def _done(self, f: Flow, now: float, ctx: int) -> None:
+        self.tokens -= ctx - f.shared
+        self._unshare(f)
+        self.outstanding -= 1
+        self.out.e2e[f.index] = now - f.sent + self.overhead
+        self.out.output_tokens[f.index] = f.out_done
+
+
+def segment_time(a: float, g: float, k: int) -> float:
+    """k decode steps whose first costs a + g and each the next g more."""
+    return k * a + g * k * (k + 1) / 2
+
+
+def steps_by(a: float, g: float, t: float) -> int:
+    """The step in progress at time t of a stretch: its number (1-based)."""
+    if g <= 0:
+        return max(1, math.ceil(t / a)) if a > 0 else 1
+    m = math.ceil((-(a + g / 2) + math.sqrt((a + g / 2) ** 2 + 2 * g * t)) / g)
+    while m > 1 and segment_time(a, g, m - 1) >= t:
+        m -= 1
+    while segment_time(a, g, m) < t:
+        m += 1
+    return max(1, m)
+
+
+class RunArrays:
+    """Per-request figures of a run in flat lists (a million requests do not fit in objects),
+    and inter-token times as a histogram."""
+
+    def __init__(self, n: int):
+        nan = float("nan")
+        self.start = [0.0] * n
+        self.ttft = [nan] * n
+        self.e2e = [nan] * n
+        self.output_tokens = [0] * n
+        self.input_len = [0] * n
+        # Inter-token times as they come (seconds, and how many tokens waited that long), binned
+        # into a histogram when the run ends.
+        self.itl_seconds = array("d")
+        self.itl_weights = array("d")
+
+    def itl_counts(self) -> np.ndarray:
+        seconds = np.frombuffer(self.itl_seconds, dtype=np.float64)
+        weights = np.frombuffer(self.itl_weights, dtype=np.float64)
+        return np.bincount(np.searchsorted(ITL_BUCKETS, seconds), weights, len(ITL_BUCKETS) + 1)
+
+    def arrays(self) -> RunArrays:
+        """The same figures as numpy arrays."""
+        out = RunArrays(0)
+        for name in ("start", "ttft", "e2e", "output_tokens", "input_len"):
+            setattr(out, name, np.array(getattr(self, name)))
+        out.itl_seconds, out.itl_weights = self.itl_seconds, self.itl_weights
+        return out

@@ -1,0 +1,206 @@
+"""A node's profile: what one replica's step costs as a function of what the step holds, how much
+KV it keeps, and how long it takes to start. `shoal profile` measures it (profiler.py); the
+simulator and the planner read it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# A step's shape, as the cost models read it (see StepShape.features).
+DECODE_FEATURES = ("step", "rows", "context")
+MIXED_FEATURES = ("step", "rows", "tokens", "attention")
+
+
+@dataclass
+class StepShape:
+    """What a step holds: per row, the tokens it computes now and the context they attend to."""
+
+    rows: int = 0
+    tokens: int = 0  # computed this step, over all rows (a decode row: 1, or 1 + drafts)
+    context: int = 0  # sum over rows of the context length at the row's end
+    attention: int = 0  # sum over rows of tokens x context: the attention work of prefills
+
+    @property
+    def decode_only(self) -> bool:
+        return self.tokens == self.rows
+
+    def add_row(self, tokens: int, start: int) -> None:
+        end = start + tokens
+        self.rows += 1
+        self.tokens += tokens
+        self.context += end
+        self.attention += tokens * end
+
+    def features(self) -> list[float]:
+        if self.decode_only:
+            return [1.0, self.rows, self.context]
+        return [1.0, self.rows, self.tokens, self.attention]
+
+
+def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of relative error with every coefficient at least 0 (a cost never falls as a
+    step holds more): drop the most negative coefficient and fit again until none is."""
+    w = 1.0 / np.maximum(y, 1e-6)  # relative: a 2 ms step matters as much as a 200 ms one
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def interpolation_weights(x: float, knots: list[int]) -> list[float]:
+    """Weights of the knots whose sum of weight x value interpolates linearly between the two
+    knots around x (beyond the last, it extends the last two's line)."""
+    w = [0.0] * len(knots)
+    if len(knots) == 1 or x <= knots[0]:
+        w[0] = 1.0
+        return w
+    i = next((j for j in range(len(knots) - 1) if x <= knots[j + 1]), len(knots) - 2)
+    t = (x - knots[i]) / (knots[i + 1] - knots[i])
+    w[i], w[i + 1] = 1.0 - t, t
+    return w
+
+
+@dataclass
+class StepCost:
+    """A cost model of one kind of step (decode-only, or with prompt tokens): linear in the step's
+    features, or (with `knots`) the cost of its rows interpolated between measured row counts plus
+    a cost per token of context: a CPU's kernels change path with the batch, a line does not."""
+
+    features: tuple[str, ...]
+    coef: list[float]
+    samples: int = 0
+    # Median and 90th percentile of |predicted - measured| / measured over the samples it was fit on.
+    error_p50: float = 0.0
+    error_p90: float = 0.0
+    knots: list[int] = field(default_factory=list)
+
+    def row(self, shape: StepShape) -> list[float]:
+        if self.knots:
+            return [*interpolation_weights(shape.rows, self.knots), shape.context]
+        return shape.features()
+
+    @classmethod
+    def fit(
+        cls,
+        names: tuple[str, ...],
+        shapes: list[StepShape],
+        seconds: list[float],
+        knots: list[int] | None = None,
+    ) -> StepCost:
+        if not shapes:
+            raise ValueError(f"no samples to fit a step cost over {names}")
+        if knots:
+            names = (*(f"rows={k}" for k in knots), "context")
+        model = cls(names, [], knots=list(knots or []))
+        x = np.array([model.row(s) for s in shapes], dtype=float)
+        y = np.array(seconds, dtype=float)
+        coef = fit_nonnegative(x, y)
+        err = np.abs(x @ coef - y) / y
+        model.coef = coef.tolist()
+        model.samples, model.error_p50, model.error_p90 = (
+            len(y),
+            float(np.median(err)),
+            float(np.percentile(err, 90)),
+        )
+        return model
+
+    def seconds(self, shape: StepShape) -> float:
+        return float(sum(c * f for c, f in zip(self.coef, self.row(shape))))
+
+    def decode_seconds(self, rows: int, context: int) -> float:
+        """A decode step of `rows` rows attending to `context` tokens in all (no StepShape)."""
+        if self.knots:
+            base = sum(c * w for c, w in zip(self.coef, interpolation_weights(rows, self.knots)))
+            return base + self.coef[-1] * context
+        return self.coef[0] + self.coef[1] * rows + self.coef[2] * context
+
+    @property
+    def per_context_token(self) -> float:
+        return self.coef[-1]
+
+
+@dataclass
+class NodeProfile:
+    """One replica of a model in one mode and parallel shape, on one machine."""
+
+    machine: str  # CPU model or GPU name, as measured on
+    device: str  # "cpu" or "cuda"
+    shoal_version: str
+    model: str
+    quantization: str | None
+    tensor_parallel: int
+    pipeline_parallel: int
+    num_threads: int | None
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    max_num_seqs: int  # the scheduler's settings it was measured under
+    max_num_batched_tokens: int
+    decode: StepCost
+    mixed: StepCost
+    startup_s: dict[str, float] = field(default_factory=dict)  # "first" and "again": a replica's start
+    kv_transfer: dict[str, float] = field(default_factory=dict)  # bytes per block, seconds per block
+    # What serving adds (already in the step costs above, and per request), from a real server.
+    serving: dict[str, float] = field(default_factory=dict)
+    measured_at: str = ""
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return (self.decode if shape.decode_only else self.mixed).seconds(shape)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> NodeProfile:
+        try:
+            raw = json.loads(Path(path).read_text())
+            for kind in ("decode", "mixed"):
+                raw[kind] = StepCost(**{**raw[kind], "features": tuple(raw[kind]["features"])})
+            return cls(**raw)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a shoal node profile ({exc})") from exc
+
+    def describe(self) -> str:
+        mode = self.quantization or "fp32"
+        shape = f"tp{self.tensor_parallel} pp{self.pipeline_parallel}"
+        lines = [
+            f"profile of {self.model} ({mode}, {shape}) on {self.machine} ({self.device}), "
+            f"shoal {self.shoal_version}",
+            f"KV: {self.num_kv_blocks} blocks of {self.block_size} tokens ({self.kv_tokens} tokens), "
+            f"context {self.max_model_len}",
+        ]
+        for name, cost in (("decode step", self.decode), ("mixed step", self.mixed)):
+            if cost.knots:
+                terms = ", ".join(f"{k} rows {c * 1e3:.3g} ms" for k, c in zip(cost.knots, cost.coef))
+                terms += f"; + {cost.per_context_token * 1e3:.4g} ms x context"
+            else:
+                terms = " + ".join(f"{c * 1e3:.4g} ms x {f}" for c, f in zip(cost.coef, cost.features))
+            lines.append(
+                f"{name:<12}: {terms}  ({cost.samples} steps, error p50 {100 * cost.error_p50:.1f} %, "
+                f"p90 {100 * cost.error_p90:.1f} %)"
+            )
+        if self.startup_s:
+            lines.append("start-up    : " + ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
+        if self.serving:
+            lines.append(
+                f"serving adds: {1e3 * self.serving['per_step_s']:.2f} ms a step, "
+                f"{1e3 * self.serving['per_row_s']:.2f} ms a row, "
+                f"{1e3 * self.serving['per_request_s']:.1f} ms a request"
+            )
+        if self.kv_transfer:
+            lines.append("KV transfer : " + ", ".join(f"{k} {v:.4g}" for k, v in self.kv_transfer.items()))
+        return "\n".join(lines)

@@ -1,0 +1,265 @@
+"""`shoal profile`: runs the real engine through steps of known shapes (decode batches over several
+context lengths, prompts of several lengths, prompts arriving into running batches), times each
+step as the engine loop runs it, and fits the step cost models of a NodeProfile."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import numpy as np
+
+from shoal import __version__
+from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
+
+FIRST_PLAIN_ID = 1000  # ids clear of the special tokens at the start of most vocabularies
+
+
+@dataclass
+class ProfileConfig:
+    engine_options: dict = field(default_factory=dict)  # as `shoal serve` takes them (LLM(**options))
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    contexts: tuple[int, ...] = (32, 512, 1536)
+    prompt_lengths: tuple[int, ...] = (32, 128, 512, 1024, 2048)
+    decode_steps: int = 10  # decode steps timed per batch
+    repeats: int = 2  # each scenario run this often (the median of noisy steps is what the fit sees)
+    startup: bool = True  # time a replica's start in a fresh process, twice
+    # `shoal serve` flags for the same engine: when given, a server is started with them and the
+    # profile is calibrated to what serving adds to each step (streams, HTTP) and to each request.
+    serve_flags: list[str] | None = None
+    # Calibrate through a gateway (`shoal fleet up --replicas 1`) rather than a bare server: on a
+    # machine where the gateway shares the replicas' cores, its relaying is part of every step.
+    through_gateway: bool = False
+    serve_batches: tuple[int, ...] = (1, 4, 16)
+    seed: int = 0
+
+
+def step_shape(so) -> StepShape:
+    shape = StepShape()
+    for sr in so.scheduled:
+        shape.add_row(len(sr.token_ids) + len(sr.spec_token_ids), sr.start_pos)
+    return shape
+
+
+class StepRecorder:
+    """Feeds prompts of random tokens to an engine and times each of its steps by shape."""
+
+    def __init__(self, engine, seed: int):
+        self.engine = engine
+        self.rng = random.Random(seed)
+        self.vocab = engine.tokenizer.vocab_size
+        self.samples: list[tuple[StepShape, float]] = []
+        self._ids = 0
+
+    def prompt(self, n: int) -> list[int]:
+        # Random ids, so no two prompts share a cached prefix.
+        return [self.rng.randrange(FIRST_PLAIN_ID, self.vocab) for _ in range(n)]
+
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        from shoal.engine.sampling_params import SamplingParams
+
+        self._ids += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        self.engine.add_request(f"profile-{self._ids}", self.prompt(prompt_len), params)
+
+    def run(self, inject: dict[int, list[int]] | None = None, record: bool = True) -> None:
+        """Steps until idle; `inject` adds prompts of the given lengths before step i."""
+        core, i = self.engine.core, 0
+        while self.engine.has_unfinished_requests():
+            for n in (inject or {}).get(i, ()):
+                self.add(n, 4)
+            before = core.num_steps
+            t0 = time.perf_counter()
+            self.engine.step()
+            dt = time.perf_counter() - t0
+            if record and core.num_steps > before and core.last_step is not None:
+                self.samples.append((step_shape(core.last_step), dt))
+            i += 1
+
+
+def run_scenarios(rec: StepRecorder, cfg: ProfileConfig, max_seqs: int, kv_tokens: int, max_len: int) -> None:
+    # Warm the kernels and allocator before anything is timed.
+    rec.add(64, 4)
+    rec.run(record=False)
+    for _ in range(cfg.repeats):
+        for ctx in cfg.contexts:
+            for b in cfg.decode_batches:
+                if (
+                    b > max_seqs
+                    or ctx + cfg.decode_steps >= max_len
+                    or b * (ctx + cfg.decode_steps) > 0.8 * kv_tokens
+                ):
+                    continue
+                for _ in range(b):
+                    rec.add(ctx, cfg.decode_steps)
+                rec.run()
+        for n in cfg.prompt_lengths:
+            if n < max_len:
+                rec.add(n, 1)
+                rec.run()
+        # Prompts arriving into a running batch: the mixed steps a server sees all day.
+        for b in (4, 16):
+            if b > max_seqs - 3:
+                continue
+            for _ in range(b):
+                rec.add(256, 16)
+            rec.run(inject={2: [64], 5: [512], 9: [min(1024, max_len - 8)]})
+
+
+def time_startup(engine_options: dict) -> dict[str, float]:
+    """Seconds from a fresh interpreter to an engine ready to step, twice: the first start may read
+    the weights from disk, the second finds them in the page cache."""
+    code = (
+        "import json, sys, time; t = time.perf_counter(); from shoal.llm import LLM; "
+        "LLM(**json.loads(sys.argv[1])); print(time.perf_counter() - t)"
+    )
+    out = {}
+    for label in ("first", "again"):
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(engine_options)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"the engine did not start: {proc.stderr.strip()[-400:]}")
+        out[label] = time.perf_counter() - t0
+    return out
+
+
+def measure(cfg: ProfileConfig) -> NodeProfile:
+    from shoal.kernels.build import cpu_model_name
+    from shoal.llm import LLM
+
+    llm = LLM(**cfg.engine_options)
+    try:
+        engine = llm.engine
+        core, ec = engine.core, engine.config
+        kv = core.scheduler.kv
+        rec = StepRecorder(engine, cfg.seed)
+        run_scenarios(
+            rec, cfg, ec.scheduler.max_num_seqs, kv.pool.num_blocks * kv.block_size, engine.max_model_len
+        )
+        decode = [(s, t) for s, t in rec.samples if s.decode_only]
+        mixed = [(s, t) for s, t in rec.samples if not s.decode_only]
+        machine = cpu_model_name()
+        if ec.device.startswith("cuda"):
+            import torch
+
+            machine = torch.cuda.get_device_name()
+        profile = NodeProfile(
+            machine=machine,
+            device=ec.device,
+            shoal_version=__version__,
+            model=engine.model_name,
+            quantization=ec.quantization,
+            tensor_parallel=ec.parallel.tensor_parallel_size,
+            pipeline_parallel=ec.parallel.pipeline_parallel_size,
+            num_threads=ec.num_threads,
+            block_size=kv.block_size,
+            num_kv_blocks=kv.pool.num_blocks,
+            max_model_len=engine.max_model_len,
+            max_num_seqs=ec.scheduler.max_num_seqs,
+            max_num_batched_tokens=ec.scheduler.max_num_batched_tokens,
+            decode=StepCost.fit(
+                DECODE_FEATURES,
+                [s for s, _ in decode],
+                [t for _, t in decode],
+                # The batches it ran, not every row count a mixed scenario passed through: a
+                # knot seen in a few steps only would fit their noise.
+                knots=sorted({b for b in cfg.decode_batches if b <= ec.scheduler.max_num_seqs}),
+            ),
+            mixed=StepCost.fit(MIXED_FEATURES, [s for s, _ in mixed], [t for _, t in mixed]),
+            measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+    finally:
+        llm.shutdown()
+    if cfg.serve_flags is not None:
+        calibrate_to_server(profile, cfg)
+    if cfg.startup:
+        profile.startup_s = time_startup(cfg.engine_options)
+    return profile
+
+
+def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
+    """Streams batches of requests through a real `shoal serve` of the same engine (or a gateway
+    in front of one) and compares
+    their inter-token times with the engine's decode steps: the difference, per step and per row,
+    is what serving adds (streaming each token to its client, the HTTP front); the time to a
+    single request's first token beyond its prefill step is what each request adds."""
+    from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+    from shoal.fleet.control.launchers.local import free_port
+
+    port = free_port()
+    if cfg.through_gateway:
+        command = ["fleet", "up", "--replicas", "1", "--replica-args", " ".join(cfg.serve_flags)]
+    else:
+        command = ["serve", *cfg.serve_flags]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", *command, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, proc)
+        prompt, steps = 128, 48
+        measured = []
+        for b in cfg.serve_batches:
+            if b > profile.max_num_seqs:
+                continue
+            bench = ServeBenchConfig(
+                base_url=url,
+                num_requests=2 * b,
+                input_len=prompt,
+                output_len=steps,
+                max_concurrency=b,
+                seed=b,
+            )
+            measured.append((b, run_serve_bench(bench)))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    rows = np.array([b for b, _ in measured], dtype=float)
+    extra = np.array(
+        [s["itl_s"]["p50"] - profile.decode.decode_seconds(b, b * (prompt + steps // 2)) for b, s in measured]
+    )
+    step_s, row_s = (
+        np.clip(np.polyfit(rows, extra, 1)[::-1], 0, None) if len(rows) > 1 else (max(0, extra[0]), 0)
+    )
+    profile.decode.coef = [
+        *(c + step_s + row_s * k for c, k in zip(profile.decode.coef, profile.decode.knots)),
+        profile.decode.coef[-1],
+    ]
+    profile.mixed.coef[0] += step_s
+    profile.mixed.coef[1] += row_s
+    one = StepShape()
+    one.add_row(prompt, 0)
+    first = measured[0][1]["ttft_s"]["p50"] - profile.step_seconds(one)
+    profile.serving = {
+        "per_step_s": float(step_s),
+        "per_row_s": float(row_s),
+        "per_request_s": max(0.0, first),
+    }
+
+
+def wait_for(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shoal serve exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"shoal serve was not ready within {timeout:.0f} s")

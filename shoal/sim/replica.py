@@ -1,0 +1,125 @@
+"""One simulated replica: shoal's own scheduler and KV cache manager (token budget, chunked prefill,
+prefix hits, preemption, priorities, all as the engine runs them), with the model's forward
+replaced by the profile's cost of each step. Time is the simulator's, never the wall clock."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shoal.bench.report import RequestRecord
+from shoal.engine.block_pool import BlockPool
+from shoal.engine.config import SchedulerConfig
+from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.request import Request, RequestStatus
+from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.sim.profile import NodeProfile, StepShape
+from shoal.sim.profiler import step_shape
+from shoal.sim.workload import SimRequest
+
+OUTPUT_TOKEN = 999  # what every simulated step "samples"; EOS is never it (requests ignore EOS)
+
+
+@dataclass
+class ReplicaShape:
+    """The scheduler settings a replica runs with (the profile says what its steps cost)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    # Seconds a request spends outside the engine on its way in and out (HTTP, tokenizing, the
+    # gateway's hop), added to its latencies; None: what the profile measured of a real server.
+    request_overhead_s: float | None = None
+
+
+@dataclass
+class Tracked:
+    req: SimRequest
+    record: RequestRecord
+    sent: float
+
+
+def request_overhead(profile: NodeProfile, shape: ReplicaShape) -> float:
+    if shape.request_overhead_s is not None:
+        return shape.request_overhead_s
+    return profile.serving.get("per_request_s", 0.0)
+
+
+class SimReplica:
+    def __init__(self, name: str, profile: NodeProfile, shape: ReplicaShape, kv_events: bool = False):
+        self.name = name
+        self.profile = profile
+        self.shape = shape
+        self.pool = BlockPool(profile.num_kv_blocks, enable_caching=True, enable_events=kv_events)
+        self.kv = KVCacheManager(self.pool, profile.block_size)
+        cfg = SchedulerConfig(shape.max_num_seqs, shape.max_num_batched_tokens)
+        self.scheduler = Scheduler(cfg, self.kv, profile.max_model_len, frozenset())
+        self.overhead = request_overhead(profile, shape)
+        self.tracked: dict[str, Tracked] = {}
+        self.step_ends: float | None = None  # when the step in progress ends (None: idle)
+        self._step: SchedulerOutput | None = None
+        self.busy_s = 0.0
+        self.steps = 0
+        self._last_arrival = -math.inf
+        self.shapes: list[StepShape] | None = None  # a list: each step's shape is kept in it
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.tracked)
+
+    def add(self, req: SimRequest, now: float, record: RequestRecord) -> None:
+        if req.prompt is None:
+            raise ValueError("the exact simulator needs each prompt's tokens (or use the fast one)")
+        room = self.profile.max_model_len - len(req.prompt)
+        max_tokens = max(1, min(req.output_len, room))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        # Strictly after the last one, as the engine's clock has it: the scheduler orders requests
+        # of one priority by arrival, and a tie would put a preempted request behind newer ones.
+        self._last_arrival = max(now, math.nextafter(self._last_arrival, math.inf))
+        self.scheduler.add_request(
+            Request(
+                req.id,
+                req.prompt,
+                params,
+                max_tokens=max_tokens,
+                seed=0,
+                priority=req.priority,
+                arrival_time=self._last_arrival,
+            )
+        )
+        self.tracked[req.id] = Tracked(req, record, now)
+
+    def start_step(self, now: float) -> float | None:
+        """Schedules a step at `now`; returns when it ends, or None when there is nothing to run."""
+        if not self.scheduler.num_unfinished:
+            return None
+        so = self.scheduler.schedule()
+        if so.empty:
+            return None
+        shape = step_shape(so)
+        if self.shapes is not None:
+            self.shapes.append(shape)
+        seconds = self.profile.step_seconds(shape)
+        self._step, self.step_ends = so, now + seconds
+        self.busy_s += seconds
+        self.steps += 1
+        return self.step_ends
+
+    def end_step(self, now: float) -> list[Tracked]:
+        """The step's tokens arrive at `now`; returns the requests that finished."""
+        so, self._step, self.step_ends = self._step, None, None
+        sampled = {sr.request_id: [OUTPUT_TOKEN] for sr in so.scheduled if sr.sample}
+        finished = []
+        for req in self.scheduler.update_from_output(so, ModelRunnerOutput(sampled=sampled)):
+            t = self.tracked[req.request_id]
+            rec = t.record
+            if rec.ttft is None:
+                rec.ttft = now - t.sent + self.overhead
+            rec.chunk_times.append(now + self.overhead)
+            rec.output_tokens += 1
+            if req.status != RequestStatus.RUNNING:
+                rec.ok = req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+                rec.e2e = now - t.sent + self.overhead
+                finished.append(self.tracked.pop(req.request_id))
+        return finished

@@ -1,0 +1,239 @@
+"""shoal/sim: the simulated replica steps as the engine schedules, the profile's fit, the gateway's
+routing inside the simulator, the planner's search, a real server predicted within 20 %, and a
+gateway trace replayed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import replace
+
+import httpx
+import numpy as np
+import pytest
+
+from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.engine.sampling_params import SamplingParams
+from shoal.llm import LLM
+from shoal.sim.fast import FastFleet
+from shoal.sim.fleet import FleetShape, FleetSim
+from shoal.sim.planner import SLO, PlanConfig, check, fleet_check, plan
+from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
+from shoal.sim.profiler import ProfileConfig, StepRecorder, measure
+from shoal.sim.replica import ReplicaShape
+from shoal.sim.workload import Lengths, SimRequest, WorkloadSpec, load_trace, tokens
+from tests.fleet_helpers import start_gateway
+from tests.server_helpers import start_server
+
+
+def synthetic_profile(num_blocks: int = 4096, max_len: int = 2048, block_size: int = 16) -> NodeProfile:
+    """A profile of made-up costs: 10 ms a step, 0.5 ms a row, 0.2 ms a prompt token."""
+    return NodeProfile(
+        machine="made up",
+        device="cpu",
+        shoal_version="test",
+        model="synthetic",
+        quantization=None,
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        num_threads=None,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_model_len=max_len,
+        max_num_seqs=128,
+        max_num_batched_tokens=2048,
+        decode=StepCost(DECODE_FEATURES, [0.010, 0.0005, 1e-7]),
+        mixed=StepCost(MIXED_FEATURES, [0.010, 0.0005, 0.0002, 1e-9]),
+    )
+
+
+def test_a_simulated_replica_schedules_every_step_as_the_engine_does(bundled):
+    """Chunked prefill (a 64-token budget), shared prefixes (prefix hits) and a pool too small for
+    all of it (preemption): the simulator's steps have the engine's own shapes, step for step."""
+    rng = random.Random(3)
+    head = tokens(rng, 48)
+    prompts = [(head if i % 2 else []) + tokens(rng, rng.randint(20, 140)) for i in range(12)]
+    max_tokens = [rng.randint(8, 40) for _ in prompts]
+    options = dict(num_blocks=40, max_num_seqs=6, max_num_batched_tokens=64, max_model_len=512)
+    llm = LLM(loaded=bundled, quantization="none", **options)
+    rec = StepRecorder(llm.engine, seed=0)
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        llm.engine.add_request(f"r{i}", p, params)
+    rec.run()
+    engine_steps = [(s.rows, s.tokens, s.context) for s, _ in rec.samples]
+    assert llm.engine.core.scheduler.num_preemptions > 0  # the case covers preemption
+
+    profile = synthetic_profile(num_blocks=40, max_len=512)
+    shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=6, max_num_batched_tokens=64))
+    sim = FleetSim(profile, shape)
+    shapes = sim.replicas[0].shapes = []
+    result = sim.run([SimRequest(f"r{i}", 0.0, p, n) for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    assert [(s.rows, s.tokens, s.context) for s in shapes] == engine_steps
+    assert sum(r.output_tokens for r in result.records) == sum(max_tokens)
+
+
+def test_the_step_cost_fit_recovers_the_costs_that_made_the_steps():
+    rng = np.random.default_rng(0)
+    truth_decode, truth_mixed = [0.004, 0.0003, 2e-7], [0.006, 0.0002, 0.00015, 3e-9]
+    decode, mixed = [], []
+    for _ in range(200):
+        s = StepShape()
+        for _ in range(int(rng.integers(1, 64))):
+            s.add_row(1, int(rng.integers(10, 2000)))
+        decode.append(s)
+        m = StepShape()
+        m.add_row(int(rng.integers(16, 2048)), int(rng.integers(0, 512)))
+        for _ in range(int(rng.integers(0, 16))):
+            m.add_row(1, int(rng.integers(10, 2000)))
+        mixed.append(m)
+    noisy = lambda truth, s: float(np.dot(truth, s.features())) * rng.normal(1, 0.02)  # noqa: E731
+    d = StepCost.fit(DECODE_FEATURES, decode, [noisy(truth_decode, s) for s in decode])
+    m = StepCost.fit(MIXED_FEATURES, mixed, [noisy(truth_mixed, s) for s in mixed])
+    np.testing.assert_allclose(d.coef, truth_decode, rtol=0.15)
+    np.testing.assert_allclose(m.coef[:3], truth_mixed[:3], rtol=0.15)
+    assert d.error_p50 < 0.03 and m.error_p50 < 0.03
+
+
+def test_kv_aware_routing_in_the_simulator_finds_the_shared_prefixes():
+    """The gateway's own kv_aware policy, fed by the simulated replicas' KV events, sends prompts
+    where their prefix is: far more prompt tokens come from the cache than under round robin."""
+    spec = WorkloadSpec(
+        num_requests=400,
+        rate=40.0,
+        input_len=Lengths("fixed", 512),
+        output_len=Lengths("fixed", 16),
+        num_prefixes=8,  # two a replica fit its pool; all eight do not
+        prefix_len=448,
+        seed=1,
+    )
+    hit = {}
+    for routing in ("kv_aware", "round_robin"):
+        sim = FleetSim(synthetic_profile(num_blocks=100), FleetShape(4, routing))
+        result = sim.run(spec.requests())
+        assert result.summary()["completed"] == 400
+        kv = [r.kv for r in sim.replicas]
+        hit[routing] = sum(k.prefix_hits for k in kv) / sum(k.prefix_queries for k in kv)
+    assert hit["kv_aware"] > 0.65 > 0.4 > hit["round_robin"], hit
+
+
+def test_the_planner_finds_the_fewest_replicas_that_meet_the_slo():
+    profile = synthetic_profile()
+    spec = WorkloadSpec(rate=30.0, input_len=Lengths("fixed", 512), output_len=Lengths("fixed", 64), seed=2)
+    cfg = PlanConfig(SLO(ttft_p99_s=0.5), batch_sizes=(8, 32), chunk_sizes=(2048,), requests_per_check=600)
+    rows, best = plan(profile, spec, cfg)
+    assert best is not None and best.floor <= best.replicas <= best.split
+    assert all(r.replicas is None or r.replicas >= best.replicas for r in rows)
+    # The split: one replica at rate / N holds the SLO at the split's N and not at one fewer.
+    assert cfg.slo.met(check(profile, best.shape, spec, best.split, cfg))
+    assert best.split == 1 or not cfg.slo.met(check(profile, best.shape, spec, best.split - 1, cfg))
+    # The whole fleet behind the gateway's routing: the fewest, by the exact simulator too.
+    fleet = fleet_check(profile, best.shape, spec, best.replicas, cfg)
+    assert cfg.slo.met(fleet)
+    exact = FleetSim(profile, FleetShape(best.replicas, cfg.routing, best.shape))
+    exact_summary = exact.run(replace(spec, num_requests=300 * best.replicas).requests()).summary()
+    assert exact_summary["ttft_s"]["p99"] <= 1.2 * cfg.slo.ttft_p99_s
+    if best.replicas > best.floor:
+        assert not cfg.slo.met(fleet_check(profile, best.shape, spec, best.replicas - 1, cfg))
+    doubled = fleet_check(profile, best.shape, spec, best.replicas, cfg, scale=2.0)
+    assert doubled["ttft_s"]["p99"] > fleet["ttft_s"]["p99"]
+
+
+def test_the_fast_simulator_agrees_with_the_exact_one():
+    """The fast simulator's aggregate rules against the engine's own scheduler, on fleets with
+    shared prefixes, a pool small enough to preempt, and both routing kinds."""
+    spec = WorkloadSpec(
+        num_requests=1500,
+        rate=14.0,
+        input_len=Lengths("uniform", 512, 256),
+        output_len=Lengths("uniform", 128, 96),
+        num_prefixes=8,
+        prefix_len=384,
+        seed=3,
+    )
+    for routing, blocks in (("kv_aware", 4096), ("least_load", 300)):
+        profile = synthetic_profile(num_blocks=blocks)
+        shape = FleetShape(4, routing, ReplicaShape(64, 2048))
+        exact = FleetSim(profile, shape).run(spec.requests()).summary()
+        fast = FastFleet(profile, shape).run(spec.requests(with_tokens=False)).summary()
+        for key, within in (("ttft_s", 0.5), ("itl_s", 0.25), ("e2e_s", 0.15)):
+            e, f = exact[key]["p50"], fast[key]["p50"]
+            assert abs(f - e) <= within * e, (routing, key, e, f)
+        thr = exact["output_token_throughput"], fast["output_token_throughput"]
+        assert abs(thr[1] - thr[0]) <= 0.02 * thr[0], (routing, thr)
+
+
+ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)
+SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16"]
+
+
+@pytest.fixture(scope="module")
+def node_profile(tmp_path_factory):
+    """This machine's profile of the bundled model as the server below runs it (a quick one)."""
+    cfg = ProfileConfig(ENGINE, decode_batches=(1, 4, 8, 16), contexts=(64, 384), prompt_lengths=(64, 256))
+    cfg.repeats, cfg.startup, cfg.serve_flags = 1, False, SERVE_FLAGS
+    profile = measure(cfg)
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    profile.save(path)
+    return NodeProfile.load(path)
+
+
+def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
+    """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
+    the same workload simulated from the node's profile."""
+    server = start_server("--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16")
+    try:
+        measured = run_serve_bench(
+            ServeBenchConfig(
+                base_url=server.url, num_requests=32, input_len=128, output_len=48, max_concurrency=8
+            )
+        )
+    finally:
+        server.stop()
+    spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
+    shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
+    predicted = FleetSim(node_profile, shape).run(spec.requests()).summary()
+    pairs = {
+        "throughput": (measured["output_token_throughput"], predicted["output_token_throughput"]),
+        "TTFT p50": (measured["ttft_s"]["p50"], predicted["ttft_s"]["p50"]),
+        "ITL p50": (measured["itl_s"]["p50"], predicted["itl_s"]["p50"]),
+    }
+    off = {k: abs(p - m) / m for k, (m, p) in pairs.items()}
+    assert all(v <= 0.2 for v in off.values()), {k: (pairs[k], f"{100 * v:.0f} %") for k, v in off.items()}
+
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_a_gateways_trace_replays_in_the_simulator(chat_server, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    gw = start_gateway([chat_server.url], "--record-trace", str(trace))
+    try:
+        sent = []
+        for i in range(4):
+            body = {"model": MODEL, "prompt": f"Count to {i + 3}:" * (i + 1), "max_tokens": 5 + i}
+            body["ignore_eos"] = True
+            resp = httpx.post(gw.url + "/v1/completions", json=body, timeout=60)
+            assert resp.status_code == 200, resp.text
+            sent.append(resp.json()["usage"])
+        resp = httpx.post(
+            gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}, timeout=60
+        )
+        assert resp.status_code == 400
+    finally:
+        gw.stop()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    ok = [rec for rec in lines if rec["ok"]]
+    assert [(r["input_len"], r["output_len"]) for r in ok] == [
+        (u["prompt_tokens"], u["completion_tokens"]) for u in sent
+    ]
+    assert all(r["t"] > 0 and r["tenant"] and r["block_hashes"] is not None for r in ok)
+    reqs = load_trace(trace)
+    assert len(reqs) == len(lines) == len(sent) + 1  # the refused one arrived too
+    assert [(len(r.prompt), r.output_len) for r in reqs[: len(sent)]] == [
+        (u["prompt_tokens"], u["completion_tokens"]) for u in sent
+    ]
+    assert reqs[0].arrival == 0.0 and all(a.arrival <= b.arrival for a, b in itertools.pairwise(reqs))
+    result = FleetSim(synthetic_profile(), FleetShape(1)).run(reqs)
+    assert result.summary()["completed"] == len(reqs)
