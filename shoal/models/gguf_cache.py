@@ -51,12 +51,16 @@ class CachedModel:
     tokenizer: Tokenizer
     entry: Path
 
-    def weights(self, shard: ModelShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The float weights; with `shard`, only that rank's slices of the tensors on its stage."""
+    def weights(
+        self, shard: ModelShard | None = None, skip: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The float weights; with `shard`, only that rank's slices of the tensors on its stage;
+        none whose (rank's) name is in `skip`, unread."""
         shard = shard or ModelShard(self.config)
         with safe_open(str(self.entry / "model.safetensors"), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if shard.local_name(name) is not None:
+                local = shard.local_name(name)
+                if local is not None and local not in skip:
                     yield name, read_slice(f, name, shard)
 
     def block_formats(self) -> dict[str, str]:

@@ -222,12 +222,16 @@ class LlamaForCausalLM(nn.Module):
 
     # --- weights -------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], left_out: frozenset[str] = frozenset()
+    ) -> None:
         """Loads HF-named tensors, fusing q/k/v and gate/up into their packed parameters. Under
         tensor or pipeline parallelism the tensors are this rank's (see `ModelShard`), named as
-        in the whole model; tensors of other stages are skipped."""
+        in the whole model; tensors of other stages are skipped. `left_out`: (this rank's) names
+        of tensors not given because their parameters are replaced before use (quantization)."""
         cfg = self.cfg
         params = dict(self.named_parameters())
+        replaced = {module_name(n.removeprefix("model."), params)[0] for n in left_out}
         qkv_rows = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size)}
         qkv_rows["v_proj"] = (cfg.q_size + cfg.kv_size, cfg.kv_size)
         covered: dict[str, int] = {}  # parameter -> rows loaded
@@ -256,6 +260,10 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
                 dst.copy_(tensor)
                 covered[target] = covered.get(target, 0) + (dst.shape[0] if dst.dim() else 1)
-        missing = [p for p, t in params.items() if covered.get(p, 0) < (t.shape[0] if t.dim() else 1)]
+        missing = [
+            p
+            for p, t in params.items()
+            if p not in replaced and covered.get(p, 0) < (t.shape[0] if t.dim() else 1)
+        ]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}")

@@ -21,7 +21,7 @@ from shoal.models.gguf_meta import open_gguf
 from shoal.models.hf_loader import iter_hf_weights, load_hf_config
 from shoal.models.llama import Communicator, LlamaForCausalLM
 from shoal.models.parallel import ModelShard
-from shoal.models.quant import BlockWeights, quantize_model, resolve_quantization
+from shoal.models.quant import BlockWeights, quantize_model, resolve_quantization, stored_projection_names
 from shoal.models.sharded_read import take_blocks
 from shoal.models.tokenizer import Tokenizer
 
@@ -58,7 +58,7 @@ def load_model(
         if cached is not None:
             cfg, tokenizer = cached.config, cached.tokenizer
             shard = ModelShard(cfg, *parallel) if parallel else None
-            weights = cached.weights(shard)
+            weights = None  # read once the model says which it needs
             quantization = resolve_quantization(quantization, cached.block_formats())
             if quantization == "int4":
                 stored = cached.blocks(shard)
@@ -79,10 +79,17 @@ def load_model(
     # Parameters are materialised empty and filled from the checkpoint: no random init cost.
     net = net.to_empty(device=device).to(dtype)
     net.rope.rebuild(device)  # buffers built on meta carry no values
-    net.load_weights((n, t.to(device)) for n, t in weights)
-    net.eval().requires_grad_(False)
     if shard is not None:  # stored blocks by the names this rank's model gives them
         stored = {shard.local_name(n): b for n, b in stored.items() if shard.local_name(n)}
+    # int4 runs the projections a GGUF stores in blocks from those blocks: their float weights
+    # would be read (most of a start's reading) only to be thrown away.
+    left_out = (
+        stored_projection_names(net, stored) if quantization == "int4" and weights is None else frozenset()
+    )
+    if weights is None:
+        weights = cached.weights(shard, left_out)
+    net.load_weights(((n, t.to(device)) for n, t in weights), left_out)
+    net.eval().requires_grad_(False)
     if quantization is not None:
         quantize_model(net, quantization, {k: b.to(device) for k, b in stored.items()})
     return LoadedModel(

@@ -247,13 +247,32 @@ def quantize_model(model: nn.Module, method: str, stored: dict[str, BlockWeights
         model.lm_head = BlockQuantLinear(stored.get(key) or quantize_q8_0(head))
 
 
+def _stored_parts(stored: dict[str, BlockWeights], module: str, fused: str) -> list[str] | None:
+    """The checkpoint names of a fused projection's parts, when all are stored in one format."""
+    names = [f"{module}.{p}.weight" for p in PACKED_PARTS.get(fused, (fused,))]
+    parts = [stored.get(n) for n in names]
+    if any(p is None for p in parts) or len({p.format for p in parts}) != 1:
+        return None
+    return names
+
+
+def stored_projection_names(model: nn.Module, stored: dict[str, BlockWeights]) -> frozenset[str]:
+    """The checkpoint names of the projection weights that int4 runs from `stored` blocks as they
+    are: their float copies are replaced unused, so they need not be read at all."""
+    out = set()
+    for i, layer in enumerate(model.layers):
+        for _, name, path in layer.projection_sites():
+            out.update(_stored_parts(stored, f"model.layers.{i}.{path}", name) or ())
+    return frozenset(out)
+
+
 def _stored_projection(stored: dict[str, BlockWeights], module: str, fused: str) -> BlockWeights | None:
     """The GGUF blocks of a fused projection of `module` ("model.layers.0.self_attn"), when all its
     parts are stored in one block format."""
-    names = PACKED_PARTS.get(fused, (fused,))
-    parts = [stored.get(f"{module}.{p}.weight") for p in names]
-    if any(p is None for p in parts) or len({p.format for p in parts}) != 1:
+    names = _stored_parts(stored, module, fused)
+    if names is None:
         return None
+    parts = [stored[n] for n in names]
     if len(parts) == 1:
         return parts[0]
     mn = None if parts[0].mn is None else torch.cat([p.mn for p in parts])

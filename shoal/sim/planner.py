@@ -39,8 +39,8 @@ class PlanConfig:
     batch_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)
     chunk_sizes: tuple[int, ...] = (512, 2048)
     requests_per_check: int = 2000  # simulated for one replica at its share of the load
-    requests_per_replica: int = 300  # a whole fleet's simulation: this many a replica...
-    max_fleet_requests: int = 300_000  # ...up to this many
+    requests_per_replica: int = 200  # a whole fleet's simulation: this many a replica...
+    max_fleet_requests: int = 50_000  # ...up to this many
     refine_within: float = 1.25  # shapes within this factor of the cheapest split are simulated whole
     routing: str = "least_load"
     max_replicas: int = 100_000
@@ -177,7 +177,10 @@ def plan(
     if not math.isfinite(spec.rate) or spec.rate <= 0:
         raise ValueError("plan needs a finite arrival rate (requests per second, or users and think time)")
     out = []
-    for batch in cfg.batch_sizes:
+    # A batch past what the KV cache holds at these lengths runs as that one does: tried once.
+    fits = max(1, profile.kv_tokens // max(1, spec.input_len.mean + spec.output_len.mean))
+    batches = sorted({min(b, max(fits, min(cfg.batch_sizes))) for b in cfg.batch_sizes})
+    for batch in batches:
         for chunk in cfg.chunk_sizes:
             shape = ReplicaShape(max_num_seqs=batch, max_num_batched_tokens=chunk)
             out.append(fewest_replicas(profile, shape, spec, cfg))

@@ -4,6 +4,8 @@ step as the engine loop runs it, and fits the step cost models of a NodeProfile.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 import subprocess
@@ -222,7 +224,8 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
                 max_concurrency=b,
                 seed=b,
             )
-            measured.append((b, run_serve_bench(bench)))
+            with contextlib.redirect_stdout(io.StringIO()):  # its report is not the profile's
+                measured.append((b, run_serve_bench(bench)))
     finally:
         proc.terminate()
         proc.wait(60)
