@@ -16,29 +16,9 @@ import time
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape
 from shoal.sim.planner import replica_capacity
-from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost
+from shoal.sim.profile import NodeProfile, made_up_profile
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.workload import Lengths, WorkloadSpec
-
-
-def made_up_profile() -> NodeProfile:
-    return NodeProfile(
-        machine="made up",
-        device="cpu",
-        shoal_version="benchmark",
-        model="made up",
-        quantization=None,
-        tensor_parallel=1,
-        pipeline_parallel=1,
-        num_threads=None,
-        block_size=16,
-        num_kv_blocks=8192,
-        max_model_len=2048,
-        max_num_seqs=64,
-        max_num_batched_tokens=2048,
-        decode=StepCost(DECODE_FEATURES, [0.010, 0.0005, 1e-7]),
-        mixed=StepCost(MIXED_FEATURES, [0.010, 0.0005, 0.0002, 1e-9]),
-    )
 
 
 def main() -> None:
@@ -48,7 +28,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--routing", default="kv_aware")
     args = ap.parse_args()
-    profile = NodeProfile.load(args.profile) if args.profile else made_up_profile()
+    profile = NodeProfile.load(args.profile) if args.profile else made_up_profile(num_blocks=8192)
     shape = ReplicaShape(64, 2048)
     spec = WorkloadSpec(
         num_requests=args.requests,

@@ -19,7 +19,14 @@ from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.planner import SLO, PlanConfig, check, fleet_check, plan
-from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
+from shoal.sim.profile import (
+    DECODE_FEATURES,
+    MIXED_FEATURES,
+    NodeProfile,
+    StepCost,
+    StepShape,
+    made_up_profile,
+)
 from shoal.sim.profiler import ProfileConfig, StepRecorder, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.workload import Lengths, SimRequest, WorkloadSpec, load_trace, tokens
@@ -28,24 +35,7 @@ from tests.server_helpers import start_server
 
 
 def synthetic_profile(num_blocks: int = 4096, max_len: int = 2048, block_size: int = 16) -> NodeProfile:
-    """A profile of made-up costs: 10 ms a step, 0.5 ms a row, 0.2 ms a prompt token."""
-    return NodeProfile(
-        machine="made up",
-        device="cpu",
-        shoal_version="test",
-        model="synthetic",
-        quantization=None,
-        tensor_parallel=1,
-        pipeline_parallel=1,
-        num_threads=None,
-        block_size=block_size,
-        num_kv_blocks=num_blocks,
-        max_model_len=max_len,
-        max_num_seqs=128,
-        max_num_batched_tokens=2048,
-        decode=StepCost(DECODE_FEATURES, [0.010, 0.0005, 1e-7]),
-        mixed=StepCost(MIXED_FEATURES, [0.010, 0.0005, 0.0002, 1e-9]),
-    )
+    return made_up_profile(num_blocks, max_len, block_size)
 
 
 def test_a_simulated_replica_schedules_every_step_as_the_engine_does(bundled):

@@ -204,3 +204,26 @@ class NodeProfile:
         if self.kv_transfer:
             lines.append("KV transfer : " + ", ".join(f"{k} {v:.4g}" for k, v in self.kv_transfer.items()))
         return "\n".join(lines)
+
+
+def made_up_profile(num_blocks: int = 4096, max_model_len: int = 2048, block_size: int = 16) -> NodeProfile:
+    """A profile of made-up costs (10 ms a step, 0.5 ms a row, 0.2 ms a prompt token) of a small
+    model's shape: for examples, tests of the simulator's rules, and its speed at scale, none of
+    which depends on what a step costs."""
+    return NodeProfile(
+        machine="made up",
+        device="cpu",
+        shoal_version="-",
+        model="made up",
+        quantization=None,
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        num_threads=None,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=128,
+        max_num_batched_tokens=2048,
+        decode=StepCost(DECODE_FEATURES, [0.010, 0.0005, 1e-7]),
+        mixed=StepCost(MIXED_FEATURES, [0.010, 0.0005, 0.0002, 1e-9]),
+    )
