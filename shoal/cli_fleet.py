@@ -92,6 +92,18 @@ def _gateway_config(args):
     return fleet
 
 
+def _trace_refused(path: str | None) -> bool:
+    """Whether --record-trace names a file that cannot be appended to (and says so)."""
+    if path is None:
+        return False
+    try:
+        with open(path, "a"):
+            return False
+    except OSError as exc:
+        print(f"shoal: cannot record the trace to {path}: {exc.strerror or exc}", file=sys.stderr)
+        return True
+
+
 def _run_gateway(gateway, what: str) -> int:
     import uvicorn
 
@@ -145,6 +157,8 @@ def cmd_fleet_up(args) -> int:
         except (RuntimeError, ConnectionError, ValueError) as exc:
             print(f"shoal: {exc}", file=sys.stderr)
             return 2
+    if _trace_refused(fleet.gateway.record_trace):
+        return 2
     gateway = Gateway(fleet.gateway, fleet, launcher)
     controller = gateway.controller
     busy = controller.busy_ports()
@@ -173,6 +187,8 @@ def cmd_gateway(args) -> int:
         fleet.gateway.backends = args.backend
     if not fleet.gateway.backends:
         print("shoal: give at least one --backend URL (or backends in --config)", file=sys.stderr)
+        return 2
+    if _trace_refused(fleet.gateway.record_trace):
         return 2
     return _run_gateway(Gateway(fleet.gateway), f"gateway over {len(fleet.gateway.backends)} backends")
 

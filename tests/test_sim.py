@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 
 import httpx
@@ -227,3 +229,11 @@ def test_a_gateways_trace_replays_in_the_simulator(chat_server, tmp_path):
     assert reqs[0].arrival == 0.0 and all(a.arrival <= b.arrival for a, b in itertools.pairwise(reqs))
     result = FleetSim(synthetic_profile(), FleetShape(1)).run(reqs)
     assert result.summary()["completed"] == len(reqs)
+
+
+def test_a_trace_that_cannot_be_written_is_refused_at_start(tmp_path):
+    cmd = [sys.executable, "-m", "shoal.cli", "gateway", "--backend", "http://127.0.0.1:9"]
+    out = subprocess.run(
+        [*cmd, "--record-trace", str(tmp_path / "no" / "t.jsonl")], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "cannot record the trace" in out.stderr and "Traceback" not in out.stderr
