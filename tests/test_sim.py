@@ -80,9 +80,11 @@ def test_the_step_cost_fit_recovers_the_costs_that_made_the_steps():
         for _ in range(int(rng.integers(0, 16))):
             m.add_row(1, int(rng.integers(10, 2000)))
         mixed.append(m)
-    noisy = lambda truth, s: float(np.dot(truth, s.features())) * rng.normal(1, 0.02)  # noqa: E731
-    d = StepCost.fit(DECODE_FEATURES, decode, [noisy(truth_decode, s) for s in decode])
-    m = StepCost.fit(MIXED_FEATURES, mixed, [noisy(truth_mixed, s) for s in mixed])
+    noisy = lambda cost, features: float(np.dot(cost, features)) * rng.normal(1, 0.02)  # noqa: E731
+    d_seconds = [noisy(truth_decode, [1, s.rows, s.context]) for s in decode]
+    m_seconds = [noisy(truth_mixed, [1, s.rows, s.tokens, s.attention]) for s in mixed]
+    d = StepCost.fit(DECODE_FEATURES, decode, d_seconds)
+    m = StepCost.fit(MIXED_FEATURES, mixed, m_seconds)
     np.testing.assert_allclose(d.coef, truth_decode, rtol=0.15)
     np.testing.assert_allclose(m.coef[:3], truth_mixed[:3], rtol=0.15)
     assert d.error_p50 < 0.03 and m.error_p50 < 0.03

@@ -31,10 +31,10 @@ class RequestRecord:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def _stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
+def percentile_stats(values) -> dict[str, float | None]:
+    arr = np.asarray(values, dtype=float)
+    if not arr.size:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    arr = np.asarray(values)
     return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
 
 
@@ -42,34 +42,79 @@ def summarize(
     records: list[RequestRecord], duration: float, slo_ttft: float | None, slo_tpot: float | None
 ) -> dict:
     ok = [r for r in records if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.input_len for r in ok)
-
-    def meets(r: RequestRecord) -> bool:
-        tpot = r.tpot or 0.0
-        return (slo_ttft is None or (r.ttft or 0) <= slo_ttft) and (slo_tpot is None or tpot <= slo_tpot)
-
-    good = [r for r in ok if meets(r)]
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
             errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
+    nan = float("nan")
+    return summary_of(
+        CompletedRequests(
+            np.array([r.input_len for r in ok], dtype=float),
+            np.array([r.output_tokens for r in ok], dtype=float),
+            np.array([nan if r.ttft is None else r.ttft for r in ok], dtype=float),
+            np.array([nan if r.e2e is None else r.e2e for r in ok], dtype=float),
+        ),
+        len(records),
+        errors,
+        duration,
+        percentile_stats([x for r in ok for x in r.itls]),
+        slo_ttft,
+        slo_tpot,
+    )
+
+
+@dataclass
+class CompletedRequests:
+    """The figures of the requests that completed, one array entry each (NaN: not known)."""
+
+    input_len: np.ndarray
+    output_tokens: np.ndarray
+    ttft: np.ndarray
+    e2e: np.ndarray
+
+    @property
+    def tpot(self) -> np.ndarray:
+        """Time per output token after the first (NaN where there is no second token)."""
+        many = (self.output_tokens >= 2) & ~np.isnan(self.ttft) & ~np.isnan(self.e2e)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(many, (self.e2e - self.ttft) / (self.output_tokens - 1), np.nan)
+
+
+def summary_of(
+    done: CompletedRequests,
+    requests: int,
+    errors: dict[str, int],
+    duration: float,
+    itl: dict[str, float | None],
+    slo_ttft: float | None,
+    slo_tpot: float | None,
+) -> dict:
+    """The report of a run (`shoal bench serve`'s, and the simulators'): `itl` is already summed
+    up, since a simulator keeps inter-token times as a histogram."""
+    completed = len(done.e2e)
+    out_tokens, in_tokens = int(done.output_tokens.sum()), int(done.input_len.sum())
+    tpot = done.tpot
+    meets = np.ones(completed, dtype=bool)
+    if slo_ttft is not None:
+        meets &= np.nan_to_num(done.ttft) <= slo_ttft
+    if slo_tpot is not None:
+        meets &= np.nan_to_num(tpot) <= slo_tpot
     return {
-        "requests": len(records),
-        "completed": len(ok),
-        "failed": len(records) - len(ok),
+        "requests": requests,
+        "completed": completed,
+        "failed": requests - completed,
         "errors": errors,
         "duration_s": duration,
-        "request_throughput": len(ok) / duration,
+        "request_throughput": completed / duration,
         "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + in_tokens) / duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
-        "goodput": len(good) / duration if (slo_ttft or slo_tpot) else None,
-        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_s": _stats([t for r in ok if (t := r.tpot) is not None]),
-        "itl_s": _stats([x for r in ok for x in r.itls]),
-        "e2e_s": _stats([r.e2e for r in ok if r.e2e is not None]),
+        "goodput": int(meets.sum()) / duration if (slo_ttft or slo_tpot) else None,
+        "ttft_s": percentile_stats(done.ttft[~np.isnan(done.ttft)]),
+        "tpot_s": percentile_stats(tpot[~np.isnan(tpot)]),
+        "itl_s": itl,
+        "e2e_s": percentile_stats(done.e2e[~np.isnan(done.e2e)]),
     }
 
 

@@ -2,7 +2,7 @@
 replica is a FastReplica (fast_replica.py: the scheduler's rules in aggregate, decode stretches as
 one event); routing is the gateway's policies by the same rules, over loads kept in a heap. Its
 agreement with the exact simulator (fleet.py, the engine's own scheduler) is checked in the
-tests; `shoal sim --fast` runs it."""
+tests; `shoal sim --mode fast` runs it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shoal.bench.report import PERCENTILES
+from shoal.bench.report import PERCENTILES, CompletedRequests, summary_of
 from shoal.sim.fast_replica import ITL_BUCKETS, FastReplica, RunArrays
 from shoal.sim.fleet import FleetShape
 from shoal.sim.profile import NodeProfile
@@ -177,47 +177,12 @@ class FastResult:
     def summary(self, slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
         o = self.out.arrays()
         ok = ~np.isnan(o.e2e)
-        tokens, ins = int(o.output_tokens[ok].sum()), int(o.input_len[ok].sum())
-        ttft, e2e = o.ttft[ok], o.e2e[ok]
-        many = ok & (o.output_tokens > 1)
-        tpot = (o.e2e[many] - o.ttft[many]) / (o.output_tokens[many] - 1)
-        good = None
-        if slo_ttft or slo_tpot:
-            meets = np.ones(int(ok.sum()), dtype=bool)
-            if slo_ttft:
-                meets &= ttft <= slo_ttft
-            if slo_tpot:
-                per = np.where(
-                    o.output_tokens[ok] > 1, (e2e - ttft) / np.maximum(1, o.output_tokens[ok] - 1), 0
-                )
-                meets &= per <= slo_tpot
-            good = float(meets.sum()) / self.duration_s
-        n = len(o.e2e)
-        return {
-            "requests": n,
-            "completed": int(ok.sum()),
-            "failed": n - int(ok.sum()),
-            "errors": {},
-            "duration_s": self.duration_s,
-            "request_throughput": float(ok.sum()) / self.duration_s,
-            "output_token_throughput": tokens / self.duration_s,
-            "total_token_throughput": (tokens + ins) / self.duration_s,
-            "total_input_tokens": ins,
-            "total_output_tokens": tokens,
-            "goodput": good,
-            "ttft_s": stats(ttft),
-            "tpot_s": stats(tpot),
-            "itl_s": histogram_stats(o.itl_counts()),
-            "e2e_s": stats(e2e),
-            "replica_seconds": self.replica_seconds,
-            "steps": self.steps,
-        }
-
-
-def stats(values: np.ndarray) -> dict:
-    if not len(values):
-        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
+        done = CompletedRequests(o.input_len[ok], o.output_tokens[ok], o.ttft[ok], o.e2e[ok])
+        itl = histogram_stats(o.itl_counts())
+        s = summary_of(done, len(o.e2e), {}, self.duration_s, itl, slo_ttft, slo_tpot)
+        s["replica_seconds"] = self.replica_seconds
+        s["steps"] = self.steps
+        return s
 
 
 def histogram_stats(counts: np.ndarray) -> dict:

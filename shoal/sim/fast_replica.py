@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shoal.sim.profile import NodeProfile
+from shoal.engine.config import SchedulerConfig
+from shoal.sim.profile import NodeProfile, StepShape
 from shoal.sim.workload import SimRequest
 
 ITL_BUCKETS = np.geomspace(1e-5, 1e3, 801)  # inter-token times end in a histogram of these bounds
@@ -34,7 +35,6 @@ class Flow:
     prefix_id: int | None
     prefix_len: int
     seq: int  # arrival order: the newest is preempted first
-    finish_at: int = 0  # the replica's decode clock when it finishes
     joined: int = 0  # the clock when it began to decode
     shared: int = 0  # tokens of its prefix held once for every request that uses them
     sent: float = 0.0
@@ -47,41 +47,38 @@ class FastReplica:
         profile: NodeProfile,
         max_num_seqs: int,
         max_tokens: int,
-        holders: dict[int, dict[int, None]] | None,
+        holders: dict[int, dict[int, None]],
         out: RunArrays,
         overhead: float = 0.0,
     ):
-        """`holders`: the fleet's map of which replicas hold which shared prefix, latest last (None: prefixes
-        are not tracked); `out`: where each request's figures go."""
+        """`holders`: the fleet's map of which replicas hold which shared prefix, latest last;
+        `out`: where each request's figures go."""
         self.index = index
         self.profile = profile
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_tokens
         self.block_size = profile.block_size
-        self.reserve = int(0.01 * profile.num_kv_blocks)
+        self.reserve = int(SchedulerConfig.admission_watermark * profile.num_kv_blocks)
         self._per_context = profile.decode.per_context_token
         self.overhead = overhead  # seconds each request spends outside the engine
-        self._mixed_coef = tuple(profile.mixed.coef)
         self.holders = holders
         self.out = out
         self._planned: tuple[list[tuple[Flow, int]], int, float] | None = None  # chunks, rows, seconds
         self.waiting: deque[Flow] = deque()
         self.prefilling: list[Flow] = []
-        self.decoding: list[tuple[int, int, Flow]] = []  # heap by finish_at
+        self.decoding: list[tuple[int, int, Flow]] = []  # heap: (the clock at its finish, arrival order, it)
         self.clock = 0  # decode steps taken: a decoding row gains one token each
         self.tokens = 0  # K/V tokens held by running requests
         self.decode_context = 0  # sum of the decoding rows' context lengths
         self.prefixes: OrderedDict[int, int] = OrderedDict()  # resident shared prefixes -> blocks
         self.pinned: dict[int, int] = {}  # prefix id -> running requests using it
         self.idle_cached = 0  # blocks of cached prefixes no running request uses
-        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found cached
         self.outstanding = 0
         self.busy_until: float | None = None
         self.version = 0  # bumps when its pending event is replaced
         # A stretch of identical decode steps: (start, steps, rows, first step's cost less the
         # growth, growth of each step's cost over the last).
         self.segment: tuple[float, int, int, float, float] | None = None
-        self.busy_s = 0.0
         self.steps = 0
         self.waking = False  # given work while idle: its next event plans a step, ends none
         self._seq = 0
@@ -146,7 +143,7 @@ class FastReplica:
         self._trim_prefixes()
 
     def _prefix_hit(self, f: Flow) -> int:
-        if self.holders is None or f.prefix_id is None or f.prefix_id not in self.prefixes:
+        if f.prefix_id is None or f.prefix_id not in self.prefixes:
             return 0
         return min(self.prefixes[f.prefix_id] * self.block_size, self._prefix_tokens(f))
 
@@ -160,15 +157,10 @@ class FastReplica:
         self.outstanding += 1
 
     def can_admit(self) -> bool:
-        if not self.waiting:
+        if not self.waiting or len(self.decoding) + len(self.prefilling) >= self.max_num_seqs:
             return False
-        running = len(self.decoding) + len(self.prefilling)
-        if running >= self.max_num_seqs:
-            return False
-        f, bs = self.waiting[0], self.block_size
-        need = -(-(f.prompt_left if f.prompt_left < self.max_tokens else self.max_tokens) // bs)
-        used = -(-self.tokens // bs) + running // 2
-        return need <= self.profile.num_kv_blocks - used - self.reserve
+        need = -(-min(self.waiting[0].prompt_left, self.max_tokens) // self.block_size)
+        return need <= self.free_blocks() - self.reserve
 
     def _preempt(self) -> bool:
         """The newest running request gives its blocks back and waits again (recompute)."""
@@ -231,9 +223,6 @@ class FastReplica:
         while budget > 0 and not preempted and self.can_admit():
             f = self.waiting.popleft()
             hit = self._prefix_hit(f) if f.prompt_left == f.prompt_len else 0
-            if f.out_done == 0 and f.prompt_left == f.prompt_len:
-                self.prefix_queries += f.prompt_len
-                self.prefix_hits += hit
             if hit:
                 f.prompt_left -= hit
                 self._share(f, tokens_held=False)
@@ -244,21 +233,13 @@ class FastReplica:
             self.tokens += n
         if not rows and not chunks:
             return None
+        # The step's shape without walking its decode rows: their context is kept as a sum.
         context = self.decode_context + rows
-        attention = context
-        tokens = rows
+        shape = StepShape(rows, rows, context, context)  # a decode row: one token, at its end
         for f, n in chunks:
-            end = f.prompt_len - f.prompt_left + n
-            context += end
-            attention += n * end
-            tokens += n
-        if chunks:
-            c = self._mixed_coef
-            seconds = c[0] + c[1] * (rows + len(chunks)) + c[2] * tokens + c[3] * attention
-        else:
-            seconds = self.profile.decode.decode_seconds(rows, context)
+            shape.add_row(n, f.prompt_len - f.prompt_left)
+        seconds = (self.profile.mixed if chunks else self.profile.decode).seconds(shape)
         self._planned = (chunks, rows, seconds)
-        self.busy_s += seconds
         self.steps += 1
         return now + seconds
 
@@ -280,7 +261,6 @@ class FastReplica:
         if self.segment is not None:
             _, k, rows, a, g = self.segment
             self.segment = None
-            self.busy_s += segment_time(a, g, k)
             self.steps += k
             self.clock += k
             self.tokens += rows * k
@@ -301,7 +281,7 @@ class FastReplica:
                 if f.prompt_left:
                     continue
                 self.prefilling.remove(f)
-                if self.holders is not None and f.prefix_id is not None and not f.shared:
+                if f.prefix_id is not None and not f.shared:
                     self._share(f, tokens_held=True)  # computed here: cached for the next ones
                 if math.isnan(out.ttft[f.index]):  # its first token
                     out.ttft[f.index] = now - f.sent + self.overhead
@@ -310,9 +290,9 @@ class FastReplica:
                 if f.out_left == 0:
                     self._done(f, now, f.prompt_len)
                     continue
-                f.joined, f.finish_at = self.clock, self.clock + f.out_left
+                f.joined = self.clock
                 self.decode_context += f.prompt_len
-                heapq.heappush(self.decoding, (f.finish_at, f.seq, f))
+                heapq.heappush(self.decoding, (self.clock + f.out_left, f.seq, f))
         while self.decoding and self.decoding[0][0] <= self.clock:
             _, _, f = heapq.heappop(self.decoding)
             ctx = f.prompt_len + (self.clock - f.joined)

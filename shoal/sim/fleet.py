@@ -33,7 +33,6 @@ class SimResult:
     records: list[RequestRecord]
     duration_s: float  # from the first arrival to the last answer
     replica_seconds: float  # replicas x the time they were up
-    busy_s: dict[str, float]  # per replica: seconds spent in steps
     steps: int
 
     def summary(self, slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
@@ -135,6 +134,5 @@ class FleetSim:
             records,
             duration,
             duration * len(self.replicas),
-            {r.name: r.busy_s for r in self.replicas},
             sum(r.steps for r in self.replicas),
         )

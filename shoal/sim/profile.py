@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-# A step's shape, as the cost models read it (see StepShape.features).
+# The features of the two cost models (see StepCost.row).
 DECODE_FEATURES = ("step", "rows", "context")
 MIXED_FEATURES = ("step", "rows", "tokens", "attention")
 
@@ -34,11 +34,6 @@ class StepShape:
         self.tokens += tokens
         self.context += end
         self.attention += tokens * end
-
-    def features(self) -> list[float]:
-        if self.decode_only:
-            return [1.0, self.rows, self.context]
-        return [1.0, self.rows, self.tokens, self.attention]
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -85,9 +80,13 @@ class StepCost:
     knots: list[int] = field(default_factory=list)
 
     def row(self, shape: StepShape) -> list[float]:
+        """The shape's features as this model reads them (a step with a one-token prompt chunk
+        looks like a decode, but the prompt step's model prices it)."""
         if self.knots:
             return [*interpolation_weights(shape.rows, self.knots), shape.context]
-        return shape.features()
+        if self.features == MIXED_FEATURES:
+            return [1.0, shape.rows, shape.tokens, shape.attention]
+        return [1.0, shape.rows, shape.context]
 
     @classmethod
     def fit(
@@ -118,11 +117,8 @@ class StepCost:
         return float(sum(c * f for c, f in zip(self.coef, self.row(shape))))
 
     def decode_seconds(self, rows: int, context: int) -> float:
-        """A decode step of `rows` rows attending to `context` tokens in all (no StepShape)."""
-        if self.knots:
-            base = sum(c * w for c, w in zip(self.coef, interpolation_weights(rows, self.knots)))
-            return base + self.coef[-1] * context
-        return self.coef[0] + self.coef[1] * rows + self.coef[2] * context
+        """A decode step of `rows` rows attending to `context` tokens in all."""
+        return self.seconds(StepShape(rows, rows, context, context))
 
     @property
     def per_context_token(self) -> float:

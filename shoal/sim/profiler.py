@@ -191,10 +191,10 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
 
 def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
     """Streams batches of requests through a real `shoal serve` of the same engine (or a gateway
-    in front of one) and compares
-    their inter-token times with the engine's decode steps: the difference, per step and per row,
-    is what serving adds (streaming each token to its client, the HTTP front); the time to a
-    single request's first token beyond its prefill step is what each request adds."""
+    in front of one) and compares their inter-token times with the engine's decode steps: the
+    difference, per step and per row, is what serving adds (streaming each token to its client,
+    the HTTP front); the time to a single request's first token beyond its prefill step is what
+    each request adds."""
     from shoal.bench.serve import ServeBenchConfig, run_serve_bench
     from shoal.fleet.control.launchers.local import free_port
 

@@ -35,7 +35,6 @@ class ReplicaShape:
 
 @dataclass
 class Tracked:
-    req: SimRequest
     record: RequestRecord
     sent: float
 
@@ -59,7 +58,6 @@ class SimReplica:
         self.tracked: dict[str, Tracked] = {}
         self.step_ends: float | None = None  # when the step in progress ends (None: idle)
         self._step: SchedulerOutput | None = None
-        self.busy_s = 0.0
         self.steps = 0
         self._last_arrival = -math.inf
         self.shapes: list[StepShape] | None = None  # a list: each step's shape is kept in it
@@ -88,7 +86,7 @@ class SimReplica:
                 arrival_time=self._last_arrival,
             )
         )
-        self.tracked[req.id] = Tracked(req, record, now)
+        self.tracked[req.id] = Tracked(record, now)
 
     def start_step(self, now: float) -> float | None:
         """Schedules a step at `now`; returns when it ends, or None when there is nothing to run."""
@@ -102,7 +100,6 @@ class SimReplica:
             self.shapes.append(shape)
         seconds = self.profile.step_seconds(shape)
         self._step, self.step_ends = so, now + seconds
-        self.busy_s += seconds
         self.steps += 1
         return self.step_ends
 
