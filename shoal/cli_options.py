@@ -211,6 +211,18 @@ def serve_flag_sets() -> tuple[FlagSet, FlagSet, FlagSet]:
                 help="seconds a connection may leave data unacknowledged before it is dropped and its "
                 "requests aborted (a client cut off; 0: the kernel's default, many minutes)",
             ),
+            Flag(
+                "shutdown_timeout_s",
+                names=("--shutdown-timeout",),
+                help="on SIGTERM, seconds the requests in flight get to finish while new ones are "
+                "refused (503, code draining); then it exits",
+            ),
+            Flag(
+                "otlp_traces_endpoint",
+                metavar="URL",
+                help="export OpenTelemetry spans over OTLP/HTTP to URL, e.g. http://collector:4318/v1/traces "
+                "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: off)",
+            ),
         ),
     )
     front = FlagSet(

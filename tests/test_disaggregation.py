@@ -23,6 +23,7 @@ from shoal.protocol.block_hash import hash_blocks, root_hash
 from shoal.protocol.secrets import KV_TRANSFER_KEY_HEADER, kv_salt
 from tests.fleet_helpers import metric, replicas, spawn, wait_replicas_ready
 from tests.helpers import PROMPTS
+from tests.otlp_collector import OTLPCollector
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY, SALT = "test-transfer-key", "test-salt"
@@ -34,9 +35,18 @@ LONG = (
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def collector():
+    """Where the fleet's processes export their spans (OTLP over HTTP)."""
+    c = OTLPCollector()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(collector):
     env = {"SHOAL_KV_TRANSFER_KEY": KEY, "SHOAL_KV_SALT": SALT}
     args = ["fleet", "up", "--prefill", "1", "--decode", "1", "--base-port", "0"]
+    args += ["--otlp-traces-endpoint", collector.url]
     gw = spawn([*args, "--disagg-min-prompt-tokens", "0", "--replica-args", REPLICA_ARGS], env)
     try:
         wait_replicas_ready(gw, 2)
@@ -90,6 +100,57 @@ def test_greedy_through_a_prefill_and_a_decode_worker_equals_hf(fleet, reference
     _, decode = workers(fleet)
     assert metric(decode["url"], "shoal:kv_transfer_fallbacks_total") == 0
     assert metric(decode["url"], "shoal:kv_transfer_duration_seconds_count") >= len(PROMPTS)
+
+
+def test_a_disaggregated_request_is_one_trace_across_the_gateway_and_both_workers(fleet, collector):
+    """The client's traceparent is the parent of every span the request makes, in three processes:
+    the gateway's (admission and routing, the remote prefill), the prefill worker's (its request
+    and engine phases, under the gateway's prefill span), the decode worker's (its request, the
+    K/V transfer, its engine phases)."""
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    body = {"model": MODEL, "prompt": LONG.format(n=77), "max_tokens": 8, "temperature": 0}
+    headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+    r = httpx.post(fleet.url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+
+    def whole(spans) -> bool:
+        names = {(s.resource.get("shoal.role"), s.name) for s in spans}
+        return {("decode", "engine.decode"), ("prefill", "engine.prefill")} <= names and any(
+            s.service == "shoal-gateway" and s.parent_id == client_span for s in spans
+        )
+
+    spans = collector.trace(trace_id, whole)
+    assert whole(spans), sorted((s.service, s.resource.get("shoal.role"), s.name) for s in spans)
+
+    def one(name: str, service: str, role: str | None = None):
+        found = [
+            s
+            for s in spans
+            if s.name == name and s.service == service and s.resource.get("shoal.role") == role
+        ]
+        assert len(found) == 1, (name, role, [(s.name, s.resource) for s in spans])
+        return found[0]
+
+    root = one("POST /v1/completions", "shoal-gateway")
+    assert root.parent_id == client_span and root.attributes["http.response.status_code"] == 200
+    routes = [s for s in spans if s.name == "gateway.route"]
+    assert routes and all(s.parent_id == root.span_id for s in routes)
+    assert {s.attributes["shoal.roles"] for s in routes} == {"prefill", "both,decode"}
+    prefill_span = one("gateway.prefill", "shoal-gateway")
+    assert prefill_span.parent_id == root.span_id and prefill_span.attributes["shoal.prefilled"] is True
+    on_prefill = one("POST /v1/completions", "shoal-serve", "prefill")
+    assert on_prefill.parent_id == prefill_span.span_id
+    on_decode = one("POST /v1/completions", "shoal-serve", "decode")
+    assert on_decode.parent_id == root.span_id
+    transfer = one("kv.transfer", "shoal-serve", "decode")
+    assert transfer.parent_id == on_decode.span_id and transfer.attributes["shoal.bytes"] > 0
+    for role, server in (("prefill", on_prefill), ("decode", on_decode)):
+        phases = [one(f"engine.{p}", "shoal-serve", role) for p in ("queue", "prefill", "decode")]
+        assert all(p.parent_id == server.span_id for p in phases)
+        assert (
+            server.start_ns <= phases[0].start_ns <= phases[1].start_ns <= phases[2].end_ns <= server.end_ns
+        )
+    assert one("engine.decode", "shoal-serve", "decode").attributes["shoal.output_tokens"] == 8
 
 
 def test_a_prompt_the_decode_worker_holds_is_prefilled_there(fleet):

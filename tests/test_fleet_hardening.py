@@ -1,6 +1,7 @@
 """The gateway under hostile input and failure, against real `shoal fleet up` / `shoal gateway`
 processes on 127.0.0.1: body limits and strict JSON, API keys towards clients and replicas,
-client priority, salted KV hashes, a frozen replica (SIGSTOP) mid-stream."""
+client priority, salted KV hashes, a frozen replica (SIGSTOP) mid-stream, a replica drained by
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -330,3 +331,125 @@ def test_a_client_leaving_mid_stream_frees_its_replica(fleet):
             break
         time.sleep(0.1)
     assert all(r["inflight"] == 0 and r["load"].get("running") == 0 for r in reps), list(reps)
+
+
+def test_sigterm_drains_a_replica_without_failing_a_request_and_it_exits_in_time(fleet):
+    """SIGTERM on a replica under streaming load: from that moment it refuses new requests (503,
+    code draining) and the gateway sends them elsewhere; the gateway's streams move off it and
+    come out as if nothing happened; a stream sent to it directly (which no gateway can move)
+    runs to its end; then it exits with 0, well within its shutdown timeout (30 s)."""
+    prompts = [f"Tell the tale of lighthouse number {i}." for i in range(4)]
+    body = {"model": MODEL, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    before = replicas(fleet, KEY)
+
+    async def expected_texts(c):
+        rs = await asyncio.gather(*(c.post("/v1/completions", json={**body, "prompt": p}) for p in prompts))
+        return {p: r.json()["choices"][0]["text"] for p, r in zip(prompts, rs)}
+
+    async def stream(c, url, p, seen):
+        text = ""
+        async with c.stream("POST", url, json={**body, "prompt": p, "stream": True}) as r:
+            assert r.status_code == 200, await r.aread()
+            seen[p] = [r.headers.get("x-replica"), 0]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                assert "error" not in obj, obj
+                text += "".join(ch["text"] for ch in obj["choices"])
+                seen[p][1] = len(text)
+        return text
+
+    async def run():
+        seen: dict = {}
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=300, headers=auth(KEY)) as c:
+            expected = await expected_texts(c)
+            tasks = [asyncio.create_task(stream(c, "/v1/completions", p, seen)) for p in prompts]
+            while len(seen) < len(prompts) or min(n for _, n in seen.values()) < 20:
+                await asyncio.sleep(0.02)
+            victim = Counter(rep for rep, _ in seen.values()).most_common(1)[0][0]
+            url, pid = before[victim]["url"], before[victim]["pid"]
+            direct = "Recite the alphabet slowly."
+            direct_task = asyncio.create_task(stream(c, url + "/v1/completions", direct, seen))
+            while seen.get(direct, (None, 0))[1] < 5:
+                await asyncio.sleep(0.02)
+            os.kill(pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            await asyncio.sleep(0.2)
+            refused = await c.post(url + "/v1/completions", json={**body, "prompt": "hi", "max_tokens": 2})
+            ready = await c.get(url + "/ready")
+            others = await asyncio.gather(
+                *(
+                    c.post("/v1/completions", json={**body, "prompt": f"Name {i}.", "max_tokens": 8})
+                    for i in range(4)
+                )
+            )
+            outs = await asyncio.gather(*tasks)
+            direct_text = await direct_task
+            direct_done = time.monotonic()
+            while True:  # its process ends (the fleet reaps it and starts it again)
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                assert time.monotonic() - signalled < 30, "still running past its shutdown timeout"
+                await asyncio.sleep(0.05)
+            return victim, expected, outs, refused, ready, others, direct_text, direct_done, time.monotonic()
+
+    moved = metric(fleet.url, 'shoal:gateway_migrations_total{outcome="ok"}')
+    victim, expected, outs, refused, ready, others, direct_text, direct_done, gone = asyncio.run(run())
+    assert is_openai_error(refused, 503)["code"] == "draining" and refused.headers["retry-after"]
+    assert ready.status_code == 503 and ready.json()["draining"] is True
+    for r in others:
+        assert r.status_code == 200 and r.headers["x-replica"] != victim, (r.status_code, r.text[:200])
+    assert outs == [expected[p] for p in prompts]  # greedy: as if nothing had happened
+    assert len(direct_text) > 0 and gone - direct_done < 5  # it waited for its own stream, then left
+    assert metric(fleet.url, 'shoal:gateway_migrations_total{outcome="ok"}') > moved
+    assert f"{victim} exited with 0" in fleet.log()
+    wait_replicas_ready(fleet, 3, api_key=KEY)
+
+
+def test_sigterm_on_the_fleet_lets_its_streams_finish_then_stops_everything(fleet):
+    """The last test on the shared fleet (conftest): SIGTERM on `fleet up` refuses new
+    connections at once, lets the streams in flight run to their end, then stops its replicas
+    and exits with 0, within its shutdown timeout (30 s)."""
+    pids = [r["pid"] for r in replicas(fleet, KEY).values()]
+    body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+
+    async def stream(c, p, counts):
+        reason, usage = None, None
+        async with c.stream("POST", "/v1/completions", json={**body, "prompt": p}) as r:
+            assert r.status_code == 200
+            counts[p] = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    obj = json.loads(line[6:])
+                    assert "error" not in obj, obj
+                    counts[p] += len(obj["choices"])
+                    ends = [ch["finish_reason"] for ch in obj["choices"] if ch["finish_reason"]]
+                    reason = ends[0] if ends else reason
+                    usage = obj.get("usage") or usage
+        return reason, usage["completion_tokens"]
+
+    async def run():
+        counts: dict = {}
+        prompts = ["Describe a storm at sea.", "Describe a quiet forest."]
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=120, headers=auth(KEY)) as c:
+            tasks = [asyncio.create_task(stream(c, p, counts)) for p in prompts]
+            while len(counts) < 2 or min(counts.values()) < 5:
+                await asyncio.sleep(0.02)
+            fleet.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.ConnectError):
+                await c.post("/v1/completions", json={**body, "stream": False, "prompt": "hi"})
+            reasons = await asyncio.gather(*tasks)
+        return reasons, signalled
+
+    reasons, signalled = asyncio.run(run())
+    assert reasons == [("length", 120), ("length", 120)]
+    assert fleet.proc.wait(30) == 0 and time.monotonic() - signalled < 30
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -120,8 +120,9 @@ def test_a_rolling_update_under_streaming_load_fails_no_request(fleet):
     async def watch() -> None:  # the update's end, to a tenth of a second
         while not done_at:
             p = await asyncio.to_thread(pool, fleet)
-            if not p["updating"] and set(p["versions"].values()) == {1}:
-                done_at.append(time.monotonic())
+            over = set(p["versions"].values()) == {1} or p["last_update"] == "rolled_back"
+            if not p["updating"] and over:
+                done_at.append(time.monotonic())  # (a rollback fails the checks below, not a timeout)
             await asyncio.sleep(0.1)
 
     async def load() -> tuple[list[dict], list[dict]]:
@@ -149,9 +150,13 @@ def test_a_rolling_update_under_streaming_load_fails_no_request(fleet):
         assert r["lifecycle"] == "ready" and r["version"] == 1
         assert httpx.get(r["url"] + "/load").json()["num_blocks"] < 2000  # the new flags took effect
     assert pool(fleet)["last_update"] == "done"
+    judged = pool(fleet)["judgement"]  # judged throughout, on errors and latency, and passed
+    assert judged["decision"] == "promoted" and judged["verdict"] is None, judged
+    assert judged["new"]["requests"] > 0 and judged["old"]["requests"] > 0
     assert metric(fleet.url, 'shoal:gateway_rolling_updates_total{outcome="done",pool="default"}') == 1
     status = shoal("fleet", "status", "--gateway", fleet.url)
     assert status.returncode == 0 and "version 1" in status.stdout and "ready" in status.stdout
+    assert "promoted: new " in status.stdout  # the figures it was promoted on
 
 
 def test_a_version_that_fails_to_load_is_rolled_back(fleet):
@@ -190,6 +195,7 @@ def test_a_canary_that_fails_its_requests_is_rolled_back(fleet):
     asyncio.run(load_until(fleet.url, back, clients=3))
     p = pool(fleet)
     assert p["last_update"] == "rolled_back" and p["version"] == version, p
+    assert pool(fleet)["judgement"]["verdict"].startswith("the new version failed")
     why = re.search(r"the new version failed (\d+) of (\d+) requests", fleet.log())
     assert why and int(why.group(1)) == int(why.group(2)) >= CanaryConfig().min_requests, fleet.log()[-2000:]
     assert metric(fleet.url, rolled_back) == before + 1
@@ -207,3 +213,84 @@ def test_the_canary_rule_needs_enough_requests_and_a_rate_far_above_the_old():
     assert judge(Tally(50, 5), Tally(100, 0), cfg) is None  # 10 %: under the bar
     assert judge(Tally(50, 20), Tally(100, 30), cfg) is None  # the old sheds load as much
     assert judge(Tally(50, 35), Tally(100, 30), cfg) is not None  # 70 % against 30 %
+
+
+def test_the_latency_rule_compares_p99s_over_enough_samples_with_a_floor():
+    cfg = CanaryConfig(min_ttft_samples=30, min_itl_samples=100)  # ratios 1.5, floor 50 ms
+    fast, slow = (0.02,) * 100, (0.2,) * 100
+    assert judge(Tally(itl=slow[:99]), Tally(itl=fast), cfg) is None  # too few samples to judge
+    why = judge(Tally(itl=slow), Tally(itl=fast), cfg)
+    assert "p99 time between tokens is 0.200 s against 0.020 s" in why
+    assert "p99 time to first token" in judge(Tally(ttft=(0.9,) * 30), Tally(ttft=(0.3,) * 60), cfg)
+    assert judge(Tally(ttft=(0.9,) * 29), Tally(ttft=(0.3,) * 60), cfg) is None
+    assert judge(Tally(itl=(0.04,) * 100), Tally(itl=fast), cfg) is None  # 2x, but 20 ms: noise
+    assert judge(Tally(itl=(0.11,) * 100), Tally(itl=(0.1,) * 100), cfg) is None  # 1.1x: within bounds
+    # The p99, not the mean: one slow gap in a hundred is the tail the rule watches.
+    assert judge(Tally(itl=(0.02,) * 98 + (0.5,) * 2), Tally(itl=fast), cfg) is not None
+
+
+def test_a_canary_several_times_slower_is_rolled_back_with_the_figures_that_decided(fleet):
+    # A real version that loads, answers and fails nothing, but runs the weights unquantized:
+    # several times slower per token on this CPU than the int4 the fleet runs.
+    version = pool(fleet)["version"]
+    slow = REPLICA_ARGS + " --quantization none"
+    out = shoal("fleet", "update", "--gateway", fleet.url, "--replica-args", slow, "--canary", "0.5")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 240
+
+    def back() -> bool:
+        p = pool(fleet)
+        return (not p["updating"] and p["last_update"] == "rolled_back") or time.monotonic() > deadline
+
+    results = asyncio.run(load_until(fleet.url, back, clients=3))
+    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]][:3]
+    p = pool(fleet)
+    assert p["last_update"] == "rolled_back" and p["version"] == version, p
+    judged = p["judgement"]
+    assert judged["decision"] == "rolled_back" and "p99 time" in judged["verdict"], judged
+    new, old = judged["new"], judged["old"]
+    enough = CanaryConfig()
+    itl = min(new["itl_samples"], old["itl_samples"]) >= enough.min_itl_samples
+    ttft = min(new["ttft_samples"], old["ttft_samples"]) >= enough.min_ttft_samples
+    assert (itl and new["itl_p99_s"] > 1.5 * old["itl_p99_s"]) or (
+        ttft and new["ttft_p99_s"] > 1.5 * old["ttft_p99_s"]
+    ), judged
+    assert "rolling back to version" in fleet.log() and '"decision": "rolled_back"' in fleet.log()
+    gauge = 'shoal:gateway_rollout_itl_p99_seconds{pool="default",version="%s"}'
+    assert metric(fleet.url, gauge % "new") > metric(fleet.url, gauge % "old") > 0
+    wait_for(fleet, lambda: sorted(pool(fleet)["replicas"].values()) == ["ready", "ready"], 240)
+    assert {r["version"] for r in replicas(fleet).values()} == {version}
+
+
+def test_shadow_copies_judge_the_new_version_before_it_takes_traffic_and_a_good_one_is_promoted(fleet):
+    """With --shadow the new version's first replica, once loaded, takes copies of requests only:
+    each answered as the client's was (greedy), counted and thrown away. Being as good as the
+    old, it is then promoted, with its figures."""
+    version = pool(fleet)["version"]
+    same = 'shoal:gateway_shadow_requests_total{outcome="same",pool="default"}'
+    before = metric(fleet.url, same)
+    flags = REPLICA_ARGS + " --max-num-seqs 64"
+    update = ("fleet", "update", "--gateway", fleet.url, "--replica-args", flags)
+    out = shoal(*update, "--shadow", "1.0", "--canary-seconds", "6")
+    assert out.returncode == 0, out.stderr
+
+    async def greedy(c: httpx.AsyncClient, i: int) -> dict:
+        body = {"model": MODEL, "prompt": f"Fact {i}: the sea", "max_tokens": 12, "temperature": 0}
+        r = await c.post(fleet.url + "/v1/completions", json=body)
+        return {"ok": r.status_code == 200}
+
+    async def load() -> list[dict]:
+        out: list[dict] = []
+        async with httpx.AsyncClient(timeout=120) as c:
+            while pool(fleet)["updating"]:
+                out += await asyncio.gather(*(greedy(c, len(out) + k) for k in range(2)))
+        return out
+
+    results = asyncio.run(load())
+    assert results and all(r["ok"] for r in results)
+    p = pool(fleet)
+    assert p["last_update"] == "done" and p["version"] == version + 1, p
+    assert p["judgement"]["decision"] == "promoted" and p["judgement"]["verdict"] is None
+    assert metric(fleet.url, same) > before
+    assert metric(fleet.url, 'shoal:gateway_shadow_requests_total{outcome="different",pool="default"}') == 0
+    assert "takes shadow copies for 6 s" in fleet.log()

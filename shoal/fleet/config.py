@@ -58,6 +58,12 @@ class GatewayConfig:
     fold_unary: bool = True
     # A JSON line per request served, for `shoal sim --trace` (None: none kept).
     record_trace: str | None = None
+    # SIGTERM: the gateway stops taking connections and gives the requests in flight this long
+    # before it stops its replicas and exits.
+    shutdown_timeout_s: float = 30.0
+    # OpenTelemetry spans of the gateway and the replicas it starts go here over OTLP/HTTP
+    # (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: spans are not exported).
+    otlp_traces_endpoint: str | None = None
     # A request present when its replica died is struck; one that kills (or is in) a second, or
     # alone crashes an engine, is poison: failed once and refused for this long.
     poison_ttl_s: float = 600.0
@@ -254,7 +260,7 @@ def _model(data: dict[str, Any]) -> ModelConfig:
 
 def load_fleet_config(path: str | Path) -> FleetConfig:
     """A TOML file: top-level fleet keys (replicas, model, base_port, replica_args, min_replicas, ...),
-    an [autoscale] table, [cores], [canary], [[models]] tables (each with its own [models.autoscale]),
+    an [autoscale] table, [cores], [rollout], [[models]] tables (each with its own [models.autoscale]),
     [gateway], [[tenants]] and [[tiers]]."""
     data = tomllib.loads(Path(path).read_text())
     gateway = _fill(GatewayConfig, data.pop("gateway", {}))
@@ -264,7 +270,11 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
     models = [_model(m) for m in data.pop("models", [])]
     autoscale = _fill(AutoscaleConfig, data.pop("autoscale", {}))
     cores = _fill(CoresConfig, data.pop("cores", {}))
-    canary = _fill(CanaryConfig, data.pop("canary", {}))
+    if "rollout" in data and "canary" in data:
+        raise ValueError(
+            "give the rolling update's bounds in [rollout] ([canary] is its older name), not both"
+        )
+    canary = _fill(CanaryConfig, data.pop("rollout", None) or data.pop("canary", {}))
     cfg = _fill(FleetConfig, data)
     cfg.gateway, cfg.models, cfg.autoscale, cfg.cores, cfg.canary = gateway, models, autoscale, cores, canary
     cfg.check()

@@ -38,6 +38,7 @@ from shoal.fleet.proxy.failure import FailureJudge, RetryBudget
 from shoal.fleet.proxy.parts import RelayParts
 from shoal.fleet.proxy.poison import PoisonGuard
 from shoal.fleet.proxy.proxy import Proxy
+from shoal.fleet.proxy.shadow import Shadow
 from shoal.fleet.proxy.upstream import UpstreamClient
 from shoal.fleet.replicas.health import HealthMonitor
 from shoal.fleet.replicas.prefix_index import PrefixIndex
@@ -118,6 +119,7 @@ class Gateway:
             metrics,
         )
         self.proxy = Proxy(parts)
+        self.shadow = Shadow(table, self.client, metrics)
         # The edge.
         self.pipeline = Pipeline(
             config,
@@ -131,6 +133,7 @@ class Gateway:
             self.adapters,
             Grounding(config.retrieval, self.client.http, metrics) if config.retrieval else None,
             WorkloadTrace(config.record_trace) if config.record_trace else None,
+            self.shadow,
         )
         self.listing = ModelListing(table, self.catalog, self.tiers, self.client, self.adapters)
         self.batches = BatchService(
@@ -145,6 +148,7 @@ class Gateway:
                 table,
                 self.demand,
                 self.canary,
+                self.shadow,
                 metrics,
                 self.dispatch.notify_nowait,
             )

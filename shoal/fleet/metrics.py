@@ -85,6 +85,31 @@ class GatewayMetrics:
             ["pool", "outcome"],
             registry=r,
         )
+        self.rollout_error_rate = Gauge(
+            "shoal:gateway_rollout_error_rate",
+            "During a rolling update: the share of requests each version (new, old) failed since it began.",
+            ["pool", "version"],
+            registry=r,
+        )
+        self.rollout_ttft_p99 = Gauge(
+            "shoal:gateway_rollout_ttft_p99_seconds",
+            "During a rolling update: each version's p99 time to first token since it began.",
+            ["pool", "version"],
+            registry=r,
+        )
+        self.rollout_itl_p99 = Gauge(
+            "shoal:gateway_rollout_itl_p99_seconds",
+            "During a rolling update: each version's p99 time between tokens since it began.",
+            ["pool", "version"],
+            registry=r,
+        )
+        self.shadow = Counter(
+            "shoal:gateway_shadow_requests",
+            "Shadow copies sent to a rolling update's new version, by how their answers compared with "
+            "the client's (same, different, not_compared: not reproducible) or failed.",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self.unloads = Counter(
             "shoal:gateway_model_unloads",
             "Idle models unloaded to make memory for another's replica.",
@@ -101,6 +126,12 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "shoal:gateway_time_to_first_token_seconds",
             "Gateway-side time to the first streamed byte.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "shoal:gateway_inter_token_latency_seconds",
+            "Gateway-side time between a stream's tokens (per token, where an event carries several).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

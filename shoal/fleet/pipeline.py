@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import asdict
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry import context, trace
 
 from shoal.fleet.admission.dispatch import Dispatcher
 from shoal.fleet.admission.tenants import DEFAULT_COMPLETION_ESTIMATE, Tenant, Tenants, Ticket
@@ -27,16 +29,27 @@ from shoal.fleet.grounding import Grounding, annotate
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.proxy.forward import Forward
 from shoal.fleet.proxy.proxy import Proxy
+from shoal.fleet.proxy.shadow import Shadow
 from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import RouteRequest
 from shoal.fleet.routing.prompt_keys import PromptKeys
 from shoal.fleet.routing.tiers import TierConfig, TierRouter
 from shoal.fleet.workload_trace import WorkloadTrace
+from shoal.protocol import tracing
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError
 
 # Bodies past this are parsed on a worker thread: a 4 MiB JSON body takes tens of milliseconds.
 PARSE_INLINE_BYTES = 64 * 1024
+
+
+async def _ended_with(body, span, status: int):
+    """A stream's body that ends its request's span when it ends."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        tracing.end(span, status)
 
 
 def completion_estimate(body: dict) -> int:
@@ -62,9 +75,11 @@ class Pipeline:
         adapters: AdapterDirectory,
         grounding: Grounding | None = None,
         trace: WorkloadTrace | None = None,
+        shadow: Shadow | None = None,
     ):
         """`grounding`: the [[retrieval]] indexes chats may be grounded in (None: none). `trace`:
-        where each request served is recorded for the simulator (None: nowhere)."""
+        where each request served is recorded for the simulator (None: nowhere). `shadow`: copies
+        requests to a rolling update's new version (None: never)."""
         self.config = config
         self.catalog = catalog
         self.tenants = tenants
@@ -76,9 +91,28 @@ class Pipeline:
         self.adapters = adapters
         self.grounding = grounding
         self.trace = trace
+        self.shadow = shadow
         self.priority_base = min([0, *(t.config.priority for t in tenants.all.values())])
 
     async def forward(self, raw: Request, path: str) -> Response:
+        """One client request, traced: its span (under the client's `traceparent`, if it sent one)
+        ends when its answer, or its stream, does."""
+        span = tracing.server_span(f"POST {path}", raw.headers, **{"http.route": path})
+        token = context.attach(trace.set_span_in_context(span))
+        try:
+            resp = await self._forward(raw, path, span)
+        except BaseException:
+            tracing.end(span, 500)
+            raise
+        finally:
+            context.detach(token)
+        if isinstance(resp, StreamingResponse):
+            resp.body_iterator = _ended_with(resp.body_iterator, span, resp.status_code)
+        else:
+            tracing.end(span, resp.status_code)
+        return resp
+
+    async def _forward(self, raw: Request, path: str, span) -> Response:
         tenant = priority = note = None
         try:
             tenant = self.authenticate(raw)
@@ -98,6 +132,8 @@ class Pipeline:
             tier = self.tiers.get(body.get("model"))
             routed = {**body, "model": tier.cheap} if tier is not None else body
             route = await self.route_keys(path, routed, raw.headers)
+            route.span = span
+            span.set_attributes({"shoal.tenant": tenant.name, "shoal.model": str(body.get("model"))})
             ticket = self.tenants.admit(tenant, body.get("model"), route.tokens + completion_estimate(body))
             self.metrics.tenant_requests.labels(tenant.name, "interactive").inc()
             over = self.dispatch.shares.over(tenant.name, route.model)
@@ -170,16 +206,19 @@ class Pipeline:
         return await self.keys.route(path, body, session, model)
 
     def upstream_headers(self, raw: Request | None = None) -> dict[str, str]:
-        """The replica's key when the gateway has one; else the client's own passes through."""
+        """The replica's key when the gateway has one; else the client's own passes through. The
+        current trace context (the request's span) goes with them."""
         headers = {}
         if raw is not None:
             headers = {k: v for k in ("x-request-id", "content-type") if (v := raw.headers.get(k))}
+            # One id for the request in the gateway's log, the replicas' and the client's answer.
+            headers.setdefault("x-request-id", uuid.uuid4().hex)
         key = self.config.replica_key
         if key:
             headers["authorization"] = f"Bearer {key}"
         elif raw is not None and not self.config.tenants and (auth := raw.headers.get("authorization")):
             headers["authorization"] = auth  # a tenant's key is the gateway's to know, not a backend's
-        return headers
+        return tracing.outgoing(headers)
 
     async def send(
         self, path: str, body: dict, headers: dict, route, ticket: Ticket, size: int, settle: bool
@@ -189,6 +228,8 @@ class Pipeline:
         route.tenant = ticket.tenant.name
         done = self._settle if settle else self._record
         fwd = Forward(path, body, headers, route, time.monotonic(), size, on_done=lambda f: done(ticket, f))
+        if self.shadow is not None:
+            self.shadow.copy(fwd)
         try:
             return await self.proxy.handle(fwd)
         except BaseException:

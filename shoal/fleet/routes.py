@@ -23,6 +23,7 @@ from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import Policy
 from shoal.fleet.status_page import status_html
+from shoal.protocol import tracing
 from shoal.protocol.auth import bearer_matches
 from shoal.protocol.bodies import BodyLimitMiddleware, parse_json_object
 from shoal.protocol.errors import APIError, install_error_handlers
@@ -78,7 +79,7 @@ def build_app(self: Edge) -> FastAPI:
         finally:
             await self.stop()
 
-    app = FastAPI(title="shoal gateway", lifespan=lifespan)
+    app = FastAPI(title="shoal gateway", lifespan=lifespan, **tracing.fastapi_options())
     install_error_handlers(app)
     app.add_middleware(
         BodyLimitMiddleware,
@@ -188,6 +189,7 @@ def build_app(self: Edge) -> FastAPI:
         changes = {k: body[k] for k in ("model", "replica_args") if body.get(k) is not None}
         args = changes.get("replica_args", [])
         canary, canary_s = body.get("canary", 0.0), body.get("canary_s", 30.0)
+        shadow = body.get("shadow")
         if (
             not isinstance(changes.get("model", ""), str)
             or not isinstance(args, list)
@@ -196,10 +198,15 @@ def build_app(self: Edge) -> FastAPI:
             or not 0 <= canary <= 1
             or not isinstance(canary_s, int | float)
             or canary_s < 0
+            or (shadow is not None and not (isinstance(shadow, int | float) and 0 <= shadow <= 1))
         ):
-            raise APIError(400, "give model (a path), replica_args (strings), canary (0-1), canary_s")
+            raise APIError(
+                400, "give model (a path), replica_args (strings), canary (0-1), canary_s, shadow (0-1)"
+            )
         try:
-            pools = self.controller.update(body.get("model_name"), changes, float(canary), float(canary_s))
+            pools = self.controller.update(
+                body.get("model_name"), changes, float(canary), float(canary_s), shadow
+            )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return JSONResponse({"updating": pools}, status_code=202)

@@ -17,6 +17,8 @@ EXIT_ENGINE_DEAD = 3
 EXIT_RANK_LOST = 4
 # The in-band error code of a request cut short by a lost rank: the gateway continues it elsewhere.
 RANK_LOST_CODE = "rank_lost"
+# The code of a 503 from a replica that is shutting down (SIGTERM): not a failure, send it elsewhere.
+DRAINING_CODE = "draining"
 
 TYPES = {
     400: "invalid_request_error",

@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from shoal.protocol import tracing
 from shoal.protocol.auth import bearer_matches
 from shoal.protocol.bodies import parse_json_object
 from shoal.protocol.errors import APIError, install_error_handlers, validation_message
@@ -107,7 +108,7 @@ def build_index_app(shard: IndexShard, config: IndexServerConfig) -> FastAPI:
         if probe is not None:
             probe.cancel()
 
-    app = FastAPI(title="shoal index shard", lifespan=lifespan)
+    app = FastAPI(title="shoal index shard", lifespan=lifespan, **tracing.fastapi_options())
     install_error_handlers(app)
 
     def check_key(raw: Request) -> None:

@@ -10,16 +10,25 @@ from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry import context, trace
 from pydantic import BaseModel, ValidationError
 
 from shoal.engine.lora_manager import AdapterInUseError
 from shoal.models.lora import AdapterError
+from shoal.protocol import tracing
 from shoal.protocol.auth import bearer_matches
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, parse_json_object
-from shoal.protocol.errors import APIError, error_body, install_error_handlers, validation_message
+from shoal.protocol.errors import (
+    DRAINING_CODE,
+    APIError,
+    error_body,
+    install_error_handlers,
+    validation_message,
+)
 from shoal.server.chat import chat_prompt, create_chat_completion
 from shoal.server.common import ServingContext
 from shoal.server.completions import create_completion
+from shoal.server.drain import ADMITTED_PATHS, Drain
 from shoal.server.embeddings import create_embedding
 from shoal.server.protocol import (
     ChatCompletionRequest,
@@ -34,6 +43,7 @@ from shoal.server.protocol import (
 # Routes anyone may call even when an API key is set: probes, scrapes and the API's own schema.
 # /load and /kv_events are the fleet's internal routes and need the key like the API does.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json"})
+TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 
 @dataclass
@@ -50,6 +60,7 @@ class ServerState:
     # This process, as /ready names it: a gateway tells a replica that was cut off and came back
     # from one that was restarted.
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+    drain: Drain = field(default_factory=lambda: Drain(30.0))
 
     def serving(self) -> ServingContext:
         if self.ctx is None:
@@ -97,11 +108,40 @@ class FrontMiddleware:
                     ctx.metrics.error(message["status"])
             await send(message)
 
-        return await self.app(scope, receive, send_with_id)
+        if scope["path"] not in ADMITTED_PATHS:
+            return await self.app(scope, receive, send_with_id)
+        drain = self.state.drain
+        if drain.draining:
+            message = "this replica is shutting down; send the request to another"
+            body = json.dumps(error_body(503, message, code=DRAINING_CODE)).encode()
+            headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"), rid_header]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return None
+        drain.inflight += 1
+        span = tracing.server_span(
+            f"{scope['method']} {scope['path']}",
+            {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items() if k in TRACE_HEADERS},
+            **{"http.route": scope["path"], "shoal.request_id": rid, "shoal.role": self.state.role},
+        )
+        status = [500]  # what the handler answered (500 if it raised before answering)
+
+        async def send_traced(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send_with_id(message)
+
+        token = context.attach(trace.set_span_in_context(span))
+        try:
+            return await self.app(scope, receive, send_traced)
+        finally:
+            context.detach(token)
+            tracing.end(span, status[0])
+            drain.inflight -= 1
 
 
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
-    app = FastAPI(title="shoal", lifespan=lifespan)
+    app = FastAPI(title="shoal", lifespan=lifespan, **tracing.fastapi_options())
     install_error_handlers(app)
     # Added last, runs first: a body is size-checked only after the key is.
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_request_bytes)
@@ -222,6 +262,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/ready")
     async def ready():
         ctx = state.ctx
+        if state.drain.draining:
+            return JSONResponse({"ready": False, "draining": True}, status_code=503)
         if ctx is None or not ctx.engine.health()[0]:
             return JSONResponse({"ready": False}, status_code=503)
         return {"ready": True, "model": ctx.model_name, "instance": state.instance}
@@ -234,7 +276,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/load")
     async def load():
         ctx = state.serving()
-        out = {**ctx.engine.load(), "role": state.role}
+        out = {**ctx.engine.load(), "role": state.role, "draining": state.drain.draining}
         if ctx.kv is not None and ctx.kv.host:  # a peer that finds this probe shares our /dev/shm
             out["kv_host"] = ctx.kv.host
         if ctx.adapters is not None:  # what the fleet's gateway routes adapters by

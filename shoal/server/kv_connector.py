@@ -34,6 +34,7 @@ from shoal.engine.kv_connector.transports import (
     shm_probe,
     transport_named,
 )
+from shoal.protocol import tracing
 from shoal.protocol.errors import APIError
 from shoal.protocol.kv_files import shm_sweep, shm_unlink
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
@@ -172,6 +173,17 @@ class KVConnector:
 
     async def pull(self, kv: KVTransferParams, ask: dict, route: str) -> PackedKV | None:
         transport = choose(self.config.transport, kv.host)
+        with tracing.child(
+            "kv.transfer", None, **{"shoal.transport": transport.name, "shoal.source": kv.source}
+        ) as span:
+            packed = await self._pull(kv, ask, route, transport)
+            span.set_attribute("shoal.bytes", packed.nbytes if packed is not None else 0)
+            span.set_attribute("shoal.fell_back", packed is None)
+        return packed
+
+    async def _pull(
+        self, kv: KVTransferParams, ask: dict, route: str, transport: KVTransport
+    ) -> PackedKV | None:
         t0 = time.monotonic()
         try:
             fetch = self._fetch(kv.source.rstrip("/") + route, ask, transport)

@@ -21,11 +21,13 @@ from shoal.engine.core import EngineCore
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.models.pooling_config import checkpoint_pooling
 from shoal.models.tool_formats import tool_format
+from shoal.protocol import tracing
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.errors import EXIT_ENGINE_DEAD, EXIT_RANK_LOST
 from shoal.protocol.secrets import kv_salt
 from shoal.server.app import ServerState, build_app
 from shoal.server.common import ServingContext
+from shoal.server.drain import Drain, DrainingServer
 from shoal.server.kv_connector import KVConnector, KVConnectorConfig
 from shoal.server.metrics import ServerMetrics
 
@@ -53,6 +55,10 @@ class ServerConfig:
     # Data a client's connection leaves unacknowledged this long means its link is gone (a host cut
     # off): the connection drops and its requests are aborted, not run on for nobody.
     peer_timeout_s: float = 5.0
+    # SIGTERM: new requests are refused, those in flight get this long to finish (see drain.py).
+    shutdown_timeout_s: float = 30.0
+    # OpenTelemetry spans go here over OTLP/HTTP (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT).
+    otlp_traces_endpoint: str | None = None
 
 
 def load_serving_context(engine_config: EngineConfig, server_config: ServerConfig) -> ServingContext:
@@ -92,6 +98,7 @@ def create_server(
         started=time.time(),
         max_request_bytes=server_config.max_request_bytes,
         role=server_config.kv.role,
+        drain=Drain(server_config.shutdown_timeout_s),
     )
     url = f"http://{server_config.host}:{server_config.port}"
 
@@ -130,15 +137,25 @@ def create_server(
             if parent and os.getppid() != int(parent):
                 return stop(f"the supervisor (pid {parent}) is gone", 0)
 
+    def held() -> int:
+        return state.ctx.engine.load().get("kv_held", 0) if state.ctx is not None else 0
+
+    async def drain() -> None:
+        """A drain ends in an exit, once its requests are done or its time is up."""
+        if not await state.drain.wait(held):
+            server.config.timeout_graceful_shutdown = 1  # what is left is cut off
+        server.should_exit = True
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         loader = threading.Thread(target=load, name="shoal-load", daemon=True)
         loader.start()
-        watcher = asyncio.create_task(watch())
+        watchers = [asyncio.create_task(watch()), asyncio.create_task(drain())]
         try:
             yield
         finally:
-            watcher.cancel()
+            for watcher in watchers:
+                watcher.cancel()
             await asyncio.to_thread(loader.join)
             if state.ctx is not None:
                 await state.ctx.kv.close()
@@ -152,18 +169,23 @@ def create_server(
         log_level=server_config.log_level,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, state.drain.begin)
     return server, state
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Runs until stopped; the exit status says why (EXIT_ENGINE_DEAD: restart me)."""
     server, state = create_server(engine_config, server_config)
+    endpoint = tracing.endpoint_from(server_config.otlp_traces_endpoint)
+    tracing.configure("shoal-serve", endpoint, **{"shoal.role": server_config.kv.role})
     print(
         f"shoal: loading the model; the API will be at http://{server_config.host}:{server_config.port}/v1",
         flush=True,
     )
-    server.run(sockets=[listen_socket(server_config)])
+    try:
+        server.run(sockets=[listen_socket(server_config)])
+    finally:
+        tracing.shutdown()
     return state.exit_code
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shoal.protocol import tracing
 from shoal.protocol.metric_names import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
@@ -227,6 +229,12 @@ class RequestTimer:
         self.adapter = adapter  # the LoRA adapter the request runs with, if any
         self.last: float | None = None
         self.done = False
+        # The request's span, when it is traced: its engine phases are recorded under it.
+        span = trace.get_current_span()
+        self.span = span if span.is_recording() else None
+        self.scheduled: float | None = None
+        self.first: float | None = None
+        self.tokens = 0
 
     def observe(self, out: RequestOutput) -> None:
         m, name = self.m, self.m.model_name
@@ -235,12 +243,14 @@ class RequestTimer:
         if tokens:
             if self.last is None:
                 m.ttft.labels(name).observe(now - self.start)
-                scheduled = out.metrics.get("first_scheduled_time")
+                self.first = now
+                scheduled = self.scheduled = out.metrics.get("first_scheduled_time")
                 if scheduled is not None:
                     m.queue_time.labels(name).observe(max(0.0, scheduled - out.metrics["arrival_time"]))
             else:
                 m.itl.labels(name).observe(now - self.last)
             self.last = now
+            self.tokens += tokens
             m.generation_tokens.labels(name).inc(tokens)
             if self.adapter is not None:
                 m.lora_generation_tokens.labels(name, self.adapter).inc(tokens)
@@ -252,6 +262,21 @@ class RequestTimer:
                 m.lora_prompt_tokens.labels(name, self.adapter).inc(len(out.prompt_token_ids))
             for o in out.outputs:
                 m.request_success.labels(name, o.finish_reason or "abort").inc()
+            if self.span is not None:
+                self._trace(out, now)
+
+    def _trace(self, out: RequestOutput, end: float) -> None:
+        """The engine's phases as spans: queued, prefill (to the first token), decode."""
+        arrival = out.metrics.get("arrival_time", self.start)
+        scheduled = self.scheduled if self.scheduled is not None else self.first
+        attrs = {"shoal.request_id": out.request_id, "shoal.prompt_tokens": len(out.prompt_token_ids)}
+        if scheduled is not None:
+            tracing.record("engine.queue", self.span, arrival, scheduled, **attrs)
+        if self.first is not None:
+            cached = {"shoal.cached_tokens": out.num_cached_tokens}
+            tracing.record("engine.prefill", self.span, scheduled, self.first, **attrs, **cached)
+            tokens = {"shoal.output_tokens": self.tokens}
+            tracing.record("engine.decode", self.span, self.first, end, **attrs, **tokens)
 
     def close(self) -> None:
         if not self.done:

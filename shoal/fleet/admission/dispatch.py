@@ -20,6 +20,7 @@ from shoal.fleet.replicas.replica import SERVING_ROLES, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.fleet.routing.adapters import AdapterDirectory
 from shoal.fleet.routing.policies import Policy, RouteRequest
+from shoal.protocol import tracing
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,20 @@ class Dispatcher:
         roles: frozenset = SERVING_ROLES,
         timeout: float | None = None,
         only_roles: bool = False,
+    ) -> Replica:
+        """`_acquire`, traced: the span covers the wait in the queue and the routing decision."""
+        with tracing.child("gateway.route", req.span, **{"shoal.roles": ",".join(sorted(roles))}) as span:
+            replica = await self._acquire(req, exclude, roles, timeout, only_roles)
+            span.set_attribute("shoal.replica", replica.name)
+            return replica
+
+    async def _acquire(
+        self,
+        req: RouteRequest,
+        exclude: set[str],
+        roles: frozenset,
+        timeout: float | None,
+        only_roles: bool,
     ) -> Replica:
         """A replica of the request's model, waiting in the bounded fair queue while all are at their
         cap, and up to cold_start_timeout_s while the controller brings one to a model that has none.

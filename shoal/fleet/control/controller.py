@@ -26,6 +26,7 @@ from shoal.fleet.control.placement import Placement
 from shoal.fleet.control.replica_set import Lifecycle, Pool, ReplicaSet, Slot
 from shoal.fleet.control.rollout import RolloutDriver
 from shoal.fleet.metrics import GatewayMetrics
+from shoal.fleet.proxy.shadow import Shadow
 from shoal.fleet.replicas.replica import Health
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.secrets import KV_SALT_ENV
@@ -44,6 +45,7 @@ class FleetController:
         table: ReplicaTable,
         demand: DemandSignals,
         canary: CanarySplit,
+        shadow: Shadow,
         metrics: GatewayMetrics,
         notify: Callable[[], None],
     ):
@@ -64,7 +66,7 @@ class FleetController:
         self.metrics = metrics
         self.replica_set = ReplicaSet(config, launcher, table, metrics, notify, self.log_dir)
         self.rollouts = RolloutDriver(
-            self.replica_set, table, canary, metrics, config.update_ready_timeout_s, config.canary
+            self.replica_set, table, canary, shadow, metrics, config.update_ready_timeout_s, config.canary
         )
         self.placement = Placement(self.replica_set, table, demand, metrics, config.memory_budget_mb)
         self.history = FleetHistory()
@@ -188,7 +190,12 @@ class FleetController:
             rs.stop_slot(slot, "drained" if not busy else "drain timed out")
 
     def update(
-        self, model: str | None, changes: dict, canary: float = 0.0, canary_s: float = 30.0
+        self,
+        model: str | None,
+        changes: dict,
+        canary: float = 0.0,
+        canary_s: float = 30.0,
+        shadow: float | None = None,
     ) -> list[str]:
         """Starts a rolling update of `model`'s pools to its config with `changes` (model,
         replica_args); returns the pools it updates. ValueError: nothing to update, or one is on."""
@@ -205,7 +212,7 @@ class FleetController:
             )
         now = time.monotonic()
         for p in pools:
-            self.rollouts.begin(p, dataclasses.replace(p.model, **changes), canary, canary_s, now)
+            self.rollouts.begin(p, dataclasses.replace(p.model, **changes), canary, canary_s, now, shadow)
         return [p.key for p in pools]
 
     def snapshot(self) -> list[dict]:
@@ -223,6 +230,7 @@ class FleetController:
                 "version": p.version,
                 "updating": p.rollout is not None,
                 "last_update": p.last_rollout,
+                "judgement": p.rollout.judgement if p.rollout is not None else p.last_judgement,
                 "memory_mb": p.model.memory_mb,
                 "unloaded": p.evicted_at is not None,
                 "replicas": {s.name: s.state.value for s in p.slots},

@@ -20,6 +20,7 @@ from shoal.fleet.control.launchers.base import Launcher, ReplicaSpec
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.replicas.replica import Health, Lifecycle, Replica
 from shoal.fleet.replicas.table import ReplicaTable
+from shoal.protocol import tracing
 from shoal.protocol.kv_files import shm_sweep
 from shoal.protocol.secrets import API_KEY_ENV, KV_SALT_ENV, KV_TRANSFER_KEY_ENV
 
@@ -81,6 +82,7 @@ class Pool:
     version: int = 0  # of `model`, the target; replicas of other versions are rolled over to it
     rollout: object | None = None  # a rolling update in progress (see rollout.py)
     last_rollout: str = ""
+    last_judgement: dict = field(default_factory=dict)  # its figures: see rollout.py
     evicted_at: float | None = None  # unloaded for memory; back at its next request
 
     @property
@@ -157,6 +159,8 @@ class ReplicaSet:
         # Secrets by environment, never argv (public in ps); an empty key overrides an inherited one.
         env = {KV_SALT_ENV: gw.kv_salt, KV_TRANSFER_KEY_ENV: gw.kv_transfer_key}
         env[API_KEY_ENV] = gw.replica_key or ""
+        if gw.otlp_traces_endpoint:  # its replicas' spans go where the gateway's go
+            env[tracing.ENDPOINT_ENV] = gw.otlp_traces_endpoint
         return ReplicaSpec(slot.name, slot.port, slot.log_path, m.model, args, env, m.memory_mb)
 
     def _start(self, slot: Slot) -> bool:

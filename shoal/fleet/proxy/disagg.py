@@ -27,6 +27,7 @@ from shoal.fleet.proxy.upstream import Attempt, UpstreamClient
 from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import PREFILL_ROLES, Replica
 from shoal.fleet.replicas.table import ReplicaTable
+from shoal.protocol import tracing
 from shoal.protocol.bodies import STRUCTURED_FIELDS
 from shoal.protocol.errors import APIError
 from shoal.protocol.metric_names import LATENCY_BUCKETS
@@ -171,7 +172,9 @@ class Disaggregator:
         t0 = time.monotonic()
         attempt = Attempt(replica)
         try:
-            params = await self._run(fwd, attempt, seen)
+            with tracing.child("gateway.prefill", fwd.route.span, **{"shoal.replica": replica.name}) as span:
+                params = await self._run(fwd, attempt, seen)
+                span.set_attribute("shoal.prefilled", params is not None)
         finally:
             attempt.done()
         if params is None:
@@ -205,7 +208,8 @@ class Disaggregator:
     async def _run(self, fwd: Forward, attempt: Attempt, seen: dict) -> dict | None:
         replica = attempt.replica
         content = json.dumps(prefill_body(fwd.body), ensure_ascii=False).encode()
-        headers, timeout = self.headers(fwd.headers), self.config.prefill_timeout_s
+        # The prefill worker's spans go under this one (the current span: gateway.prefill).
+        headers, timeout = tracing.outgoing(self.headers(fwd.headers)), self.config.prefill_timeout_s
         try:
             resp, data = await self.client.exchange(attempt, fwd.path, content, headers, timeout)
         except (httpx.HTTPError, TimeoutError) as exc:

@@ -3,6 +3,7 @@ replicas answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,12 +38,17 @@ class Forward:
     kv: dict | None = None  # kv_transfer_params from a remote prefill ({}: prefilled on decode)
     usage: tuple[int, int] = (0, 0)  # (prompt, completion) tokens the answer reported
     on_done: Callable[[Forward], None] | None = field(default=None, repr=False)
+    output_ids: list[list[int]] | None = None  # each choice's tokens, where a relay knew them all
+    # Set when a shadow copy waits to compare its answer with this one's (see shadow.py).
+    primary_output: asyncio.Future | None = field(default=None, repr=False)
 
     def settle(self) -> None:
         """Tells admission the request has ended (once), with the tokens it used."""
         done, self.on_done = self.on_done, None
         if done is not None:
             done(self)
+        if self.primary_output is not None and not self.primary_output.done():
+            self.primary_output.set_result(self.output_ids)
 
 
 def unavailable(message: str) -> JSONResponse:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from shoal.fleet.admission.dispatch import NoReplicaError
 from shoal.fleet.proxy.disagg import peer_params
 from shoal.fleet.proxy.fold import StreamFold, streamed
-from shoal.fleet.proxy.forward import Forward, passthrough, unavailable
+from shoal.fleet.proxy.forward import Forward, json_or_none, passthrough, unavailable
 from shoal.fleet.proxy.migration import copy_to_another
 from shoal.fleet.proxy.parts import RelayParts
 from shoal.fleet.proxy.stream_parts import (
@@ -28,9 +28,10 @@ from shoal.fleet.proxy.stream_parts import (
     with_usage,
 )
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
-from shoal.fleet.proxy.upstream import Attempt, Outcome, sse_events
+from shoal.fleet.proxy.upstream import Attempt, Outcome, error_outcome, sse_events
 from shoal.fleet.replicas.replica import Health
 from shoal.fleet.routing.policies import RouteRequest
+from shoal.protocol import tracing
 from shoal.protocol.errors import APIError
 from shoal.protocol.sse import SSE_DONE, sse
 
@@ -167,6 +168,14 @@ class StreamRelay:
                     out_resp = passthrough(resp, data)
                     out_resp.headers["x-replica"] = replica.name
                     return out_resp
+                if error_outcome(json_or_none(data)).kind == "draining":  # not a failure
+                    await self.dispatch.release(replica, True)
+                    p.table.saw_draining(replica.name)
+                    last = passthrough(resp, data)
+                    if attempt_no < cfg.max_retries:
+                        self.metrics.retries.labels("draining").inc()
+                        continue
+                    break
                 # Refused before the stream began, so it did not run: any 5xx may go elsewhere.
                 busy = resp.status_code == 503
                 await self.dispatch.release(replica, busy, f"HTTP {resp.status_code}", failed=True)
@@ -235,9 +244,12 @@ class StreamRelay:
                 up, obj, outcome = await self.queue.get()
                 if obj is not None:
                     out, tokens = state.relay(up.tag, obj)
-                    up.attempt.tokens += tokens
                     if tokens:
-                        now = self.last_token_at = time.monotonic()
+                        now = time.monotonic()
+                        up.attempt.took_tokens(tokens, now, up.tag is ORIGINAL)
+                        if self.last_token_at is not None and not self.folded:
+                            self.metrics.itl.observe((now - self.last_token_at) / tokens)
+                        self.last_token_at = now
                         if self.migrated_at is not None:
                             self.metrics.migration_pause.observe(now - self.migrated_at)
                             self.migrated_at = None
@@ -281,16 +293,27 @@ class StreamRelay:
             keep(t)
         self.metrics.e2e.observe(time.monotonic() - self.fwd.started)
         self.fwd.usage = self.state.token_counts()
+        if self.state.saw_token_ids and self.ids_complete:
+            self.fwd.output_ids = [c.ids for _, c in sorted(self.state.choices.items())]
         self.fwd.settle()
 
     # --- failover ------------------------------------------------------------------------
 
     async def recover(self, up: Upstream, outcome: Outcome) -> None:
         """After `up` failed: continue its unfinished choices elsewhere, or raise StopRelay."""
-        if outcome.kind == "migrated":
-            return await self.migrate(up)
+        what = {"shoal.replica": up.replica.name, "shoal.reason": outcome.kind}
+        name = "gateway.migration" if outcome.kind == "migrated" else "gateway.failover"
+        with tracing.child(name, self.fwd.route.span, **what):
+            if outcome.kind == "migrated":
+                return await self.migrate(up)
+            return await self._recover(up, outcome)
+
+    async def _recover(self, up: Upstream, outcome: Outcome) -> None:
         state, r = self.state, up.replica
-        log.warning("stream from %s broke after %d events: %s", r.name, state.events, outcome.message)
+        rid = self.fwd.headers.get("x-request-id")
+        log.warning(
+            "request %s: stream from %s broke after %d events: %s", rid, r.name, state.events, outcome.message
+        )
         self.failed.add(r.name)
         served = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
         if not any(i in state.unfinished for i in served):  # it died after its last token

@@ -47,7 +47,7 @@ class UnaryRelay:
             retry, last = out
             if not can_retry:
                 break
-            if retry in ("interrupted", "dropped", "engine_dead"):
+            if retry in ("interrupted", "dropped", "engine_dead", "draining"):
                 # Its replica died: running it once more is the continuation the poison rule allows.
                 p.metrics.retries.labels(retry).inc()
             elif not p.retries.may_retry(retry):
@@ -102,6 +102,10 @@ class UnaryRelay:
         p = self.p
         replica = attempt.replica
         outcome = error_outcome(json_or_none(content))
+        if outcome.kind == "draining":  # it shuts down: refused before it ran, and no failure
+            await p.dispatch.release(replica, True)
+            p.table.saw_draining(replica.name)
+            return "draining"
         if outcome.kind == "internal_error" and resp.status_code == 500:
             # The engine failed this request alone and went on: it would fail anywhere.
             await p.dispatch.release(replica, True, failed=True)

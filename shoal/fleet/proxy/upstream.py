@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import httpx
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.replicas.replica import Replica
-from shoal.protocol.errors import RANK_LOST_CODE
+from shoal.protocol.errors import DRAINING_CODE, RANK_LOST_CODE
 from shoal.protocol.sse import DONE_DATA, event_data
 
 ENCODE_INLINE_BYTES = 64 * 1024  # larger bodies are serialized on a thread
@@ -50,6 +51,8 @@ class Attempt:
         self.replica = replica
         self.priority = priority  # its request's (a larger number: less urgent)
         self.tokens = 0  # output tokens the replica has sent for it
+        self.started = time.monotonic()
+        self.last_token_at: float | None = None
         self.interrupted = False
         self.migrating = False  # interrupted to move its stream to another replica, not a failure
         self.movable = False  # a stream that can go on elsewhere from where it is (StreamRelay)
@@ -57,6 +60,17 @@ class Attempt:
         self.move_asked = False  # a move is under way (cleared by its relay if it stays)
         self._timeout: asyncio.Timeout | None = None
         replica.attempts.add(self)
+
+    def took_tokens(self, tokens: int, now: float, fresh: bool = True) -> None:
+        """Its replica sent `tokens` more: its speed, for the rolling update's judge. Only a
+        `fresh` request's first token is a time to first token (a continuation's is not)."""
+        self.tokens += tokens
+        if self.last_token_at is None:
+            if fresh:
+                self.replica.latency.first_token(now - self.started, now)
+        else:
+            self.replica.latency.gap((now - self.last_token_at) / tokens, now)
+        self.last_token_at = now
 
     def move(self) -> None:
         """Moves its stream to another replica: through its relay, which copies the context
@@ -124,6 +138,8 @@ def error_outcome(body: object) -> Outcome:
         return Outcome("dropped", message)
     if code == "internal_error":  # a shoal replica's word: the engine failed this request alone
         return Outcome("internal_error", message)
+    if code == DRAINING_CODE:  # it shuts down and refused the request before running it
+        return Outcome("draining", message)
     return Outcome("error", message)
 
 

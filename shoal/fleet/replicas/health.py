@@ -147,7 +147,9 @@ class HealthMonitor:
             return
         is_ready = ready is not None and ready.status_code in (200, 404)  # 404: a server without /ready
         instance = _instance(ready)
-        if r.state in (Health.DOWN, Health.LOADING):
+        if _draining(ready):
+            self.table.saw_draining(r.name)
+        elif r.state in (Health.DOWN, Health.LOADING, Health.DRAINING):
             r.state = Health.READY if is_ready else Health.LOADING
             if is_ready:
                 death = r.death
@@ -215,6 +217,16 @@ class HealthMonitor:
             else:
                 self.index.removed(r.name, ev["block_hash"])
         r.kv_cursor = data["next"]
+
+
+def _draining(ready: httpx.Response | None) -> bool:
+    """Whether a shoal replica's /ready says it shuts down."""
+    if ready is None or ready.status_code != 503:
+        return False
+    try:
+        return ready.json().get("draining") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 def _instance(ready: httpx.Response | None) -> str | None:

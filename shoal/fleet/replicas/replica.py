@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from shoal.fleet.replicas.latency import LatencyWindow
+
 # Whole requests go to replicas with these roles; prefill workers take them only when none is left.
 SERVING_ROLES = frozenset({"both", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
@@ -32,6 +34,7 @@ class Health(StrEnum):
     EJECTED = "ejected"  # circuit open after consecutive failures
     HALF_OPEN = "half_open"  # one trial request decides
     DOWN = "down"  # unreachable or unhealthy by probe, or its process exited (restart pending)
+    DRAINING = "draining"  # it said it shuts down (SIGTERM): no new requests, its streams move off
     PORT_IN_USE = "port_in_use"  # another process holds its port: the launcher does not start it
 
 
@@ -83,6 +86,7 @@ class Replica:
     version: int = 0  # of its pool's model config (rolling updates)
     node: str | None = None  # where a remote launcher placed it (a Ray node id)
     instance: str | None = None  # its process, as its /ready names it: the same after a partition
+    latency: LatencyWindow = field(default_factory=LatencyWindow)  # its recent TTFTs and token gaps
 
     @property
     def process_alive(self) -> bool:

@@ -75,6 +75,17 @@ class ReplicaTable:
             attempt.move()
         return len(moving)
 
+    def saw_draining(self, name: str) -> None:
+        """The replica said it shuts down (a 503 `draining`, or its /ready): it takes no request
+        from now on, and its streams move to other replicas while it still answers for their K/V
+        (those that cannot move finish there, within its shutdown timeout)."""
+        r = self.replicas.get(name)
+        if r is None or r.state in (Health.DRAINING, Health.DOWN, Health.PORT_IN_USE):
+            return
+        r.state = Health.DRAINING
+        r.recent_errors.append((time.time(), "draining: it shuts down"))
+        self.move_streams(name)
+
     def port_in_use(self, name: str, note: str) -> None:
         r = self.replicas[name]
         if r.state != Health.PORT_IN_USE:

@@ -25,6 +25,7 @@ class RouteRequest:
     priority: int = 0
     tokens: int = 0
     charged: bool = False
+    span: object | None = None  # the request's trace span (protocol/tracing.py): routing is traced under it
 
 
 class Policy(Protocol):
