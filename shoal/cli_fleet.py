@@ -37,6 +37,12 @@ def gateway_flag_set() -> FlagSet:
             Flag("tokenizer", help="checkpoint whose tokenizer hashes prompts"),
             Flag("record_trace", metavar="PATH", help="append a JSON line per request served, for shoal sim"),
             Flag(
+                "store",
+                metavar="URL",
+                help="a Redis URL (redis://host:6379/0): tenants' rate limits shared with every gateway "
+                "over the same store (the redis extra)",
+            ),
+            Flag(
                 "otlp_traces_endpoint",
                 metavar="URL",
                 help="export OpenTelemetry spans (the gateway's and its replicas') over OTLP/HTTP to URL "

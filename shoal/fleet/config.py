@@ -24,6 +24,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     backends: list[str] = field(default_factory=list)  # replicas that already run
+    # A Redis URL (redis://host:port/db): the tenants' rate limits are shared with every gateway
+    # over the same store (admission/shared_limits.py). None: this gateway's alone.
+    store: str | None = None
     policy: str = "kv_aware"
     tokenizer: str | None = None  # checkpoint whose tokenizer hashes prompts (kv_aware); default bundled
     # How the replicas offer tools in a prompt (their --tool-call-parser), for the same hashes;

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from shoal.fleet.admission.canary import CanarySplit
 from shoal.fleet.admission.dispatch import Dispatcher
 from shoal.fleet.admission.fair_queue import FairQueue
+from shoal.fleet.admission.shared_limits import SharedLimits
 from shoal.fleet.admission.shares import FairShares
 from shoal.fleet.admission.signals import DemandSignals
 from shoal.fleet.admission.tenants import Tenants
@@ -75,6 +76,7 @@ class Gateway:
             config.tenants,
             config.api_key,
             on_limited=lambda t, limit: metrics.tenant_rate_limited.labels(t.name, limit).inc(),
+            shared=SharedLimits(config.store) if config.store else None,
         )
         self.demand = DemandSignals()
         self.canary = CanarySplit()
@@ -215,5 +217,7 @@ class Gateway:
             await self.controller.stop()
         await self.health.stop()
         await self.client.aclose()
+        if self.tenants.shared is not None:
+            await self.tenants.shared.close()
         if self.pipeline.trace is not None:
             self.pipeline.trace.close()

@@ -134,7 +134,8 @@ class Pipeline:
             route = await self.route_keys(path, routed, raw.headers)
             route.span = span
             span.set_attributes({"shoal.tenant": tenant.name, "shoal.model": str(body.get("model"))})
-            ticket = self.tenants.admit(tenant, body.get("model"), route.tokens + completion_estimate(body))
+            tokens = route.tokens + completion_estimate(body)
+            ticket = await self.tenants.admit_across(tenant, body.get("model"), tokens)
             self.metrics.tenant_requests.labels(tenant.name, "interactive").inc()
             over = self.dispatch.shares.over(tenant.name, route.model)
             if priority != self.priority_base or over or "priority" in body:
@@ -334,7 +335,7 @@ class Pipeline:
             route = await self.route_keys(path, body, {})
             route.priority = cls
             if ticket is None:
-                ticket = self.tenants.admit(tenant, body.get("model"), route.tokens)
+                ticket = await self.tenants.admit_across(tenant, body.get("model"), route.tokens)
             resp = await self.send(path, body, self.upstream_headers(), route, ticket, 0, settle=True)
         except APIError as exc:
             if ticket is not None:

@@ -8,6 +8,7 @@ was used), and requests in flight.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import os
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.fleet.admission.shared_limits import SharedLimits
 from shoal.protocol.errors import APIError
 
 ANONYMOUS = "anonymous"  # the tenant of a gateway without tenants
@@ -121,6 +123,16 @@ class TokenBucket:
             self._refill()
             self.level -= amount
 
+    def give(self, amount: float) -> None:
+        """Returns what a take took (the request was refused after all)."""
+        if self.limited:
+            self._refill()
+            self.level = min(self.capacity, self.level + amount)
+
+    def mirror(self, level: float) -> None:
+        """The level of the bucket this one stands for across gateways (shared_limits.py)."""
+        self.level, self.stamp = level, self.clock()
+
     def remaining(self) -> int:
         if not self.limited:
             return 0
@@ -200,6 +212,7 @@ class Ticket:
         self.counted = counted  # in the tenant's requests in flight (interactive ones are)
         self.prompt_tokens = self.completion_tokens = 0
         self.open = True
+        self.on_charge: Callable[[int], None] | None = None  # the debt or refund, for a shared store
 
     def record(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -213,7 +226,10 @@ class Ticket:
         if self.counted:
             t.inflight -= 1
             # A refund when it used less than it was charged, a debt when more.
-            t.tokens.take(self.prompt_tokens + self.completion_tokens - self.charged)
+            delta = self.prompt_tokens + self.completion_tokens - self.charged
+            t.tokens.take(delta)
+            if self.on_charge is not None:
+                self.on_charge(delta)
         u = t.lane_usage(self.lane)
         u.prompt_tokens += self.prompt_tokens
         u.completion_tokens += self.completion_tokens
@@ -228,8 +244,13 @@ class Tenants:
         operator_key: str | None,
         clock=time.monotonic,
         on_limited: Callable[[Tenant, str], None] | None = None,
+        shared: SharedLimits | None = None,
     ):
+        """`shared`: the request and token limits every gateway over one store draws from (None:
+        this gateway's alone)."""
         self.on_limited = on_limited or (lambda tenant, limit: None)  # (tenant, limit): for metrics
+        self.shared = shared
+        self._charges: set[asyncio.Task] = set()
         self.by_hash: dict[str, Tenant] = {}
         self.all: dict[str, Tenant] = {}
         for c in configs:
@@ -299,6 +320,39 @@ class Tenants:
         tenant.last_admitted = tenant.clock()
         tenant.lane_usage(lane).requests += 1
         return Ticket(tenant, tokens, lane)
+
+    async def admit_across(self, tenant: Tenant, model: str | None, tokens: int) -> Ticket:
+        """`admit`, and with a shared store, against the limits all its gateways draw from."""
+        ticket = self.admit(tenant, model, tokens)
+        shared = self.shared
+        if shared is None or not (tenant.requests.limited or tenant.tokens.limited):
+            return ticket
+        wait_r, wait_t, level_r, level_t = await shared.take(tenant, tokens)
+        refused = wait_r or wait_t
+        if refused:  # what this gateway took goes back
+            ticket.open = False
+            tenant.inflight -= 1
+            tenant.lane_usage(ticket.lane).requests -= 1
+            tenant.requests.give(1)
+            tenant.tokens.give(tokens)
+        for bucket, level in ((tenant.requests, level_r), (tenant.tokens, level_t)):
+            if level >= 0:  # the headers say what is left across the gateways
+                bucket.mirror(level)
+        if refused:
+            cfg = tenant.config
+            if wait_r:
+                message = f"rate limit of {cfg.requests_per_minute:g} requests per minute reached"
+                raise self._limited(tenant, "requests", wait_r, message)
+            message = f"rate limit of {cfg.tokens_per_minute:g} tokens per minute reached"
+            raise self._limited(tenant, "tokens", wait_t, message)
+
+        def charge(delta: int) -> None:
+            task = asyncio.get_running_loop().create_task(shared.charge(tenant, delta))
+            self._charges.add(task)
+            task.add_done_callback(self._charges.discard)
+
+        ticket.on_charge = charge
+        return ticket
 
     def batch_ticket(self, tenant: Tenant) -> Ticket:
         """A batch request's ticket: counted in usage, outside the interactive limits."""
