@@ -73,6 +73,18 @@ def test_a_tenants_limit_holds_across_gateways_that_share_a_store(gateways):
         err = r.json()["error"]
         assert err["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
         assert r.headers["x-ratelimit-remaining-requests"] == "0"  # what is left across both
+    # Either gateway bills both gateways' requests (each writes what it counted to the store).
+    # The other gateway's counts arrive with its next write, within a couple of seconds.
+    for gw in gateways:
+        deadline = time.monotonic() + 10
+        while True:
+            usage = httpx.get(gw.url + "/fleet/usage", headers=auth("sk-operator"), timeout=10).json()
+            tiny = usage["tenants"].get("tiny", {}).get("interactive", {})
+            seen = (tiny.get("requests"), tiny.get("rate_limited"))
+            if seen == (len(admitted), len(refused)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert seen == (len(admitted), len(refused)), usage
 
 
 def test_without_its_store_a_gateway_admits_on_its_own_limits(gateways, redis_url):

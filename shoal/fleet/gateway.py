@@ -17,8 +17,10 @@ from shoal.fleet.admission.canary import CanarySplit
 from shoal.fleet.admission.dispatch import Dispatcher
 from shoal.fleet.admission.fair_queue import FairQueue
 from shoal.fleet.admission.shared_limits import SharedLimits
+from shoal.fleet.admission.shared_usage import SharedUsage
 from shoal.fleet.admission.shares import FairShares
 from shoal.fleet.admission.signals import DemandSignals
+from shoal.fleet.admission.store import connect
 from shoal.fleet.admission.tenants import Tenants
 from shoal.fleet.admission.usage import UsageLedger
 from shoal.fleet.admission.usage_store import state_dir
@@ -71,12 +73,13 @@ class Gateway:
         parser = config.tool_call_parser or self.catalog.tool_call_parser() or "auto"
         self.keys = PromptKeys(config, table, parser)
         self.tiers = TierRouter(config.tiers, metrics)
-        # Admission.
+        # Admission; with a store, what several gateways share (limits, usage) is kept there.
+        self.store = connect(config.store) if config.store else None
         self.tenants = tenants = Tenants(
             config.tenants,
             config.api_key,
             on_limited=lambda t, limit: metrics.tenant_rate_limited.labels(t.name, limit).inc(),
-            shared=SharedLimits(config.store) if config.store else None,
+            shared=SharedLimits(self.store, config.store) if self.store is not None else None,
         )
         self.demand = DemandSignals()
         self.canary = CanarySplit()
@@ -104,7 +107,7 @@ class Gateway:
         self.health = HealthMonitor(
             config, table, index, metrics, self.dispatch.notify_nowait, on_return=poison.absolve
         )
-        self.usage = UsageLedger(tenants)
+        self.usage = UsageLedger(tenants, SharedUsage(self.store) if self.store is not None else None)
         # The proxy.
         judge = FailureJudge(table, self.health, poison, metrics)
         prefill = Disaggregator(config, table, index, self.dispatch, self.client, judge, metrics)
@@ -217,7 +220,7 @@ class Gateway:
             await self.controller.stop()
         await self.health.stop()
         await self.client.aclose()
-        if self.tenants.shared is not None:
-            await self.tenants.shared.close()
+        if self.store is not None:
+            await self.store.aclose()
         if self.pipeline.trace is not None:
             self.pipeline.trace.close()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from shoal.fleet.admission.store import store_errors
 from shoal.fleet.admission.usage import UsageLedger
 from shoal.fleet.batch.api import FILES_PATH, install_batch_routes
 from shoal.fleet.batch.runner import BatchService
@@ -146,7 +147,10 @@ def build_app(self: Edge) -> FastAPI:
     async def usage(raw: Request):
         """Requests and tokens per tenant and lane since the state directory began, to bill from."""
         self.check_admin(raw)
-        return self.usage.report()
+        try:
+            return await self.usage.report()
+        except store_errors() as exc:
+            raise APIError(503, f"the usage store did not answer: {exc}", code="store_unavailable") from None
 
     @app.get("/health")
     async def health():

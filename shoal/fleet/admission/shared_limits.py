@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+from shoal.fleet.admission.store import store_errors
+
 log = logging.getLogger(__name__)
 
 # KEYS: the requests bucket, the tokens bucket. ARGV: per-second rate and capacity of each
@@ -61,16 +63,13 @@ return {'0', '0', tostring(rl), tostring(tl)}
 
 
 class SharedLimits:
-    def __init__(self, url: str, prefix: str = "shoal:tenant:"):
-        try:
-            import redis.asyncio as redis
-        except ImportError:
-            raise SystemExit("shoal: --store needs the Redis client: pip install 'shoal[redis]'") from None
+    def __init__(self, client, url: str, prefix: str = "shoal:tenant:"):
+        """`client`: the store's (store.py); `url` names it in the log."""
         self.url = url
-        self.client = redis.from_url(url)
-        self.script = self.client.register_script(SCRIPT)
+        self.client = client
+        self.script = client.register_script(SCRIPT)
         self.prefix = prefix
-        self.errors = (redis.RedisError, OSError)
+        self.errors = store_errors()
 
     def _args(self, tenant, tokens: float, mode: str) -> tuple[list[str], list]:
         keys = [f"{self.prefix}{tenant.name}:requests", f"{self.prefix}{tenant.name}:tokens"]
@@ -100,6 +99,3 @@ class SharedLimits:
             await self.script(keys=keys, args=args)
         except self.errors as exc:
             log.warning("tenant limits store %s: %s; a charge of %d tokens is lost", self.url, exc, tokens)
-
-    async def close(self) -> None:
-        await self.client.aclose()
