@@ -107,7 +107,10 @@ class Shadow:
             replica.failed_total += int(failed)
         if failed:
             return self.metrics.shadow.labels(pool, "failed").inc()
-        primary = await fwd.primary_output
+        try:
+            primary = await asyncio.wait_for(fwd.primary_output, TIMEOUT_S)
+        except TimeoutError:  # the client's request outlived its copy by minutes
+            primary = None
         if primary is None or not reproducible(fwd.body):
             return self.metrics.shadow.labels(pool, "not_compared").inc()
         ours = [outputs.get(i, []) for i in range(len(primary))]
