@@ -133,7 +133,7 @@ class Pipeline:
             routed = {**body, "model": tier.cheap} if tier is not None else body
             route = await self.route_keys(path, routed, raw.headers)
             route.span = span
-            span.set_attributes({"shoal.tenant": tenant.name, "shoal.model": str(body.get("model"))})
+            span.set_attributes({"shoal.tenant": tenant.name, "shoal.model": str(body.get("model"))[:200]})
             tokens = route.tokens + completion_estimate(body)
             ticket = await self.tenants.admit_across(tenant, body.get("model"), tokens)
             self.metrics.tenant_requests.labels(tenant.name, "interactive").inc()
