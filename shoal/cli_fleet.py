@@ -104,7 +104,11 @@ def _override(config, args, flag_set: FlagSet) -> None:
 def _gateway_config(args):
     from shoal.fleet.config import FleetConfig, load_fleet_config
 
-    fleet = load_fleet_config(args.config) if args.config else FleetConfig()
+    try:
+        fleet = load_fleet_config(args.config) if args.config else FleetConfig()
+    except (OSError, ValueError, TypeError) as exc:  # a TOML syntax error is a ValueError
+        print(f"shoal: {args.config}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     _override(fleet.gateway, args, gateway_flag_set())
     fleet.gateway.api_key = api_key_from(fleet.gateway.api_key)  # a key in argv is public
     return fleet

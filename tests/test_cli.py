@@ -180,3 +180,21 @@ def test_fleet_flags_override_the_fleet_file(tmp_path):
     defaults = FleetConfig()
     assert fleet.autoscale.target_inflight == defaults.autoscale.target_inflight  # no flag: the default
     assert fleet_config(build_parser("fleet up").parse_args(["fleet", "up"])).gateway == defaults.gateway
+
+
+def test_a_fleet_file_that_cannot_be_used_is_named_with_the_reason_not_a_traceback(tmp_path):
+    cases = {
+        "syntax.toml": ("[gateway\nport = 1\n", "Expected ']'"),
+        "policy.toml": ('[gateway]\npolicy = "nope"\n', "unknown policy 'nope'"),
+        "key.toml": ("[gateway]\nnosuch = 1\n", "unknown GatewayConfig keys: nosuch"),
+        "missing.toml": (None, "No such file or directory"),
+    }
+    for name, (text, reason) in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        for cmd in (("gateway", "--backend", "http://127.0.0.1:9"), ("fleet", "up")):
+            out = run_shoal(*cmd, "--config", str(path))
+            assert out.returncode == 2, (name, cmd, out.stderr)
+            assert f"shoal: {path}: " in out.stderr and reason in out.stderr, out.stderr
+            assert "Traceback" not in out.stderr
