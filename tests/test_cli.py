@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def run_shoal(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "shoal.cli", *args]
@@ -198,3 +200,13 @@ def test_a_fleet_file_that_cannot_be_used_is_named_with_the_reason_not_a_traceba
             assert out.returncode == 2, (name, cmd, out.stderr)
             assert f"shoal: {path}: " in out.stderr and reason in out.stderr, out.stderr
             assert "Traceback" not in out.stderr
+
+
+def test_the_offline_api_takes_sizes_as_the_cli_does():
+    from shoal.llm import build_engine_config
+
+    cfg = build_engine_config(kv_cache_memory="64MiB", kv_offload_memory="1GiB")
+    assert (cfg.cache.kv_cache_memory, cfg.cache.kv_offload_memory) == (64 << 20, 1 << 30)
+    assert build_engine_config(kv_cache_memory=123456).cache.kv_cache_memory == 123456
+    with pytest.raises(ValueError, match="not a size: 'lots'"):
+        build_engine_config(kv_cache_memory="lots")

@@ -30,6 +30,11 @@ class CacheConfig:
     kv_offload_disk: tuple[str, ...] = ()
 
     def __post_init__(self):
+        # Sizes may be given as the CLI takes them ("256MiB"), e.g. to LLM(kv_cache_memory=...).
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if isinstance(self.kv_offload_memory, str):
+            self.kv_offload_memory = parse_size(self.kv_offload_memory)
         self.kv_offload_disk = tuple(self.kv_offload_disk)
         if self.kv_offload_disk:
             if len(self.kv_offload_disk) != 2:
