@@ -5,8 +5,7 @@ gateway's requests together, and a gateway that dies loses at most its last inte
 from __future__ import annotations
 
 from shoal.fleet.admission.tenants import Usage
-
-FIELDS = ("requests", "prompt_tokens", "completion_tokens", "rate_limited")
+from shoal.fleet.admission.usage_store import FIELDS
 
 
 class SharedUsage:
