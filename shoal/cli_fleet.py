@@ -198,7 +198,9 @@ def cmd_fleet_up(args) -> int:
         return 2
     gateway = Gateway(fleet.gateway, fleet, launcher)
     controller = gateway.controller
-    busy = controller.busy_ports()
+    # With a store, the fleet's replicas may run already: its leader's (this gateway adopts them
+    # if it leads, and starts the rest).
+    busy = controller.busy_ports() if gateway.leadership is None else []
     if port_in_use(fleet.gateway.port, fleet.gateway.host):
         busy.insert(0, fleet.gateway.port)
     if busy:
@@ -209,10 +211,16 @@ def cmd_fleet_up(args) -> int:
         )
         return 1
     names = ", ".join(f"{r.name} :{r.port}" for r in controller.slots)
-    print(
-        f"shoal: starting {len(controller.slots)} replicas ({names}); logs in {controller.log_dir}",
-        flush=True,
-    )
+    if gateway.leadership is not None:
+        print(
+            f"shoal: joining the fleet kept in {fleet.gateway.store}; its leader runs the replicas",
+            flush=True,
+        )
+    else:
+        print(
+            f"shoal: starting {len(controller.slots)} replicas ({names}); logs in {controller.log_dir}",
+            flush=True,
+        )
     return _run_gateway(gateway, "fleet gateway up")
 
 
@@ -270,6 +278,10 @@ def cmd_fleet_status(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
+    lead = out.get("leadership")
+    if lead:
+        role = "leads" if lead["leading"] else f"follows {lead['leader'] or '(no leader now)'}"
+        print(f"gateway {lead['gateway']} {role}; {lead['gateways']} gateways alive")
     for p in out.get("pools", []):
         update = " (updating)" if p["updating"] else ""
         print(

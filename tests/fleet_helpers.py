@@ -36,6 +36,26 @@ def spawn(args: list[str], env: dict[str, str] | None = None, port: int | None =
     return ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
 
 
+def start_redis() -> tuple[subprocess.Popen, str]:
+    """A redis-server of its own on 127.0.0.1 (Debian's package), no persistence: (process, URL)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 10
+    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout != b"PONG\n":
+        assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def stop_redis(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
 def wait_replicas_ready(
     gw: ServerProcess, count: int, timeout: float = 240.0, api_key: str | None = None
 ) -> list[dict]:

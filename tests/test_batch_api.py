@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import io
 import json
+import shutil
 import time
 
 import openai
@@ -18,11 +19,13 @@ from fastapi.testclient import TestClient
 from openai import OpenAI
 
 from shoal.fleet.batch.api import install_batch_routes
+from shoal.fleet.batch.redis_store import RedisBatchStore
 from shoal.fleet.batch.runner import BatchService, parse_window, validate_input
 from shoal.fleet.batch.store import BatchStore, result_line
 from shoal.fleet.config import GatewayConfig
 from shoal.protocol.bodies import BodyLimitMiddleware
 from shoal.protocol.errors import APIError, error_body, install_error_handlers
+from tests.fleet_helpers import start_redis, stop_redis
 
 
 def jsonl(rows) -> bytes:
@@ -41,8 +44,22 @@ def request(cid: str, prompt: str, url: str = "/v1/completions", **body) -> dict
 # --- the store ------------------------------------------------------------------------------
 
 
-def test_store_records_one_result_per_line_and_runs_interrupted_lines_again(tmp_path):
-    store = BatchStore(str(tmp_path / "b.sqlite3"))
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request, tmp_path):
+    """Each kind of batch store: a gateway's own (SQLite), and the one gateways share (Redis)."""
+    if request.param == "sqlite":
+        yield BatchStore(str(tmp_path / "b.sqlite3"))
+        return
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server")
+    proc, url = start_redis()
+    try:
+        yield RedisBatchStore(url, "test:batch:")
+    finally:
+        stop_redis(proc)
+
+
+def test_store_records_one_result_per_line_and_runs_interrupted_lines_again(store):
     f = store.add_file("alice", "batch", "in.jsonl", b"x")
     lines = [(f"c{i}", None, json.dumps({"prompt": str(i)})) for i in range(5)]
     b = store.add_batch("alice", "/v1/completions", f["id"], "24h", 86400, {"k": "v"}, lines, [])
@@ -56,10 +73,14 @@ def test_store_records_one_result_per_line_and_runs_interrupted_lines_again(tmp_
     assert store.recover() == 1  # line 1 was running when "the gateway died"
     rest = store.claim(10)
     assert [(x.line_no, x.attempts) for x in rest] == [(1, 2), (2, 1), (3, 1), (4, 1)]
+    # The runner that claimed line 1 first (a leader that was cut off) finishes it late: its
+    # result is the one kept, and the second run's is dropped.
+    assert store.finish(first[1], True, result_line("c1", 200, {"n": 1}))
     for x in rest:
         ok = x.line_no != 3
         err = None if ok else {"code": "x", "message": "no"}
-        store.finish(x, ok, result_line(x.custom_id, 200 if ok else 400, {"n": x.line_no}, err))
+        kept = store.finish(x, ok, result_line(x.custom_id, 200 if ok else 400, {"n": x.line_no}, err))
+        assert kept == (x.line_no != 1)
     assert store.sweep() == {}
     done = store.get_batch("alice", b["id"])
     assert done["status"] == "completed" and done["completed_at"] and done["finalizing_at"]
@@ -71,6 +92,34 @@ def test_store_records_one_result_per_line_and_runs_interrupted_lines_again(tmp_
     err = [json.loads(x) for x in store.file_content("alice", done["error_file_id"]).splitlines()]
     assert err[0]["custom_id"] == "c3" and err[0]["error"]["code"] == "x"
     assert store.get_file("alice", done["output_file_id"])["purpose"] == "batch_output"
+    store.close()
+
+
+def test_store_cancels_lists_pages_and_keeps_tenants_apart(store):
+    files = [store.add_file("alice", "batch", f"{i}.jsonl", b"x") for i in range(3)]
+    page, more = store.list_files("alice", None, 2, None)
+    assert [f["id"] for f in page] == [files[2]["id"], files[1]["id"]] and more
+    page, more = store.list_files("alice", "batch", 2, files[1]["id"])
+    assert [f["id"] for f in page] == [files[0]["id"]] and not more
+    assert store.list_files("bob", None, 10, None) == ([], False)
+    lines = [(f"c{i}", None, "{}") for i in range(3)]
+    b = store.add_batch("alice", "/v1/completions", files[0]["id"], "24h", 86400, None, lines, [])
+    running = store.claim(1)
+    assert store.cancel("bob", b["id"]) is None
+    cancelling = store.cancel("alice", b["id"])
+    assert cancelling["status"] == "cancelling" and cancelling["request_counts"]["failed"] == 2
+    assert store.finish(running[0], True, result_line("c0", 200, {}))  # a running line finishes
+    assert store.sweep() == {}
+    done = store.get_batch("alice", b["id"])
+    assert done["status"] == "cancelled" and done["cancelled_at"]
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    errors = [json.loads(x) for x in store.file_content("alice", done["error_file_id"]).splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (f"c{i}", "batch_cancelled") for i in (1, 2)
+    ]
+    assert [x["id"] for x in store.list_batches("alice", 10, None)[0]] == [b["id"]]
+    assert store.delete_file("alice", files[1]["id"]) and not store.delete_file("alice", files[1]["id"])
+    assert store.get_file("alice", files[1]["id"]) is None
     store.close()
 
 

@@ -5,15 +5,13 @@ gateways go on admitting on their own limits."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 
 import httpx
 import pytest
 
 from shoal.fleet.admission.tenants import key_digest
-from tests.fleet_helpers import auth, start_gateway
-from tests.server_helpers import free_port
+from tests.fleet_helpers import auth, start_gateway, start_redis, stop_redis
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"tiny": "sk-tiny", "roomy": "sk-roomy"}
@@ -23,19 +21,9 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no
 
 @pytest.fixture(scope="module")
 def redis_url():
-    port = free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 10
-    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout != b"PONG\n":
-        assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)
-    yield proc, f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
+    proc, url = start_redis()
+    yield proc, url
+    stop_redis(proc)
 
 
 @pytest.fixture(scope="module")

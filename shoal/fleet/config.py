@@ -24,9 +24,16 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     backends: list[str] = field(default_factory=list)  # replicas that already run
-    # A Redis URL (redis://host:port/db): the tenants' rate limits are shared with every gateway
-    # over the same store (admission/shared_limits.py). None: this gateway's alone.
+    # A Redis URL (redis://host:port/db): what several gateways of one service share (tenants'
+    # limits and usage, batch jobs and their files; for a fleet, the replica set and who leads its
+    # controller: fleet/control/leader/). None: this gateway's alone.
     store: str | None = None
+    store_prefix: str = "shoal:"  # of its keys: one store may serve several fleets
+    # The leader's lease lasts this long unrenewed: a follower leads this soon after it dies.
+    lease_ttl_s: float = 3.0
+    # With a store, replicas outlive the gateway that started them; they exit once no gateway has
+    # probed them for this long (the last gateway of the fleet is gone).
+    replica_lifeline_s: float = 20.0
     policy: str = "kv_aware"
     tokenizer: str | None = None  # checkpoint whose tokenizer hashes prompts (kv_aware); default bundled
     # How the replicas offer tools in a prompt (their --tool-call-parser), for the same hashes;

@@ -24,6 +24,7 @@ from shoal.fleet.admission.store import connect
 from shoal.fleet.admission.tenants import Tenants
 from shoal.fleet.admission.usage import UsageLedger
 from shoal.fleet.admission.usage_store import state_dir
+from shoal.fleet.batch.redis_store import RedisBatchStore
 from shoal.fleet.batch.runner import BatchService
 from shoal.fleet.catalog import ModelCatalog
 from shoal.fleet.config import FleetConfig, GatewayConfig
@@ -31,6 +32,7 @@ from shoal.fleet.control.controller import FleetController
 from shoal.fleet.control.cores import CoreAllocator, planned_replicas
 from shoal.fleet.control.launchers.base import Launcher
 from shoal.fleet.control.launchers.local import LocalLauncher
+from shoal.fleet.control.leader.leadership import Leadership
 from shoal.fleet.control.rebalancer import Rebalancer
 from shoal.fleet.grounding import Grounding
 from shoal.fleet.listing import ModelListing
@@ -79,7 +81,11 @@ class Gateway:
             config.tenants,
             config.api_key,
             on_limited=lambda t, limit: metrics.tenant_rate_limited.labels(t.name, limit).inc(),
-            shared=SharedLimits(self.store, config.store) if self.store is not None else None,
+            shared=(
+                SharedLimits(self.store, config.store, f"{config.store_prefix}tenant:")
+                if self.store is not None
+                else None
+            ),
         )
         self.demand = DemandSignals()
         self.canary = CanarySplit()
@@ -107,7 +113,8 @@ class Gateway:
         self.health = HealthMonitor(
             config, table, index, metrics, self.dispatch.notify_nowait, on_return=poison.absolve
         )
-        self.usage = UsageLedger(tenants, SharedUsage(self.store) if self.store is not None else None)
+        shared_usage = SharedUsage(self.store, f"{config.store_prefix}usage:") if self.store else None
+        self.usage = UsageLedger(tenants, shared_usage)
         # The proxy.
         judge = FailureJudge(table, self.health, poison, metrics)
         prefill = Disaggregator(config, table, index, self.dispatch, self.client, judge, metrics)
@@ -142,14 +149,19 @@ class Gateway:
         )
         self.listing = ModelListing(table, self.catalog, self.tiers, self.client, self.adapters)
         self.batches = BatchService(
-            config, self.dispatch, tenants.all, self.pipeline.run_internal, self.catalog.multi_model
+            config,
+            self.dispatch,
+            tenants.all,
+            self.pipeline.run_internal,
+            self.catalog.multi_model,
+            RedisBatchStore(config.store, f"{config.store_prefix}batch:") if self.store is not None else None,
         )
         # The replicas: the fleet's own, or those it was given.
         self.controller: FleetController | None = None
         if fleet is not None:
             self.controller = FleetController(
                 fleet,
-                launcher or self._local_launcher(fleet),
+                launcher or self._local_launcher(fleet, config.replica_lifeline_s if self.store else 0.0),
                 table,
                 self.demand,
                 self.canary,
@@ -157,6 +169,14 @@ class Gateway:
                 metrics,
                 self.dispatch.notify_nowait,
             )
+        # With a store, the gateways of one fleet elect which runs its controller and batches.
+        self.leadership: Leadership | None = None
+        if self.controller is not None and self.store is not None:
+            self.leadership = Leadership(
+                config, self.store, self.controller, table, self.batches, metrics, self.dispatch.notify_nowait
+            )
+        elif self.controller is not None:
+            metrics.leading.set(1)  # the fleet's one gateway
         for i, url in enumerate(config.backends):
             table.add(f"backend-{i}", url)
         self.rebalancer = None
@@ -166,10 +186,11 @@ class Gateway:
             self.rebalancer = Rebalancer(config, table, metrics.registry)
 
     @staticmethod
-    def _local_launcher(fleet: FleetConfig) -> LocalLauncher:
-        """Replicas on this host, sharing its cores among as many replicas as the fleet may run."""
+    def _local_launcher(fleet: FleetConfig, lifeline_s: float) -> LocalLauncher:
+        """Replicas on this host, sharing its cores among as many replicas as the fleet may run;
+        with a lifeline, they outlive this gateway while another probes them."""
         replicas = planned_replicas(fleet.model_configs())
-        return LocalLauncher(CoreAllocator.for_fleet(fleet.cores, replicas))
+        return LocalLauncher(CoreAllocator.for_fleet(fleet.cores, replicas), lifeline_s)
 
     def build_app(self) -> FastAPI:
         return build_app(
@@ -188,6 +209,7 @@ class Gateway:
                 self.batches,
                 self.controller,
                 self.adapters,
+                self.leadership,
             )
         )
 
@@ -199,11 +221,13 @@ class Gateway:
         where.mkdir(parents=True, exist_ok=True)
         self.config.state_dir = str(where)
         await self.usage.start(where)
-        if self.controller is not None:
+        await self.batches.start(lead=self.leadership is None)
+        if self.leadership is not None:
+            await self.leadership.start()  # before the keys: the fleet's salt comes with it
+        elif self.controller is not None:
             await self.controller.start()
         await self.health.start()
         await self.keys.start()
-        await self.batches.start()
         if self.rebalancer is not None:
             await self.rebalancer.start()
         if self.pipeline.grounding is not None:
@@ -216,7 +240,9 @@ class Gateway:
             await self.rebalancer.stop()
         await self.batches.stop()
         await self.usage.stop()
-        if self.controller is not None:
+        if self.leadership is not None:
+            await self.leadership.stop()
+        elif self.controller is not None:
             await self.controller.stop()
         await self.health.stop()
         await self.client.aclose()

@@ -53,6 +53,16 @@ class GatewayMetrics:
             ["role"],
             registry=r,
         )
+        self.leading = Gauge(
+            "shoal:gateway_leader",
+            "1 while this gateway leads its fleet's controller (several gateways over one store).",
+            registry=r,
+        )
+        self.gateways_alive = Gauge(
+            "shoal:gateway_fleet_gateways",
+            "Gateways of this fleet alive, as the shared store says.",
+            registry=r,
+        )
         self.desired = Gauge(
             "shoal:gateway_desired_replicas",
             "Active replicas each pool's autoscaler wants.",

@@ -16,6 +16,7 @@ from shoal.fleet.batch.runner import BatchService
 from shoal.fleet.catalog import ModelCatalog
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.control.controller import FleetController
+from shoal.fleet.control.leader.leadership import Leadership
 from shoal.fleet.listing import ModelListing
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.pipeline import Pipeline
@@ -48,6 +49,7 @@ class Edge:
     batches: BatchService
     controller: FleetController | None
     adapters: AdapterDirectory
+    leadership: Leadership | None = None  # several gateways over one store: who leads the fleet
 
     def check_key(self, raw: Request):
         return self.pipeline.authenticate(raw)
@@ -67,6 +69,17 @@ class Edge:
     def check_fleet(self) -> None:
         if self.controller is None:
             raise APIError(400, "this gateway runs no fleet of its own (it fronts --backend replicas)")
+        lead = self.leadership
+        if lead is not None and not lead.leading:
+            where = f": send it to {lead.leader}" if lead.leader else ""
+            raise APIError(
+                409, f"this gateway follows; the fleet's leader changes it{where}", code="not_leader"
+            )
+
+    def pools(self) -> list[dict]:
+        if self.leadership is not None:
+            return self.leadership.pools()
+        return self.controller.snapshot() if self.controller is not None else []
 
 
 def build_app(self: Edge) -> FastAPI:
@@ -176,13 +189,26 @@ def build_app(self: Edge) -> FastAPI:
     async def fleet_state(raw: Request):
         """The status page's data: pools, replicas, decisions and the last minutes' samples."""
         self.check_admin(raw)
-        c = self.controller
-        return {
-            "pools": c.snapshot() if c is not None else [],
+        c, lead = self.controller, self.leadership
+        decisions = list(c.history.decisions) if c is not None else []
+        if lead is not None and not lead.leading:
+            decisions = lead.state.get("decisions", [])
+        out = {
+            "pools": self.pools(),
             "replicas": [r.snapshot() for r in self.table.replicas.values()],
-            "decisions": list(c.history.decisions) if c is not None else [],
+            "decisions": decisions,
             "history": list(c.history.samples) if c is not None else [],
         }
+        if lead is not None:
+            out["leadership"] = lead.snapshot()
+        return out
+
+    @app.get("/fleet/leader")
+    async def fleet_leader():
+        """Which gateway of the fleet leads its controller (open, like /health: no secret in it)."""
+        if self.leadership is None:
+            return {"gateway": None, "leading": self.controller is not None, "leader": None, "gateways": 1}
+        return self.leadership.snapshot()
 
     @app.post("/fleet/update")
     async def fleet_update(raw: Request):
@@ -237,7 +263,9 @@ def build_app(self: Edge) -> FastAPI:
             ],
         }
         if self.controller is not None:
-            out["pools"] = self.controller.snapshot()
+            out["pools"] = self.pools()
+        if self.leadership is not None:
+            out["leadership"] = self.leadership.snapshot()
         return out
 
     install_batch_routes(app, self.batches, self.check_key, self.config.batch_max_file_bytes)

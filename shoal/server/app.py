@@ -25,6 +25,7 @@ from shoal.protocol.errors import (
     install_error_handlers,
     validation_message,
 )
+from shoal.protocol.supervision import GATEWAY_HEADER
 from shoal.server.chat import chat_prompt, create_chat_completion
 from shoal.server.common import ServingContext
 from shoal.server.completions import create_completion
@@ -44,6 +45,7 @@ from shoal.server.protocol import (
 # /load and /kv_events are the fleet's internal routes and need the key like the API does.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json"})
 TRACE_HEADERS = (b"traceparent", b"tracestate")
+GATEWAY_MARK = GATEWAY_HEADER.encode()
 
 
 @dataclass
@@ -61,6 +63,7 @@ class ServerState:
     # from one that was restarted.
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
     drain: Drain = field(default_factory=lambda: Drain(30.0))
+    gateway_seen: float = 0.0  # when a gateway's request last came (see protocol/supervision.py)
 
     def serving(self) -> ServingContext:
         if self.ctx is None:
@@ -86,6 +89,8 @@ class FrontMiddleware:
         rid = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
         scope.setdefault("state", {}).update(arrival=time.monotonic(), request_id=rid)
         rid_header = (b"x-request-id", rid.encode("latin-1"))
+        if GATEWAY_MARK in headers:
+            self.state.gateway_seen = time.monotonic()
         key = self.state.api_key
         auth = headers.get(b"authorization", b"").decode("latin-1")
         if key and scope["path"] not in OPEN_PATHS and not bearer_matches(auth, key):

@@ -25,14 +25,13 @@ from shoal.protocol import tracing
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
 from shoal.protocol.errors import EXIT_ENGINE_DEAD, EXIT_RANK_LOST
 from shoal.protocol.secrets import kv_salt
+from shoal.protocol.supervision import LIFELINE_ENV, PARENT_PID_ENV
 from shoal.server.app import ServerState, build_app
 from shoal.server.common import ServingContext
 from shoal.server.drain import Drain, DrainingServer
 from shoal.server.kv_connector import KVConnector, KVConnectorConfig
 from shoal.server.metrics import ServerMetrics
 
-# A supervisor that wants its replicas to die with it names itself here.
-PARENT_PID_ENV = "SHOAL_PARENT_PID"
 WATCH_INTERVAL_S = 0.5
 
 log = logging.getLogger(__name__)
@@ -126,8 +125,11 @@ def create_server(
 
     async def watch() -> None:
         """A dead engine loop exits the process, so that its supervisor restarts it instead of
-        probing a 503 forever; so does the death of a supervisor that asked for it."""
+        probing a 503 forever; so does the death of a supervisor that asked for it, or (a fleet of
+        several gateways) the silence of every gateway for the lifeline's length."""
         parent = os.environ.get(PARENT_PID_ENV)
+        lifeline = float(os.environ.get(LIFELINE_ENV) or 0)
+        state.gateway_seen = time.monotonic()  # listening from now: the first probe is due
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if state.ctx is not None and not state.ctx.engine.is_alive:
@@ -136,6 +138,8 @@ def create_server(
                 return stop(f"the engine loop died ({error!r})", code)
             if parent and os.getppid() != int(parent):
                 return stop(f"the supervisor (pid {parent}) is gone", 0)
+            if lifeline and time.monotonic() - state.gateway_seen > lifeline:
+                return stop(f"no gateway has probed it for {lifeline:g} s: the fleet is gone", 0)
 
     def held() -> int:
         return state.ctx.engine.load().get("kv_held", 0) if state.ctx is not None else 0

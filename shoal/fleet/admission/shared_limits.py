@@ -63,7 +63,7 @@ return {'0', '0', tostring(rl), tostring(tl)}
 
 
 class SharedLimits:
-    def __init__(self, client, url: str, prefix: str = "shoal:tenant:"):
+    def __init__(self, client, url: str, prefix: str):
         """`client`: the store's (store.py); `url` names it in the log."""
         self.url = url
         self.client = client

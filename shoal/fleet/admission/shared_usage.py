@@ -9,7 +9,7 @@ from shoal.fleet.admission.usage_store import FIELDS
 
 
 class SharedUsage:
-    def __init__(self, client, prefix: str = "shoal:usage:"):
+    def __init__(self, client, prefix: str):
         self.client = client
         self.prefix = prefix
 

@@ -144,12 +144,16 @@ class BatchService:
         tenants: Mapping[str, Tenant],
         run: RunRequest,
         by_model: bool,
+        shared_store=None,
     ):
+        """`shared_store`: the store several gateways share (redis_store.py); default, SQLite in
+        the gateway's state directory."""
         self.config = config
         self.capacity = capacity
         self.tenants = tenants  # name -> tenant: a line runs as the tenant that created its batch
         self.run = run
         self.by_model = by_model  # lines take turns by the model they name (a fleet of several)
+        self.shared_store = shared_store
         self.store: BatchStore | None = None
         self._loop: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -163,25 +167,43 @@ class BatchService:
     async def db(self, fn, *args):
         return await asyncio.to_thread(fn, *args)
 
-    async def start(self) -> None:
-        path = os.path.join(self.config.state_dir, "batches.sqlite3")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.store = await asyncio.to_thread(BatchStore, path)
+    async def start(self, lead: bool = True) -> None:
+        """Opens the store; runs the batches too when `lead` (else the fleet's leader does)."""
+        if self.shared_store is not None:
+            self.store = self.shared_store
+        else:
+            path = os.path.join(self.config.state_dir, "batches.sqlite3")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.store = await asyncio.to_thread(BatchStore, path)
+        if lead:
+            await self.lead()
+
+    async def lead(self) -> None:
+        """Runs the batches from now: the lines a stopped (or dead) runner left running run again;
+        those that finished there meanwhile keep their one result (see the store's finish)."""
         resumed = await self.db(self.store.recover)
         self._active = await self.db(self.store.active)
         if self._active:
             log.warning("batch lane: resuming %d batches, %d lines run again", len(self._active), resumed)
         self._loop = asyncio.get_running_loop().create_task(self._run())
 
-    async def stop(self) -> None:
+    async def follow(self) -> None:
+        """Stops running the batches (another gateway's runner does)."""
         tasks = [t for t in (self._loop, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        self._loop, self._active = None, {}
+        self._inflight.clear()
+
+    async def stop(self) -> None:
+        running = self._loop is not None
+        await self.follow()
         if self.store is not None:
-            await self.db(self.store.recover)  # what was cut short runs at the next start
+            if running:
+                await self.db(self.store.recover)  # what was cut short runs at the next start
             await self.db(self.store.close)
             self.store = None
 
@@ -230,7 +252,7 @@ class BatchService:
                 await asyncio.wait_for(self._wake.wait(), interval)
 
     async def _tick(self) -> None:
-        if not self._active:
+        if not self._active and self.shared_store is None:  # a shared one's come from any gateway
             return
         self._created = {}
         swept = await self.db(self.store.sweep, None)

@@ -242,10 +242,37 @@ class FleetController:
 
     # --- the loop ------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Called on the event loop's thread, which spawns every replica (see launchers)."""
+    async def start(self, taken_over: dict | None = None) -> int:
+        """Called on the event loop's thread, which spawns every replica (see launchers); with
+        `taken_over` (a fleet's published state: see leader/), those of the earlier leader that
+        still run are adopted instead. Returns how many were."""
+        adopted = 0
+        if taken_over:
+            adopted = self.replica_set.adopt(taken_over.get("replicas", []), taken_over.get("pools", {}))
         self.replica_set.start_all()
         self._task = asyncio.create_task(self._loop())
+        return adopted
+
+    def published(self) -> dict:
+        """What the fleet's other gateways follow, and its next leader adopts."""
+        return {
+            "replicas": self.replica_set.records(),
+            "pools": {
+                p.key: {
+                    "version": p.version,
+                    "desired": p.desired,
+                    "model": p.model.model,
+                    "replica_args": list(p.model.replica_args),
+                }
+                for p in self.pools
+            },
+            "snapshot": self.snapshot(),
+            "decisions": list(self.history.decisions)[-50:],
+        }
+
+    async def detach(self) -> None:
+        """Stops supervising and leaves the replicas running: another gateway leads them now."""
+        await self._cancel_loop()
 
     async def _loop(self) -> None:
         rs = self.replica_set
@@ -265,9 +292,13 @@ class FleetController:
                     log.exception("%s: reconcile failed; retrying", pool.key)
             self.history.sample(self.pools, self.signals, now)
 
-    async def stop(self) -> None:
+    async def _cancel_loop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
+
+    async def stop(self) -> None:
+        await self._cancel_loop()
         await self.replica_set.stop_all()

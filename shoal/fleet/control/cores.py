@@ -175,6 +175,16 @@ class CoreAllocator:
         self.leases.append(lease)
         return lease
 
+    def hold(self, cpus: list[int]) -> CoreLease:
+        """A lease of the given cores: those of a replica already pinned to them (adopted)."""
+        chosen = sorted(c for c in cpus if c in self.holders)
+        shared = any(self.holders[c] for c in chosen)
+        for c in chosen:
+            self.holders[c] += 1
+        lease = CoreLease(self, chosen, len(chosen), shared)
+        self.leases.append(lease)
+        return lease
+
     def _free(self, lease: CoreLease) -> None:
         for c in lease.cpus:
             self.holders[c] -= 1

@@ -7,6 +7,7 @@ starting (its process loads the model), standby (loaded, takes no traffic until 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import subprocess
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from shoal.fleet.config import FleetConfig, ModelConfig
 from shoal.fleet.control.autoscaler import Autoscaler
+from shoal.fleet.control.launchers.adopted import host_id, process_start
 from shoal.fleet.control.launchers.base import Launcher, ReplicaSpec
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.replicas.replica import Health, Lifecycle, Replica
@@ -268,11 +270,92 @@ class ReplicaSet:
         self.table.remove(slot.name)
 
     def start_all(self) -> None:
-        """Called on the event loop's thread, which spawns every replica (see launchers)."""
+        """Called on the event loop's thread, which spawns every replica (see launchers) but those
+        adopted, which run already."""
         for slot in self.slots:
+            if slot.proc is not None:
+                rep = self.register(slot)  # without a new life: it keeps the health it has
+                rep.pid, rep.proc_exit, slot.attached = slot.proc.pid, slot.proc.poll, True
+                continue
             if slot.port:  # known before its start: shown (and port-checked) from now
                 self.register(slot)
             self._start(slot)
+
+    # --- several gateways: the replica set in the shared store ---------------------------
+
+    def records(self) -> list[dict]:
+        """Each slot as the fleet's next leader needs it to adopt its process."""
+        here = host_id()
+        out = []
+        for s in self.slots:
+            if s.state == Lifecycle.STOPPED:
+                continue
+            local = s.proc is not None and s.proc.node is None and s.proc.pid is not None
+            out.append(
+                {
+                    "name": s.name,
+                    "url": s.url,
+                    "pool": s.pool.key,
+                    "served": s.pool.model.name,
+                    "role": s.pool.role,
+                    "host": s.host,
+                    "port": s.port,
+                    "log_path": s.log_path,
+                    "pid": s.proc.pid if local else None,
+                    "started": process_start(s.proc.pid) if local else None,
+                    "host_id": here,
+                    "state": s.state.value,
+                    "version": s.version,
+                    "model": s.model.model,
+                    "replica_args": list(s.model.replica_args),
+                    "restarts": s.restarts,
+                }
+            )
+        return out
+
+    def adopt(self, records: list[dict], pools: dict[str, dict]) -> int:
+        """Takes over the replica set the fleet's earlier leader published: its pools' targets,
+        and its slots, with their processes where they still run here (the others start again).
+        Returns the processes adopted."""
+        by_key = {p.key: p for p in self.pools}
+        for key, p in pools.items():
+            if key in by_key:
+                pool = by_key[key]
+                pool.version, pool.desired = p["version"], p["desired"]
+                pool.model = dataclasses.replace(pool.model, model=p["model"], replica_args=p["replica_args"])
+        if not records:
+            return 0
+        for pool in self.pools:
+            pool.slots.clear()  # placeholders of a fresh start, never started
+        adopted = 0
+        for r in records:
+            pool = by_key.get(r["pool"])
+            if pool is None:
+                log.warning(
+                    "%s: its pool %s is not in this gateway's config; left alone", r["name"], r["pool"]
+                )
+                continue
+            slot = Slot(
+                r["name"],
+                pool,
+                r["port"],
+                r["log_path"],
+                r["host"],
+                replica=self.table.replicas.get(r["name"]),
+            )
+            slot.model = dataclasses.replace(pool.model, model=r["model"], replica_args=r["replica_args"])
+            slot.version, slot.restarts = r["version"], r["restarts"]
+            slot.state = Lifecycle(r["state"])
+            slot.started_at = time.monotonic()
+            if r["pid"] is not None:
+                slot.proc = self.launcher.adopt(r["pid"], r["started"], r["host_id"], (r["host"], r["port"]))
+            if slot.proc is None:
+                slot.state = Lifecycle.STARTING  # it died with the leader, or lives where we cannot reach it
+            else:
+                adopted += 1
+            pool.slots.append(slot)
+            self._index = max(self._index, int(r["name"].rsplit("-", 1)[-1]) + 1)
+        return adopted
 
     async def stop_all(self) -> None:
         procs = [s.proc for s in self.slots if s.proc is not None]

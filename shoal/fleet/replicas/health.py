@@ -18,6 +18,7 @@ from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Death, Health, Replica
 from shoal.fleet.replicas.table import ReplicaTable
+from shoal.protocol.supervision import GATEWAY_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class HealthMonitor:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(2.0),
             limits=httpx.Limits(max_connections=64),
-            headers={"authorization": f"Bearer {key}"} if key else None,
+            # The probes are the replicas' sign that a gateway still wants them (their lifeline).
+            headers={GATEWAY_HEADER: "probe", **({"authorization": f"Bearer {key}"} if key else {})},
         )
         self._tasks = [
             asyncio.create_task(self._every(self.config.probe_interval_s, self._probe)),

@@ -3,9 +3,12 @@ and when (restarts, scaling, draining) is the controller's (shoal.fleet.control.
 
 Crash safety. Replicas die with their supervisor, however it dies: each child asks the kernel for
 SIGKILL when its parent goes (Linux, prctl PR_SET_PDEATHSIG), and is told its parent's pid
-(SHOAL_PARENT_PID) so that `shoal serve` can exit by itself where there is no prctl. A port that is
-already taken is never started on: whatever holds it (an orphan of an earlier fleet, a stranger)
-would answer the probes as if it were ours.
+(SHOAL_PARENT_PID) so that `shoal serve` can exit by itself where there is no prctl. A fleet of
+several gateways (a shared store) starts them detached instead, with a lifeline: they outlive the
+gateway that started them, while any gateway of the fleet probes them, and exit once none has for
+the lifeline's length (protocol/supervision.py). A port that is already taken is never started on:
+whatever holds it (an orphan of an earlier fleet, a stranger) would answer the probes as if it
+were ours.
 
 Cores. Each replica gets its share of this host's cores from a CoreAllocator (shoal.fleet.control.cores):
 it is pinned to them before it execs and runs as many compute threads.
@@ -21,9 +24,10 @@ import subprocess
 import sys
 
 from shoal.fleet.control.cores import CoreAllocator, CoreLease, CoresConfig, thread_env, threads_flag
+from shoal.fleet.control.launchers.adopted import AdoptedProcess, host_id, process_start
 from shoal.fleet.control.launchers.base import ReplicaSpec
+from shoal.protocol.supervision import LIFELINE_ENV, PARENT_PID_ENV
 
-PARENT_PID_ENV = "SHOAL_PARENT_PID"  # read by `shoal serve`
 PR_SET_PDEATHSIG = 1
 
 
@@ -45,12 +49,12 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-def _die_with_parent(cpus: list[int] | None = None):
+def _die_with_parent(cpus: list[int] | None = None, detached: bool = False):
     """A preexec_fn that makes the child get SIGKILL when the thread that spawned it exits (so
-    spawn only from a thread that lives as long as the supervisor: the event loop's), and pins it
-    to `cpus` before it starts a thread."""
+    spawn only from a thread that lives as long as the supervisor: the event loop's), unless
+    `detached`, and pins it to `cpus` before it starts a thread."""
     prctl = None
-    if sys.platform.startswith("linux"):
+    if sys.platform.startswith("linux") and not detached:
         try:
             prctl = ctypes.CDLL(None, use_errno=True).prctl
             prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
@@ -105,13 +109,15 @@ class LocalProcess:
 
 
 class LocalLauncher:
-    """Replicas as child processes of this one, on 127.0.0.1, each on its share of the cores."""
+    """Replicas as child processes of this one, on 127.0.0.1, each on its share of the cores;
+    with a `lifeline` (seconds), detached: they outlive this process while a gateway probes them."""
 
     name = "local"
     host = "127.0.0.1"
 
-    def __init__(self, cores: CoreAllocator | None = None):
+    def __init__(self, cores: CoreAllocator | None = None, lifeline_s: float = 0.0):
         self.cores = cores or CoreAllocator.for_fleet(CoresConfig(), 1)
+        self.lifeline_s = lifeline_s
 
     def has_room(self) -> bool:
         """Whether the cores take one more replica now (see CoresConfig.when_full)."""
@@ -127,12 +133,29 @@ class LocalLauncher:
     def shutdown(self) -> None:
         """Nothing to let go of: the processes are the controller's to stop."""
 
+    def adopt(self, pid: int, started: int, host: str, address: tuple[str, int]) -> AdoptedProcess | None:
+        """The replica an earlier leader of the fleet started as `pid` at `started` on `host`, if
+        it still runs there and this is that host; it keeps the cores it is pinned to."""
+        if host != host_id() or process_start(pid) != started:
+            return None
+        try:
+            pinned = sorted(os.sched_getaffinity(pid))
+        except (OSError, AttributeError):
+            pinned = []
+        lease = self.cores.hold(pinned) if pinned and set(pinned) < set(self.cores.cpus) else None
+        return AdoptedProcess(pid, started, address, lease)
+
     def spawn(self, spec: ReplicaSpec) -> LocalProcess:
         """Called on the event loop's thread, which lives as long as the fleet (see _die_with_parent)."""
         cmd = [sys.executable, "-m", "shoal.cli", "serve", *([spec.model] if spec.model else [])]
         cmd += ["--port", str(spec.port), *spec.args]
         lease = self.cores.acquire(threads_flag(spec.args))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.lifeline_s:
+            env[LIFELINE_ENV] = f"{self.lifeline_s:g}"
+            env.pop(PARENT_PID_ENV, None)
+        else:
+            env[PARENT_PID_ENV] = str(os.getpid())
         env.update(thread_env(lease.threads, lease.shared), **spec.env)
         try:
             with open(spec.log_path, "a") as out:
@@ -142,7 +165,8 @@ class LocalLauncher:
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops them
-                    preexec_fn=_die_with_parent(lease.cpus),  # only prctl and affinity between fork and exec
+                    # only prctl and affinity between fork and exec
+                    preexec_fn=_die_with_parent(lease.cpus, detached=bool(self.lifeline_s)),
                 )
         except BaseException:
             lease.release()

@@ -22,7 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from shoal.fleet.control.cores import thread_env, threads_flag
 from shoal.fleet.control.launchers.base import ReplicaSpec
-from shoal.fleet.control.launchers.local import PARENT_PID_ENV, _die_with_parent, free_port
+from shoal.fleet.control.launchers.local import _die_with_parent, free_port
+from shoal.protocol.supervision import PARENT_PID_ENV
 
 try:
     import ray
@@ -211,6 +212,10 @@ class RayLauncher:
 
     def spawn(self, spec: ReplicaSpec) -> RayReplica:
         return RayReplica(self, spec)
+
+    def adopt(self, pid: int, started: int, host: str, address: tuple[str, int]) -> None:
+        """Not found: a replica's actor belongs to the driver that made it (the gateway that led)."""
+        return None
 
     def in_background(self, fn, *args) -> Future:
         """Runs a Ray control call off the caller's thread (the gateway's event loop), in order."""
