@@ -4,6 +4,7 @@ gateways go on admitting on their own limits."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 
@@ -11,10 +12,10 @@ import httpx
 import pytest
 
 from shoal.fleet.admission.tenants import key_digest
-from tests.fleet_helpers import auth, start_gateway, start_redis, stop_redis
+from tests.fleet_helpers import auth, start_gateway, start_redis, stop_redis, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
-KEYS = {"tiny": "sk-tiny", "roomy": "sk-roomy"}
+KEYS = {"tiny": "sk-tiny", "roomy": "sk-roomy", "pair": "sk-pair"}
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -29,18 +30,19 @@ def redis_url():
 @pytest.fixture(scope="module")
 def gateways(chat_server, redis_url, tmp_path_factory):
     """Two gateways over the same replica and the same store; tenant tiny may send 6 requests a
-    minute (a bucket of a minute's worth), roomy 600."""
+    minute (a bucket of a minute's worth), roomy 600, pair 600 with 2 in flight at most."""
     path = tmp_path_factory.mktemp("shared-limits") / "gw.toml"
     path.write_text(
         "".join(
             f'[[tenants]]\nname = "{name}"\napi_key_sha256 = "{key_digest(key)}"\n'
             f"requests_per_minute = {6 if name == 'tiny' else 600}\nburst_s = 60\n"
+            + ("max_concurrency = 2\n" if name == "pair" else "")
             for name, key in KEYS.items()
         )
     )
     args = ("--config", str(path), "--store", redis_url[1])
     pair = [start_gateway([chat_server.url], *args, api_key="sk-operator") for _ in range(2)]
-    yield pair
+    yield pair, args
     for gw in pair:
         gw.stop()
 
@@ -51,6 +53,7 @@ def ask(gw, tenant: str) -> httpx.Response:
 
 
 def test_a_tenants_limit_holds_across_gateways_that_share_a_store(gateways):
+    gateways, _ = gateways
     answers = [(i % 2, ask(gateways[i % 2], "tiny")) for i in range(12)]
     admitted = [g for g, r in answers if r.status_code == 200]
     # 6 a minute across both (one more may have refilled meanwhile: 0.1 a second), not 6 at each.
@@ -75,7 +78,46 @@ def test_a_tenants_limit_holds_across_gateways_that_share_a_store(gateways):
         assert seen == (len(admitted), len(refused)), usage
 
 
+@contextlib.contextmanager
+def held_stream(gw, tenant: str):
+    """A long stream of `tenant`'s, begun (its first event read) and held open until the exit."""
+    body = {"model": MODEL, "prompt": "Tell a story.", "max_tokens": 1000, "ignore_eos": True}
+    url, headers = gw.url + "/v1/completions", auth(KEYS[tenant])
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", url, json={**body, "stream": True}, headers=headers) as r,
+    ):
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)
+        yield
+
+
+def test_a_tenants_concurrency_limit_holds_across_gateways_and_outlives_no_gateway(gateways, chat_server):
+    (one, two), args = gateways
+    with held_stream(one, "pair"), held_stream(two, "pair"):
+        for gw in (one, two):  # two in flight across both gateways: the limit
+            r = ask(gw, "pair")
+            assert r.status_code == 429 and "in flight across its gateways" in r.json()["error"]["message"]
+    # Both places come back as the streams end.
+    wait_until(one, lambda: ask(one, "pair").status_code == 200, 10)
+    # A gateway that dies holding a place: its place comes back once it is known dead (5 s).
+    third = start_gateway([chat_server.url], *args, api_key="sk-operator")
+    try:
+        with held_stream(one, "pair"):
+            with held_stream(third, "pair"):
+                assert ask(one, "pair").status_code == 429
+                third.proc.kill()
+                third.proc.wait(10)
+                killed = time.monotonic()
+            wait_until(one, lambda: ask(one, "pair").status_code == 200, 15, every=0.5)
+            assert time.monotonic() - killed < 12
+    finally:
+        third.stop()
+
+
 def test_without_its_store_a_gateway_admits_on_its_own_limits(gateways, redis_url):
+    gateways, _ = gateways
     proc, _ = redis_url
     proc.terminate()
     proc.wait(10)

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from shoal.fleet.admission.canary import CanarySplit
 from shoal.fleet.admission.dispatch import Dispatcher
 from shoal.fleet.admission.fair_queue import FairQueue
+from shoal.fleet.admission.shared_concurrency import SharedConcurrency
 from shoal.fleet.admission.shared_limits import SharedLimits
 from shoal.fleet.admission.shared_usage import SharedUsage
 from shoal.fleet.admission.shares import FairShares
@@ -77,6 +78,11 @@ class Gateway:
         self.tiers = TierRouter(config.tiers, metrics)
         # Admission; with a store, what several gateways share (limits, usage) is kept there.
         self.store = connect(config.store) if config.store else None
+        self.concurrency = None
+        if self.store is not None:
+            self.concurrency = SharedConcurrency(
+                self.store, config.store, f"{config.store_prefix}concurrency:"
+            )
         self.tenants = tenants = Tenants(
             config.tenants,
             config.api_key,
@@ -86,6 +92,7 @@ class Gateway:
                 if self.store is not None
                 else None
             ),
+            concurrency=self.concurrency,
         )
         self.demand = DemandSignals()
         self.canary = CanarySplit()
@@ -245,6 +252,8 @@ class Gateway:
         elif self.controller is not None:
             await self.controller.stop()
         await self.health.stop()
+        if self.concurrency is not None:
+            await self.concurrency.stop()
         await self.client.aclose()
         if self.store is not None:
             await self.store.aclose()

@@ -5,10 +5,9 @@ Each limit is a token bucket kept in Redis (level and stamp in a hash), refilled
 Lua script, so that two gateways admitting at once cannot both take the last request, with the
 store's own clock (gateways' clocks may differ). A gateway still checks its own buckets first (its
 level is never below the shared one, so they bind only where the shared ones would), and mirrors
-the shared level for the x-ratelimit headers. Concurrency stays each gateway's own: a count held
-in a store outlives the gateway that died holding it. When the store cannot be reached, requests
-are admitted on the gateway's own limits and a warning is logged (the store is not a way to take
-the service down)."""
+the shared level for the x-ratelimit headers (concurrency limits: shared_concurrency.py). When
+the store cannot be reached, requests are admitted on the gateway's own limits and a warning is
+logged (the store is not a way to take the service down)."""
 
 from __future__ import annotations
 

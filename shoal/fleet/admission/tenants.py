@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.fleet.admission.shared_concurrency import SharedConcurrency
 from shoal.fleet.admission.shared_limits import SharedLimits
 from shoal.protocol.errors import APIError
 
@@ -213,6 +214,7 @@ class Ticket:
         self.prompt_tokens = self.completion_tokens = 0
         self.open = True
         self.on_charge: Callable[[int], None] | None = None  # the debt or refund, for a shared store
+        self.on_release: Callable[[], None] | None = None  # its place in a shared concurrency limit
 
     def record(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -230,6 +232,8 @@ class Ticket:
             t.tokens.take(delta)
             if self.on_charge is not None:
                 self.on_charge(delta)
+            if self.on_release is not None:
+                self.on_release()
         u = t.lane_usage(self.lane)
         u.prompt_tokens += self.prompt_tokens
         u.completion_tokens += self.completion_tokens
@@ -245,11 +249,13 @@ class Tenants:
         clock=time.monotonic,
         on_limited: Callable[[Tenant, str], None] | None = None,
         shared: SharedLimits | None = None,
+        concurrency: SharedConcurrency | None = None,
     ):
-        """`shared`: the request and token limits every gateway over one store draws from (None:
-        this gateway's alone)."""
+        """`shared`, `concurrency`: the rate and concurrency limits every gateway over one store
+        draws from (None: this gateway's alone)."""
         self.on_limited = on_limited or (lambda tenant, limit: None)  # (tenant, limit): for metrics
         self.shared = shared
+        self.concurrency = concurrency
         self._charges: set[asyncio.Task] = set()
         self.by_hash: dict[str, Tenant] = {}
         self.all: dict[str, Tenant] = {}
@@ -324,17 +330,21 @@ class Tenants:
     async def admit_across(self, tenant: Tenant, model: str | None, tokens: int) -> Ticket:
         """`admit`, and with a shared store, against the limits all its gateways draw from."""
         ticket = self.admit(tenant, model, tokens)
+        cfg, places = tenant.config, self.concurrency
+        if places is not None and cfg.max_concurrency:
+            held = await places.enter(tenant)
+            if held >= 0:
+                self._undo(ticket, tokens)
+                message = f"tenant {tenant.name} has {held} requests in flight across its gateways, its limit"
+                raise self._limited(tenant, "concurrency", 1.0, message)
+            ticket.on_release = lambda: places.leave(tenant)
         shared = self.shared
         if shared is None or not (tenant.requests.limited or tenant.tokens.limited):
             return ticket
         wait_r, wait_t, level_r, level_t = await shared.take(tenant, tokens)
         refused = wait_r or wait_t
         if refused:  # what this gateway took goes back
-            ticket.open = False
-            tenant.inflight -= 1
-            tenant.lane_usage(ticket.lane).requests -= 1
-            tenant.requests.give(1)
-            tenant.tokens.give(tokens)
+            self._undo(ticket, tokens)
         for bucket, level in ((tenant.requests, level_r), (tenant.tokens, level_t)):
             if level >= 0:  # the headers say what is left across the gateways
                 bucket.mirror(level)
@@ -353,6 +363,18 @@ class Tenants:
 
         ticket.on_charge = charge
         return ticket
+
+    @staticmethod
+    def _undo(ticket: Ticket, tokens: int) -> None:
+        """A ticket refused by the limits across the gateways: what this gateway took goes back."""
+        t = ticket.tenant
+        ticket.open = False
+        t.inflight -= 1
+        t.lane_usage(ticket.lane).requests -= 1
+        t.requests.give(1)
+        t.tokens.give(tokens)
+        if ticket.on_release is not None:
+            ticket.on_release()
 
     def batch_ticket(self, tenant: Tenant) -> Ticket:
         """A batch request's ticket: counted in usage, outside the interactive limits."""

@@ -15,7 +15,18 @@ from __future__ import annotations
 import json
 import time
 
-from shoal.fleet.batch.store import ACTIVE, TIMES, Line, new_id, render_batch, render_file, result_line
+from shoal.fleet.batch.store import (
+    ACTIVE,
+    TIMES,
+    Line,
+    final_status,
+    line_models,
+    new_batch_row,
+    new_file_row,
+    render_batch,
+    render_file,
+    result_line,
+)
 
 FINISH = """
 if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then return 0 end
@@ -95,15 +106,7 @@ class RedisBatchStore:
     # --- files ---------------------------------------------------------------------------
 
     def add_file(self, tenant: str, purpose: str, filename: str, content: bytes) -> dict:
-        row = {
-            "id": new_id("file-"),
-            "tenant": tenant,
-            "purpose": purpose,
-            "filename": filename,
-            "bytes": len(content),
-            "created_at": int(time.time()),
-            "seq": self._seq(),
-        }
+        row = {**new_file_row(tenant, purpose, filename, content), "seq": self._seq()}
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self._k("file", row["id"]), mapping={**row, "content": content})
         pipe.zadd(self._k("files", tenant), {row["id"]: row["seq"]})
@@ -150,36 +153,20 @@ class RedisBatchStore:
     # --- batches -------------------------------------------------------------------------
 
     def add_batch(self, tenant, endpoint, input_file_id, window, window_s, metadata, lines, errors) -> dict:
-        now = time.time()
+        made = new_batch_row(tenant, endpoint, input_file_id, window, window_s, metadata, lines, errors)
         row = {
-            "id": new_id("batch_"),
-            "tenant": tenant,
-            "endpoint": endpoint,
-            "input_file_id": input_file_id,
-            "completion_window": window,
-            "created_at": now,
-            "seq": self._seq(),
             "total": 0,
             "completed": 0,
             "failed": 0,
             "input_tokens": 0,
             "output_tokens": 0,
+            "seq": self._seq(),
         }
-        if metadata is not None:
-            row["metadata"] = json.dumps(metadata)
+        row.update((k, v) for k, v in made.items() if v is not None)
         bid = row["id"]
         pipe = self.r.pipeline(transaction=True)
-        if errors:
-            row.update(status="failed", failed_at=now, errors=json.dumps({"object": "list", "data": errors}))
-        else:
-            models = sorted({m for _, m, _ in lines}, key=lambda m: (m is None, m or ""))
-            row.update(
-                status="in_progress",
-                in_progress_at=now,
-                expires_at=now + window_s,
-                total=len(lines),
-                models=json.dumps(models),
-            )
+        if not errors:
+            models = line_models(lines)
             for start in range(0, len(lines), 1000):
                 chunk = list(enumerate(lines[start : start + 1000], start))
                 pipe.hset(self._k("lines", bid), mapping={i: json.dumps(line) for i, line in chunk})
@@ -335,15 +322,9 @@ class RedisBatchStore:
             lines = [v[1:] for _, v in results if v[0] == mark]
             if lines:
                 content = ("\n".join(lines) + "\n").encode()
-                ids[kind] = self.add_file(b["tenant"], "batch_output", f"{batch_id}_{kind}.jsonl", content)[
-                    "id"
-                ]
-        if b["status"] == "cancelling":
-            status, stamp = "cancelled", "cancelled_at"
-        elif b["expired_at"] is not None:
-            status, stamp = "expired", "expired_at"
-        else:
-            status, stamp = "completed", "completed_at"
+                f = self.add_file(b["tenant"], "batch_output", f"{batch_id}_{kind}.jsonl", content)
+                ids[kind] = f["id"]
+        status, stamp = final_status(b)
         fields = ["status", status, stamp, b[stamp] or now]
         fields += [f for kind in ("output", "error") if kind in ids for f in (f"{kind}_file_id", ids[kind])]
         if not self._move(keys=[key], args=[b["status"], *fields]):

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from shoal.fleet.admission.tenants import Tenant
-from shoal.fleet.batch.store import BatchStore, Line, result_line
+from shoal.fleet.batch.store import BatchStore, Line, line_models, result_line
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.proxy.forward import usage_of
 from shoal.protocol.bodies import parse_json_object
@@ -227,7 +227,7 @@ class BatchService:
             self.store.add_batch, tenant, endpoint, input_file_id, window, window_s, metadata, lines, errors
         )
         if batch["status"] == "in_progress":
-            models = sorted({m for _, m, _ in lines}, key=lambda m: (m is None, m or ""))
+            models = line_models(lines)
             self._active[batch["id"]] = self._created[batch["id"]] = models
             self._wake.set()
         return batch

@@ -89,6 +89,66 @@ def result_line(
     )
 
 
+def new_file_row(tenant: str, purpose: str, filename: str, content: bytes) -> dict:
+    """A new file's record, without its content."""
+    return {
+        "id": new_id("file-"),
+        "tenant": tenant,
+        "purpose": purpose,
+        "filename": filename,
+        "bytes": len(content),
+        "created_at": int(time.time()),
+    }
+
+
+def line_models(lines: list[tuple[str, str | None, str]]) -> list[str | None]:
+    """The models a batch's lines name, in a fixed order (None, the default, last)."""
+    return sorted({m for _, m, _ in lines}, key=lambda m: (m is None, m or ""))
+
+
+def new_batch_row(
+    tenant: str,
+    endpoint: str,
+    input_file_id: str,
+    window: str,
+    window_s: float,
+    metadata: dict | None,
+    lines: list[tuple[str, str | None, str]],
+    errors: list[dict],
+) -> dict:
+    """A new batch's record: in progress, or failed when its input had `errors`."""
+    now = time.time()
+    row = {
+        "id": new_id("batch_"),
+        "tenant": tenant,
+        "endpoint": endpoint,
+        "input_file_id": input_file_id,
+        "completion_window": window,
+        "metadata": json.dumps(metadata) if metadata is not None else None,
+        "created_at": now,
+    }
+    if errors:
+        row.update(status="failed", failed_at=now, errors=json.dumps({"object": "list", "data": errors}))
+    else:
+        row.update(
+            status="in_progress",
+            in_progress_at=now,
+            expires_at=now + window_s,
+            total=len(lines),
+            models=json.dumps(line_models(lines)),
+        )
+    return row
+
+
+def final_status(row) -> tuple[str, str]:
+    """How a batch with no line left to run ends, and the time field that says when."""
+    if row["status"] == "cancelling":
+        return "cancelled", "cancelled_at"
+    if row["expired_at"] is not None:
+        return "expired", "expired_at"
+    return "completed", "completed_at"
+
+
 def render_file(row) -> dict:
     return {
         "id": row["id"],
@@ -166,14 +226,7 @@ class BatchStore:
 
     @staticmethod
     def _insert_file(db, tenant: str, purpose: str, filename: str, content: bytes) -> dict:
-        row = {
-            "id": new_id("file-"),
-            "tenant": tenant,
-            "purpose": purpose,
-            "filename": filename,
-            "bytes": len(content),
-            "created_at": int(time.time()),
-        }
+        row = new_file_row(tenant, purpose, filename, content)
         db.execute(
             "INSERT INTO files (id, tenant, purpose, filename, bytes, created_at, content) "
             "VALUES (:id, :tenant, :purpose, :filename, :bytes, :created_at, :content)",
@@ -225,27 +278,7 @@ class BatchStore:
         errors: list[dict],
     ) -> dict:
         """A batch of (custom_id, model, body) lines, in progress; or failed, when `errors`."""
-        now = time.time()
-        row = {
-            "id": new_id("batch_"),
-            "tenant": tenant,
-            "endpoint": endpoint,
-            "input_file_id": input_file_id,
-            "completion_window": window,
-            "metadata": json.dumps(metadata) if metadata is not None else None,
-            "created_at": now,
-        }
-        if errors:
-            row.update(status="failed", failed_at=now, errors=json.dumps({"object": "list", "data": errors}))
-        else:
-            models = sorted({m for _, m, _ in lines}, key=lambda m: (m is None, m or ""))
-            row.update(
-                status="in_progress",
-                in_progress_at=now,
-                expires_at=now + window_s,
-                total=len(lines),
-                models=json.dumps(models),
-            )
+        row = new_batch_row(tenant, endpoint, input_file_id, window, window_s, metadata, lines, errors)
         cols = ", ".join(row)
         with self._tx() as db:
             db.execute(f"INSERT INTO batches ({cols}) VALUES ({', '.join(':' + c for c in row)})", row)
@@ -411,12 +444,7 @@ class BatchStore:
                         db, b["tenant"], "batch_output", f"{batch_id}_{kind}.jsonl", content
                     )
                     ids[kind] = f["id"]
-            if b["status"] == "cancelling":
-                status, stamp = "cancelled", "cancelled_at"
-            elif b["expired_at"] is not None:
-                status, stamp = "expired", "expired_at"
-            else:
-                status, stamp = "completed", "completed_at"
+            status, stamp = final_status(b)
             db.execute(
                 f"UPDATE batches SET status = ?, {stamp} = COALESCE({stamp}, ?), output_file_id = ?, "
                 "error_file_id = ? WHERE id = ?",
