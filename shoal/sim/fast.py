@@ -20,7 +20,7 @@ from shoal.sim.fast_replica import ITL_BUCKETS, FastReplica, RunArrays
 from shoal.sim.fleet import FleetShape
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import request_overhead
-from shoal.sim.workload import SimRequest
+from shoal.sim.workload import SimRequest, paused_gc
 
 KV_CANDIDATES = 16  # holders of a prefix that kv_aware weighs against the least loaded replica
 
@@ -36,13 +36,19 @@ class FastFleet:
         self.load_weight = load_weight
         self.holders: dict[int, dict[int, None]] = {}  # prefix id -> replicas holding it, latest last
         self._rr = 0
+        self.loads: list[int] = [0] * shape.replicas  # each replica's requests in its hands
         self._loads: list[tuple[int, int]] = [(0, i) for i in range(shape.replicas)]  # lazy heap
 
     def run(self, requests: list[SimRequest]) -> FastResult:
+        with paused_gc():
+            return self._run(requests)
+
+    def _run(self, requests: list[SimRequest]) -> FastResult:
         reqs = sorted(requests, key=lambda r: r.arrival)
         out = RunArrays(len(reqs))
         r = self.shape.replica
         holders = self.holders  # every replica caches prefixes; kv_aware routing also reads them
+        self.loads = [0] * self.shape.replicas
         self.replicas = [
             FastReplica(
                 i,
@@ -52,6 +58,7 @@ class FastFleet:
                 holders,
                 out,
                 request_overhead(self.profile, r),
+                self.loads,
             )
             for i in range(self.shape.replicas)
         ]
@@ -88,6 +95,7 @@ class FastFleet:
                     push(target, ends)
 
         in_flight = 0
+        loads = self.loads
         while next_req < len(reqs) or events or held:
             if held and in_flight < cap:
                 in_flight += 1
@@ -109,10 +117,10 @@ class FastFleet:
             if rep.waking:
                 rep.waking = False
             else:
-                before = rep.outstanding
+                before = loads[i]
                 rep.finish(now)
-                if rep.outstanding != before:
-                    in_flight -= before - rep.outstanding
+                if loads[i] != before:
+                    in_flight -= before - loads[i]
                     self._loaded(i)
             ends = rep.plan(now)
             if ends is None:
@@ -126,14 +134,21 @@ class FastFleet:
     # --- routing ----------------------------------------------------------------------------
 
     def _least_loaded(self) -> int:
+        """The least loaded replica, the lowest index of those: every change of a replica's load
+        pushes an entry, so the stale ones on top are dropped."""
+        heap, loads = self._loads, self.loads
         while True:
-            load, i = self._loads[0]
-            if load == self.replicas[i].outstanding:
+            load, i = heap[0]
+            if load == loads[i]:
                 return i
-            heapq.heapreplace(self._loads, (self.replicas[i].outstanding, i))
+            heapq.heappop(heap)
 
     def _loaded(self, i: int) -> None:
-        heapq.heappush(self._loads, (self.replicas[i].outstanding, i))
+        heap, loads = self._loads, self.loads
+        heapq.heappush(heap, (loads[i], i))
+        if len(heap) > 8 * len(loads):  # stale entries of loads long gone: start afresh
+            heap[:] = [(load, j) for j, load in enumerate(loads)]
+            heapq.heapify(heap)
 
     def route(self, prefix_id: int | None, prefix_blocks: int, prompt_blocks: int) -> int:
         n, policy = len(self.replicas), self.shape.routing
@@ -144,7 +159,7 @@ class FastFleet:
             return self._rr % n
         if policy == "power_of_two":
             a, b = self.rng.sample(range(n), 2)
-            return a if self.replicas[a].outstanding <= self.replicas[b].outstanding else b
+            return a if self.loads[a] <= self.loads[b] else b
         best = self._least_loaded()
         if policy != "kv_aware" or prefix_id is None:
             return best
@@ -156,12 +171,13 @@ class FastFleet:
         holders = self.holders.get(prefix_id)
         if not holders:
             return best
-        replicas, w = self.replicas, self.load_weight
-        choice, low = best, prompt_blocks + w * replicas[best].outstanding
+        loads, w = self.loads, self.load_weight
+        choice, low = best, prompt_blocks + w * loads[best]
         if best in holders:
             low -= prefix_blocks
+        lacking = prompt_blocks - prefix_blocks
         for i in itertools.islice(reversed(holders), KV_CANDIDATES):
-            c = prompt_blocks - prefix_blocks + w * replicas[i].outstanding
+            c = lacking + w * loads[i]
             if c < low:
                 choice, low = i, c
         return choice

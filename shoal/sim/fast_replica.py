@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shoal.engine.config import SchedulerConfig
-from shoal.sim.profile import NodeProfile, StepShape
+from shoal.sim.profile import NodeProfile
 from shoal.sim.workload import SimRequest
 
 ITL_BUCKETS = np.geomspace(1e-5, 1e3, 801)  # inter-token times end in a histogram of these bounds
@@ -50,14 +50,17 @@ class FastReplica:
         holders: dict[int, dict[int, None]],
         out: RunArrays,
         overhead: float = 0.0,
+        loads: list[int] | None = None,
     ):
         """`holders`: the fleet's map of which replicas hold which shared prefix, latest last;
-        `out`: where each request's figures go."""
+        `out`: where each request's figures go; `loads`: the fleet's list of each replica's
+        requests in its hands (routing reads it for every request: one flat list, not N objects)."""
         self.index = index
         self.profile = profile
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_tokens
         self.block_size = profile.block_size
+        self.num_kv_blocks = profile.num_kv_blocks
         self.reserve = int(SchedulerConfig.admission_watermark * profile.num_kv_blocks)
         self._per_context = profile.decode.per_context_token
         self.overhead = overhead  # seconds each request spends outside the engine
@@ -73,7 +76,7 @@ class FastReplica:
         self.prefixes: OrderedDict[int, int] = OrderedDict()  # resident shared prefixes -> blocks
         self.pinned: dict[int, int] = {}  # prefix id -> running requests using it
         self.idle_cached = 0  # blocks of cached prefixes no running request uses
-        self.outstanding = 0
+        self.loads = loads if loads is not None else [0] * (index + 1)
         self.busy_until: float | None = None
         self.version = 0  # bumps when its pending event is replaced
         # A stretch of identical decode steps: (start, steps, rows, first step's cost less the
@@ -83,6 +86,11 @@ class FastReplica:
         self.waking = False  # given work while idle: its next event plans a step, ends none
         self._seq = 0
 
+    @property
+    def outstanding(self) -> int:
+        """Requests in its hands: waiting, prefilling or decoding."""
+        return self.loads[self.index]
+
     # --- KV ---------------------------------------------------------------------------------
 
     def used_blocks(self) -> int:
@@ -90,19 +98,26 @@ class FastReplica:
         return -(-self.tokens // self.block_size) + running // 2  # each row's last block is half full
 
     def free_blocks(self) -> int:
-        return self.profile.num_kv_blocks - self.used_blocks()
+        running = len(self.decoding) + len(self.prefilling)  # used_blocks, inlined: called per step
+        return self.num_kv_blocks - (-(-self.tokens // self.block_size) + running // 2)
 
     def _trim_prefixes(self) -> None:
         """Cached prefixes nobody uses sit in free blocks: the oldest go when those run short."""
-        if self.idle_cached <= self.free_blocks():
-            return
         room = self.free_blocks()
-        for pid in list(self.prefixes):
-            if self.idle_cached <= room:
+        need = self.idle_cached - room
+        if need <= 0:
+            return
+        victims = []
+        pinned = self.pinned
+        for pid, blocks in self.prefixes.items():  # oldest first; collected, then evicted
+            if need <= 0:
                 break
-            if not self.pinned.get(pid):
-                self.idle_cached -= self.prefixes.pop(pid)
-                self.holders[pid].pop(self.index, None)
+            if not pinned.get(pid):
+                victims.append(pid)
+                need -= blocks
+        for pid in victims:
+            self.idle_cached -= self.prefixes.pop(pid)
+            self.holders[pid].pop(self.index, None)
 
     def _prefix_tokens(self, f: Flow) -> int:
         # Whole blocks only, and never the whole prompt: its last token is always computed.
@@ -154,13 +169,19 @@ class FastReplica:
         out = max(1, min(req.output_len, self.profile.max_model_len - n))
         self._seq += 1
         self.waiting.append(Flow(index, n, n, out, 0, req.prefix_id, req.prefix_len, self._seq, sent=now))
-        self.outstanding += 1
+        self.loads[self.index] += 1
 
     def can_admit(self) -> bool:
-        if not self.waiting or len(self.decoding) + len(self.prefilling) >= self.max_num_seqs:
+        waiting = self.waiting
+        if not waiting:
             return False
-        need = -(-min(self.waiting[0].prompt_left, self.max_tokens) // self.block_size)
-        return need <= self.free_blocks() - self.reserve
+        running = len(self.decoding) + len(self.prefilling)
+        if running >= self.max_num_seqs:
+            return False
+        bs = self.block_size
+        need = -(-min(waiting[0].prompt_left, self.max_tokens) // bs)
+        free = self.num_kv_blocks - (-(-self.tokens // bs) + running // 2)
+        return need <= free - self.reserve
 
     def _preempt(self) -> bool:
         """The newest running request gives its blocks back and waits again (recompute)."""
@@ -233,12 +254,18 @@ class FastReplica:
             self.tokens += n
         if not rows and not chunks:
             return None
-        # The step's shape without walking its decode rows: their context is kept as a sum.
+        # The step's shape (see StepShape) without walking its decode rows: their context is kept
+        # as a sum, and a decode row is one token at its end.
         context = self.decode_context + rows
-        shape = StepShape(rows, rows, context, context)  # a decode row: one token, at its end
+        n_rows, n_tokens, n_context, attention = rows, rows, context, context
         for f, n in chunks:
-            shape.add_row(n, f.prompt_len - f.prompt_left)
-        seconds = (self.profile.mixed if chunks else self.profile.decode).seconds(shape)
+            end = f.prompt_len - f.prompt_left + n
+            n_rows += 1
+            n_tokens += n
+            n_context += end
+            attention += n * end
+        cost = self.profile.mixed if chunks else self.profile.decode
+        seconds = cost.cost(n_rows, n_tokens, n_context, attention)
         self._planned = (chunks, rows, seconds)
         self.steps += 1
         return now + seconds
@@ -258,16 +285,18 @@ class FastReplica:
     def finish(self, now: float) -> None:
         """The planned step (or stretch) ends at `now`."""
         out = self.out
+        decoding = self.decoding
         if self.segment is not None:
             _, k, rows, a, g = self.segment
             self.segment = None
             self.steps += k
-            self.clock += k
+            clock = self.clock = self.clock + k
             self.tokens += rows * k
             self.decode_context += rows * k
             # The stretch's first and last steps stand for it.
             out.itl_seconds.extend((a + g, a + g * k))
-            out.itl_weights.extend((rows * k / 2, rows * k / 2))
+            half = rows * k / 2
+            out.itl_weights.extend((half, half))
         else:
             chunks, rows, seconds = self._planned
             self._planned = None
@@ -276,34 +305,37 @@ class FastReplica:
                 self.decode_context += rows
                 out.itl_seconds.append(seconds)
                 out.itl_weights.append(rows)
+            clock = self.clock
+            ttft = out.ttft
             for f, n in chunks:
-                f.prompt_left -= n
-                if f.prompt_left:
+                left = f.prompt_left = f.prompt_left - n
+                if left:
                     continue
                 self.prefilling.remove(f)
                 if f.prefix_id is not None and not f.shared:
                     self._share(f, tokens_held=True)  # computed here: cached for the next ones
-                if math.isnan(out.ttft[f.index]):  # its first token
-                    out.ttft[f.index] = now - f.sent + self.overhead
-                f.out_left -= 1
+                if ttft[f.index] != ttft[f.index]:  # NaN: its first token
+                    ttft[f.index] = now - f.sent + self.overhead
                 f.out_done += 1
-                if f.out_left == 0:
+                out_left = f.out_left = f.out_left - 1
+                if out_left == 0:
                     self._done(f, now, f.prompt_len)
                     continue
-                f.joined = self.clock
+                f.joined = clock
                 self.decode_context += f.prompt_len
-                heapq.heappush(self.decoding, (self.clock + f.out_left, f.seq, f))
-        while self.decoding and self.decoding[0][0] <= self.clock:
-            _, _, f = heapq.heappop(self.decoding)
-            ctx = f.prompt_len + (self.clock - f.joined)
+                heapq.heappush(decoding, (clock + out_left, f.seq, f))
+        while decoding and decoding[0][0] <= clock:
+            f = heapq.heappop(decoding)[2]
+            steps = clock - f.joined
+            ctx = f.prompt_len + steps
             self.decode_context -= ctx
-            f.out_done += self.clock - f.joined
+            f.out_done += steps
             self._done(f, now, ctx)
 
     def _done(self, f: Flow, now: float, ctx: int) -> None:
         self.tokens -= ctx - f.shared
         self._unshare(f)
-        self.outstanding -= 1
+        self.loads[self.index] -= 1
         self.out.e2e[f.index] = now - f.sent + self.overhead
         self.out.output_tokens[f.index] = f.out_done
 

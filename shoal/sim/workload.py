@@ -4,6 +4,8 @@ or read from a trace the gateway recorded."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import random
@@ -112,6 +114,10 @@ class WorkloadSpec:
         """`with_tokens`: draw each prompt's tokens (the exact simulator hashes them); without,
         only lengths and prefix ids (the fast one needs no more, and a million prompts of tokens
         take minutes to draw)."""
+        with paused_gc():
+            return self._requests(with_tokens)
+
+    def _requests(self, with_tokens: bool) -> list[SimRequest]:
         rng = random.Random(self.seed)
         draw = random.Random(self.seed + 1)  # tokens apart: with or without them, the same requests
         prefixes = [tokens(draw, self.prefix_len) if with_tokens else [] for _ in range(self.num_prefixes)]
@@ -129,6 +135,19 @@ class WorkloadSpec:
             req.prefix_id, req.prefix_len, req.length = which, head, n
             out.append(req)
         return out
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """The cyclic garbage collector off while millions of objects that form no cycle are made:
+    each of its full passes walks all of them, so a run would slow as it grows."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
