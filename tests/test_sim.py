@@ -173,6 +173,20 @@ def node_profile(tmp_path_factory):
     return NodeProfile.load(path)
 
 
+def test_the_profile_times_kv_handoffs_by_their_size(node_profile, hf_bundled):
+    """The profile pulled real K/V handoffs from a prefill worker: their size per token is the
+    model's K and V of every layer (fp32 on this CPU, from HF's config of the same checkpoint),
+    and the handoff's time grows with its size, over both transports."""
+    c = hf_bundled.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    t = node_profile.kv_transfer
+    assert t["bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+    for way in ("shm", "tcp"):
+        assert t[f"{way}_s"] >= 0 and t[f"{way}_s_per_mib"] >= 0
+        assert node_profile.kv_transfer_seconds(1024, way) >= node_profile.kv_transfer_seconds(64, way) > 0
+    assert "KV transfer : 46080 B a token" in node_profile.describe()
+
+
 def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
     """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
     the same workload simulated from the node's profile."""

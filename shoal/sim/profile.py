@@ -162,10 +162,19 @@ class NodeProfile:
     decode: StepCost
     mixed: StepCost
     startup_s: dict[str, float] = field(default_factory=dict)  # "first" and "again": a replica's start
-    kv_transfer: dict[str, float] = field(default_factory=dict)  # bytes per block, seconds per block
+    # A K/V handoff from a prefill worker: bytes_per_token, and per transport (shm, tcp) the fixed
+    # seconds of one and the seconds per MiB (see profiler.time_kv_transfer).
+    kv_transfer: dict[str, float] = field(default_factory=dict)
     # What serving adds (already in the step costs above, and per request), from a real server.
     serving: dict[str, float] = field(default_factory=dict)
     measured_at: str = ""
+
+    def kv_transfer_seconds(self, tokens: int, transport: str = "shm") -> float | None:
+        """What handing `tokens` tokens' K/V to a decode worker takes (None: not measured)."""
+        t = self.kv_transfer
+        if f"{transport}_s" not in t:
+            return None
+        return t[f"{transport}_s"] + t[f"{transport}_s_per_mib"] * tokens * t["bytes_per_token"] / 2**20
 
     def step_seconds(self, shape: StepShape) -> float:
         return (self.decode if shape.decode_only else self.mixed).seconds(shape)
@@ -214,8 +223,14 @@ class NodeProfile:
                 f"{1e3 * self.serving['per_row_s']:.2f} ms a row, "
                 f"{1e3 * self.serving['per_request_s']:.1f} ms a request"
             )
-        if self.kv_transfer:
-            lines.append("KV transfer : " + ", ".join(f"{k} {v:.4g}" for k, v in self.kv_transfer.items()))
+        t = self.kv_transfer
+        if t:
+            ways = [
+                f"{way} {1e3 * t[f'{way}_s']:.2f} ms + {1e3 * t[f'{way}_s_per_mib']:.2f} ms/MiB"
+                for way in ("shm", "tcp")
+                if f"{way}_s" in t
+            ]
+            lines.append(f"KV transfer : {t['bytes_per_token']:.0f} B a token; " + "; ".join(ways))
         return "\n".join(lines)
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -38,6 +40,9 @@ class ProfileConfig:
     # machine where the gateway shares the replicas' cores, its relaying is part of every step.
     through_gateway: bool = False
     serve_batches: tuple[int, ...] = (1, 4, 16)
+    # With serve_flags: time a K/V handoff by its size, from a prefill worker of the same engine
+    # to a puller, over shared memory and over TCP (prompts of these lengths, each thrice).
+    kv_transfer_lengths: tuple[int, ...] = (64, 256, 1024)
     seed: int = 0
 
 
@@ -184,6 +189,8 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
         llm.shutdown()
     if cfg.serve_flags is not None:
         calibrate_to_server(profile, cfg)
+        if cfg.kv_transfer_lengths:
+            profile.kv_transfer = time_kv_transfer(cfg, profile.max_model_len)
     if cfg.startup:
         profile.startup_s = time_startup(cfg.engine_options)
     return profile
@@ -250,6 +257,68 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
         "per_row_s": float(row_s),
         "per_request_s": max(0.0, first),
     }
+
+
+def time_kv_transfer(cfg: ProfileConfig, max_len: int) -> dict[str, float]:
+    """What handing a prompt's K/V to a decode worker costs, by its size: a real `shoal serve
+    --role prefill` of the same engine prefills prompts of several lengths, and each one's K/V is
+    pulled as a decode worker pulls it, over shared memory (one host) and over TCP (across
+    hosts). Returns bytes per token, and per transport a line through (MiB, seconds): the fixed
+    seconds of one handoff and the seconds per MiB."""
+    import httpx
+
+    from shoal.engine.kv_connector.transports import transport_named
+    from shoal.fleet.control.launchers.local import free_port
+    from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
+
+    key, port = secrets.token_hex(16), free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shoal.cli",
+            "serve",
+            *cfg.serve_flags,
+            "--role",
+            "prefill",
+            "--port",
+            str(port),
+        ],
+        env={**os.environ, KV_TRANSFER_KEY_ENV: key},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url, rng = f"http://127.0.0.1:{port}", random.Random(cfg.seed)
+    samples: dict[str, list[tuple[float, float]]] = {"shm": [], "tcp": []}
+    per_token = []
+    try:
+        wait_for(url, proc)
+        with httpx.Client(timeout=300, headers={KV_TRANSFER_KEY_HEADER: key}) as client:
+            model = client.get(url + "/v1/models").json()["data"][0]["id"]
+            for n in (n for n in cfg.kv_transfer_lengths if n < max_len):
+                for _ in range(3):
+                    prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
+                    hold = {"do_remote_decode": True}
+                    body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": hold}
+                    answer = client.post(url + "/v1/completions", json=body).json()
+                    handle = answer["kv_transfer_params"]["handle"]
+                    for name, got in samples.items():
+                        way = transport_named(name)
+                        t0 = time.perf_counter()
+                        reply = client.post(url + "/kv/pull", json={"handle": handle, "transport": name})
+                        packed = way.take(reply.json() if way.reply_is_json else bytearray(reply.content))
+                        got.append((packed.nbytes / 2**20, time.perf_counter() - t0))
+                        per_token.append(packed.nbytes / n)
+                    client.post(url + "/kv/release", json={"handle": handle})
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    out = {"bytes_per_token": float(np.median(per_token))}
+    for name, got in samples.items():
+        mib, seconds = (np.array(v, dtype=float) for v in zip(*got, strict=True))
+        per_mib, fixed = np.clip(np.polyfit(mib, seconds, 1), 0, None)
+        out[f"{name}_s"], out[f"{name}_s_per_mib"] = float(fixed), float(per_mib)
+    return out
 
 
 def wait_for(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
