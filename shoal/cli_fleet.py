@@ -174,6 +174,7 @@ def fleet_config(args):
 
 
 def cmd_fleet_up(args) -> int:
+    from shoal.fleet.admission.store import shown
     from shoal.fleet.control.launchers.local import port_in_use
     from shoal.fleet.gateway import Gateway
 
@@ -213,7 +214,7 @@ def cmd_fleet_up(args) -> int:
     names = ", ".join(f"{r.name} :{r.port}" for r in controller.slots)
     if gateway.leadership is not None:
         print(
-            f"shoal: joining the fleet kept in {fleet.gateway.store}; its leader runs the replicas",
+            f"shoal: joining the fleet kept in {shown(fleet.gateway.store)}; its leader runs the replicas",
             flush=True,
         )
     else:

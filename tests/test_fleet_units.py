@@ -241,3 +241,12 @@ def test_a_partition_that_ends_with_the_same_process_back_withdraws_its_strikes(
     assert guard.judge("fp", again, a, engine_dead=False)  # a second real one convicts
     guard.absolve(again)  # a conviction stands
     assert guard.refused("fp") > 0
+
+
+def test_a_store_url_is_shown_without_its_password():
+    from shoal.fleet.admission.store import shown
+
+    assert shown("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
+    assert shown("redis://user:pw@cache/1") == "redis://user:***@cache/1"
+    assert shown("rediss://:x@[::1]:6380") == "rediss://:***@[::1]:6380"
+    assert shown("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"  # nothing to hide

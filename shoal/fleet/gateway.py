@@ -21,7 +21,7 @@ from shoal.fleet.admission.shared_limits import SharedLimits
 from shoal.fleet.admission.shared_usage import SharedUsage
 from shoal.fleet.admission.shares import FairShares
 from shoal.fleet.admission.signals import DemandSignals
-from shoal.fleet.admission.store import connect
+from shoal.fleet.admission.store import connect, shown
 from shoal.fleet.admission.tenants import Tenants
 from shoal.fleet.admission.usage import UsageLedger
 from shoal.fleet.admission.usage_store import state_dir
@@ -81,14 +81,14 @@ class Gateway:
         self.concurrency = None
         if self.store is not None:
             self.concurrency = SharedConcurrency(
-                self.store, config.store, f"{config.store_prefix}concurrency:"
+                self.store, shown(config.store), f"{config.store_prefix}concurrency:"
             )
         self.tenants = tenants = Tenants(
             config.tenants,
             config.api_key,
             on_limited=lambda t, limit: metrics.tenant_rate_limited.labels(t.name, limit).inc(),
             shared=(
-                SharedLimits(self.store, config.store, f"{config.store_prefix}tenant:")
+                SharedLimits(self.store, shown(config.store), f"{config.store_prefix}tenant:")
                 if self.store is not None
                 else None
             ),
