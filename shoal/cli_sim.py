@@ -103,7 +103,11 @@ def cmd_sim(args) -> int:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
     n = len(reqs) if reqs is not None else spec.num_requests
-    fast = args.mode == "fast" or (args.mode == "auto" and n > AUTO_FAST_FROM)
+    disaggregated = bool(args.prefill or args.decode)
+    if disaggregated and (not args.prefill or not args.decode or args.mode == "fast"):
+        print("shoal: a P/D fleet takes --prefill N and --decode M, in the exact mode", file=sys.stderr)
+        return 2
+    fast = args.mode == "fast" or (args.mode == "auto" and n > AUTO_FAST_FROM and not disaggregated)
     if reqs is None:
         reqs = spec.requests(with_tokens=not fast)
     shape = FleetShape(
@@ -115,6 +119,9 @@ def cmd_sim(args) -> int:
             None if args.request_overhead_ms is None else args.request_overhead_ms / 1000,
         ),
         args.max_concurrency,
+        prefill=args.prefill or 0,
+        decode=args.decode or 0,
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
     )
     t0 = time.perf_counter()
     result = (FastFleet if fast else FleetSim)(profile, shape).run(reqs)
@@ -122,10 +129,8 @@ def cmd_sim(args) -> int:
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None
     slo_tpot = args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None
     summary = result.summary(slo_ttft, slo_tpot)
-    print(
-        f"simulated {shape.replicas} replica(s) of {profile.model} on {profile.machine}, "
-        f"routing {shape.routing}"
-    )
+    workers = f"{shape.prefill} prefill + {shape.decode} decode" if disaggregated else f"{shape.replicas}"
+    print(f"simulated {workers} replica(s) of {profile.model} on {profile.machine}, routing {shape.routing}")
     print(format_summary(summary))
     print(f"replica-s       : {result.replica_seconds:.1f} ({result.steps} steps)")
     print(f"simulated in    : {took:.1f} s ({'fast' if fast else 'exact'})")
@@ -232,6 +237,14 @@ def add_sim_parsers(sub, wanted) -> None:
     p = sub.add_parser("sim", help="simulate a fleet serving a workload, from a node profile")
     p.add_argument("--profile", default=SIM_DEFAULT_PROFILE)
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--prefill", type=int, default=None, help="a P/D fleet: this many prefill workers")
+    p.add_argument("--decode", type=int, default=None, help="... and this many decode workers")
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=256,
+        help="prompts with fewer uncached tokens are prefilled on their decode worker",
+    )
     p.add_argument("--routing", default="least_load")
     p.add_argument(
         "--mode",

@@ -158,6 +158,43 @@ def test_the_fast_simulator_agrees_with_the_exact_one():
         assert abs(thr[1] - thr[0]) <= 0.02 * thr[0], (routing, thr)
 
 
+def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gateways_rule():
+    """A P/D fleet in the exact simulator: a long prompt is prefilled on the prefill worker, its K/V
+    reaches the decode worker after the profile's handoff time for its size, and the decode worker
+    computes only its last prompt token; so a lone request's first token comes exactly that many
+    steps later. A short prompt (under disagg_min_prompt_tokens) is prefilled where it decodes."""
+    profile = made_up_profile()
+    profile.kv_transfer = {"bytes_per_token": 46080.0, "shm_s": 0.008, "shm_s_per_mib": 0.0011}
+    shape = FleetShape(0, "least_load", ReplicaShape(16, 2048, 0.0), prefill=1, decode=1)
+    rng = random.Random(3)
+    long, short = SimRequest("long", 0.0, tokens(rng, 512), 8), SimRequest("short", 10.0, tokens(rng, 100), 8)
+    sim = FleetSim(profile, shape)
+    for r in sim.replicas:
+        r.shapes = []
+    result = sim.run([long, short])
+    prefill_worker, decode_worker = sim.replicas
+    assert [s.tokens for s in prefill_worker.shapes] == [512]  # the long prompt, and only it
+    # The decode worker computed the long prompt's last token only (a step shaped like a decode,
+    # at the prompt's full context), and all of the short one.
+    first = decode_worker.shapes[0]
+    assert (first.rows, first.tokens, first.context) == (1, 1, 512)
+    assert [s.tokens for s in decode_worker.shapes if s.tokens > s.rows] == [100]
+    one = StepShape()
+    one.add_row(512, 0)
+    last = StepShape()
+    last.add_row(1, 511)
+    expected = profile.step_seconds(one) + profile.kv_transfer_seconds(512) + profile.step_seconds(last)
+    ttft = {rec.input_len: rec.ttft for rec in result.records}
+    assert ttft[512] == pytest.approx(expected, rel=1e-12)
+    assert profile.kv_transfer_seconds(512) == pytest.approx(0.008 + 0.0011 * 512 * 46080 / 2**20)
+    alone = StepShape()
+    alone.add_row(100, 0)
+    assert ttft[100] == pytest.approx(profile.step_seconds(alone), rel=1e-12)
+    assert all(r.ok and r.output_tokens == 8 for r in result.records) and not sim.handing
+    with pytest.raises(ValueError):
+        FastFleet(profile, shape)
+
+
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)
 SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16"]
 

@@ -29,6 +29,8 @@ class FastFleet:
     """N fast replicas behind a routing policy: round_robin, power_of_two, least_load, kv_aware."""
 
     def __init__(self, profile: NodeProfile, shape: FleetShape, seed: int = 0, load_weight: float = 8.0):
+        if shape.prefill:
+            raise ValueError("the fast simulator has no P/D split; the exact one (FleetSim) has")
         self.profile = profile
         self.shape = shape
         self.replicas: list[FastReplica] = []

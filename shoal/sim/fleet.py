@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shoal.bench.report import RequestRecord, summarize
 from shoal.fleet.replicas.prefix_index import PrefixIndex
@@ -26,6 +26,21 @@ class FleetShape:
     routing: str = "least_load"
     replica: ReplicaShape = field(default_factory=ReplicaShape)
     max_concurrency: int | None = None  # the clients' own cap on requests in flight
+    # A disaggregated fleet: this many prefill and decode workers instead of `replicas`. As the
+    # gateway does, a prompt with fewer uncached tokens (at its decode worker) than
+    # disagg_min_prompt_tokens is prefilled where it decodes; the others are prefilled on a
+    # prefill worker, whose K/V reaches the decode worker after what the profile measured a
+    # handoff of its size to take over `kv_transport`.
+    prefill: int = 0
+    decode: int = 0
+    disagg_min_prompt_tokens: int = 256
+    kv_transport: str = "shm"
+
+    @property
+    def roles(self) -> list[str]:
+        if self.prefill:
+            return ["prefill"] * self.prefill + ["decode"] * self.decode
+        return ["both"] * self.replicas
 
 
 @dataclass
@@ -44,33 +59,57 @@ class SimResult:
 
 class FleetSim:
     def __init__(self, profile: NodeProfile, shape: FleetShape):
+        if shape.prefill and not shape.decode:
+            raise ValueError("a disaggregated fleet needs decode workers too")
         self.profile = profile
         self.shape = shape
         self.index = PrefixIndex()
         self.policy = make_policy(shape.routing, self.index)
         kv_events = shape.routing == "kv_aware"
+        self.roles = shape.roles
         self.replicas = [
-            SimReplica(f"sim-replica-{i}", profile, shape.replica, kv_events) for i in range(shape.replicas)
+            SimReplica(
+                f"sim-{role}-{i}" if shape.prefill else f"sim-replica-{i}", profile, shape.replica, kv_events
+            )
+            for i, role in enumerate(self.roles)
         ]
         # The gateway's view of each replica, as its policies read it.
         self.views = {
-            r.name: Replica(r.name, "", state=Health.READY, kv_events=kv_events) for r in self.replicas
+            r.name: Replica(r.name, "", state=Health.READY, kv_events=kv_events, role=role)
+            for r, role in zip(self.replicas, self.roles, strict=True)
         }
+        self.by_name = {r.name: r for r in self.replicas}
+        # A disaggregated request's prefill part, by its id: (the request, its record, when the
+        # client sent it, its decode worker).
+        self.handing: dict[str, tuple[SimRequest, RequestRecord, float, int]] = {}
 
-    def _route(self, req: SimRequest) -> SimReplica:
-        if len(self.replicas) == 1:
-            return self.replicas[0]
-        by_name = {r.name: r for r in self.replicas}
-        for r in self.replicas:
-            view = self.views[r.name]
+    def _route(self, req: SimRequest, role: str, hashes: list[int]) -> SimReplica:
+        candidates = [v for v in self.views.values() if v.role == role]
+        if len(candidates) == 1:
+            return self.by_name[candidates[0].name]
+        for view in candidates:
+            r = self.by_name[view.name]
             view.inflight = r.outstanding
             view.load = {"running": len(r.scheduler.running), "waiting": len(r.scheduler.waiting)}
-        hashes = hash_blocks(req.prompt, self.profile.block_size) if self.shape.routing == "kv_aware" else []
-        view, _reason = self.policy.choose(list(self.views.values()), RouteRequest(hashes=hashes))
+        view, _reason = self.policy.choose(candidates, RouteRequest(hashes=hashes))
         view.requests_total += 1
-        if hashes:
+        if hashes and self.shape.routing == "kv_aware":
             self.index.routed(view.name, hashes)
-        return by_name[view.name]
+        return self.by_name[view.name]
+
+    def _prefilled_remotely(self, hashes: list[int], decode: SimReplica) -> bool:
+        """The gateway's rule (proxy/disagg.py): enough of the prompt is not cached where it decodes."""
+        bs = self.profile.block_size
+        cached = self.index.matched_blocks(hashes, [decode.name])[decode.name]
+        return (
+            bool(hashes)
+            and cached < len(hashes)
+            and (len(hashes) - cached) * bs >= self.shape.disagg_min_prompt_tokens
+        )
+
+    def _handoff_seconds(self, tokens: int) -> float:
+        seconds = self.profile.kv_transfer_seconds(tokens, self.shape.kv_transport)
+        return 0.0 if seconds is None else seconds
 
     def _publish(self, replica: SimReplica) -> None:
         for ev in replica.pool.take_events():
@@ -80,6 +119,7 @@ class FleetSim:
         pending = deque(sorted(requests, key=lambda r: r.arrival))
         records: list[RequestRecord] = []
         steps: list[tuple[float, int, int]] = []  # (ends at, sequence, replica)
+        handoffs: list[tuple] = []  # (K/V arrives at, sequence, decode worker, request, record, sent)
         seq = 0
         cap = self.shape.max_concurrency or math.inf
         in_flight = 0
@@ -87,32 +127,51 @@ class FleetSim:
         waking: set[int] = set()  # idle replicas given work: their step starts at an event of its own
         now = 0.0
         first = pending[0].arrival if pending else 0.0
+        disaggregated = bool(self.shape.prefill)
+        hashing = disaggregated or self.shape.routing == "kv_aware"
 
-        def send(req: SimRequest, at: float) -> None:
-            nonlocal seq, in_flight
-            in_flight += 1
-            rec = RequestRecord(start=at - first, input_len=req.prompt_len)
-            records.append(rec)
-            target = self._route(req)
-            target.add(req, at, rec)
-            i = self.replicas.index(target)
-            if target.step_ends is None and i not in waking:
+        def wake(i: int, at: float) -> None:
+            nonlocal seq
+            if self.replicas[i].step_ends is None and i not in waking:
                 # It starts a step once every arrival of this instant is in (arrivals go first).
                 waking.add(i)
                 seq += 1
                 heapq.heappush(steps, (at, seq, i))
 
-        while pending or steps or held:
+        def send(req: SimRequest, at: float) -> None:
+            nonlocal in_flight
+            in_flight += 1
+            rec = RequestRecord(start=at - first, input_len=req.prompt_len)
+            records.append(rec)
+            hashes = hash_blocks(req.prompt, self.profile.block_size) if hashing else []
+            target = self._route(req, "decode" if disaggregated else "both", hashes)
+            if disaggregated and self._prefilled_remotely(hashes, target):
+                decode = self.replicas.index(target)
+                target = self._route(req, "prefill", hashes)
+                part = replace(req, id=f"{req.id}/prefill")
+                target.add(part, at, RequestRecord(at - first, req.prompt_len), max_tokens=1)
+                self.handing[part.id] = (req, rec, at, decode)
+            else:
+                target.add(req, at, rec)
+            wake(self.replicas.index(target), at)
+
+        while pending or steps or held or handoffs:
             next_arrival = pending[0].arrival if pending else math.inf
+            next_handoff = handoffs[0][0] if handoffs else math.inf
             next_step = steps[0][0] if steps else math.inf
             if held and in_flight < cap:
                 send(held.popleft(), now)
                 continue
-            if next_arrival <= next_step:
+            if next_arrival <= next_step and next_arrival <= next_handoff:
                 if next_arrival == math.inf:
                     break  # held requests but nothing in flight to free a slot: cannot happen
                 now = next_arrival
                 held.append(pending.popleft())
+                continue
+            if next_handoff <= next_step:
+                now, _, d, req, rec, sent = heapq.heappop(handoffs)
+                self.replicas[d].add(req, now, rec, sent=sent, external_tokens=req.prompt_len)
+                wake(d, now)
                 continue
             now, _, i = heapq.heappop(steps)
             replica = self.replicas[i]
@@ -120,7 +179,14 @@ class FleetSim:
                 waking.discard(i)
             else:
                 done = replica.end_step(now)
-                in_flight -= len(done)
+                if self.roles[i] == "prefill":
+                    for t in done:  # its K/V goes on to the decode worker
+                        req, rec, sent, d = self.handing.pop(t.request_id)
+                        seq += 1
+                        ready = now + self._handoff_seconds(req.prompt_len)
+                        heapq.heappush(handoffs, (ready, seq, d, req, rec, sent))
+                else:
+                    in_flight -= len(done)
                 if replica.pool.enable_events:
                     self._publish(replica)
             ends = replica.start_step(now)

@@ -34,9 +34,18 @@ class ReplicaShape:
 
 
 @dataclass
+class HandedKV:
+    """A simulated K/V handoff: the tokens it covers, no data."""
+
+    num_tokens: int
+    data: None = None
+
+
+@dataclass
 class Tracked:
     record: RequestRecord
     sent: float
+    request_id: str = ""
 
 
 def request_overhead(profile: NodeProfile, shape: ReplicaShape) -> float:
@@ -66,27 +75,41 @@ class SimReplica:
     def outstanding(self) -> int:
         return len(self.tracked)
 
-    def add(self, req: SimRequest, now: float, record: RequestRecord) -> None:
+    def add(
+        self,
+        req: SimRequest,
+        now: float,
+        record: RequestRecord,
+        sent: float | None = None,
+        external_tokens: int = 0,
+        max_tokens: int | None = None,
+    ) -> None:
+        """`sent`: when the client sent it (default now; later for a decode worker's part of a
+        disaggregated request); `external_tokens`: prompt tokens whose K/V arrives with it (from a
+        prefill worker) instead of being computed here; `max_tokens`: a prefill worker's part
+        samples one token, whatever the request asked."""
         if req.prompt is None:
             raise ValueError("the exact simulator needs each prompt's tokens (or use the fast one)")
         room = self.profile.max_model_len - len(req.prompt)
-        max_tokens = max(1, min(req.output_len, room))
+        max_tokens = max_tokens or max(1, min(req.output_len, room))
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         # Strictly after the last one, as the engine's clock has it: the scheduler orders requests
         # of one priority by arrival, and a tie would put a preempted request behind newer ones.
         self._last_arrival = max(now, math.nextafter(self._last_arrival, math.inf))
-        self.scheduler.add_request(
-            Request(
-                req.id,
-                req.prompt,
-                params,
-                max_tokens=max_tokens,
-                seed=0,
-                priority=req.priority,
-                arrival_time=self._last_arrival,
-            )
+        request = Request(
+            req.id,
+            req.prompt,
+            params,
+            max_tokens=max_tokens,
+            seed=0,
+            priority=req.priority,
+            arrival_time=self._last_arrival,
         )
-        self.tracked[req.id] = Tracked(record, now)
+        if external_tokens:
+            # What the scheduler reads of a K/V handoff: its length (the data is the worker's).
+            request.external_kv = HandedKV(min(external_tokens, len(req.prompt) - 1))
+        self.scheduler.add_request(request)
+        self.tracked[req.id] = Tracked(record, now if sent is None else sent, req.id)
 
     def start_step(self, now: float) -> float | None:
         """Schedules a step at `now`; returns when it ends, or None when there is nothing to run."""
