@@ -3,10 +3,11 @@
 and client cap) from this node's profile, taken first with the replicas' own settings; it prints
 measured beside predicted, and the error.
 
-    python benchmarks/sim_accuracy.py [--quick]
+    python benchmarks/sim_accuracy.py [--quick] [--only prefill]
 
 Rows: one replica (both cores) at a Poisson rate; the same replica with 16 clients that never
-pause; two replicas (one core each) behind the kv_aware gateway.
+pause; two replicas (one core each) behind the kv_aware gateway; a prefill and a decode worker
+(one core each), every prompt handed over.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Row:
     num_requests: int
     input_len: int = 256
     output_len: int = 64
+    prefill: int = 0  # a P/D fleet: this many prefill and decode workers instead of `replicas`
+    decode: int = 0
 
 
 def bench_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -54,9 +57,10 @@ def run_real(row: Row) -> dict:
     from fleet_routing import spawn, wait_ready  # a sibling script's helpers
 
     flags = f"{SERVE_FLAGS} --threads {row.threads}"
-    url, proc = spawn("fleet", "up", "--replicas", str(row.replicas), "--replica-args", flags)
+    size = ["--prefill", str(row.prefill), "--decode", str(row.decode)] if row.prefill else []
+    url, proc = spawn("fleet", "up", "--replicas", str(row.replicas), *size, "--replica-args", flags)
     try:
-        wait_ready(url, row.replicas)
+        wait_ready(url, row.prefill + row.decode or row.replicas)
         cfg = ServeBenchConfig(
             base_url=url,
             num_requests=row.num_requests,
@@ -78,7 +82,14 @@ def run_sim(row: Row, profile) -> dict:
         SimRequest(f"r{i}", at, tokens(rng, row.input_len), row.output_len)
         for i, at in enumerate(bench_arrivals(row.num_requests, row.rate, 1))
     ]
-    shape = FleetShape(row.replicas, "kv_aware", ReplicaShape(REPLICA["max_num_seqs"]), row.concurrency)
+    shape = FleetShape(
+        row.replicas,
+        "kv_aware",
+        ReplicaShape(REPLICA["max_num_seqs"]),
+        row.concurrency,
+        prefill=row.prefill,
+        decode=row.decode,
+    )
     return FleetSim(profile, shape).run(reqs).summary()
 
 
@@ -96,13 +107,17 @@ def figures(s: dict) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default=None, help="run only the rows whose name holds this")
     args = ap.parse_args()
     n = 48 if args.quick else 128
     rows = [
         Row("one replica, Poisson 1.5 req/s", 1, 2, 1.5, None, n),
         Row("one replica, 16 clients", 1, 2, math.inf, 16, n),
         Row("two replicas kv_aware, 3 req/s", 2, 1, 3.0, None, n),
+        # 512-token prompts: over the split's 256, so each is prefilled on the prefill worker.
+        Row("1 prefill + 1 decode, 2 req/s", 2, 1, 2.0, None, n, input_len=512, prefill=1, decode=1),
     ]
+    rows = [r for r in rows if args.only is None or args.only in r.name]
     profiles = {}
     for threads in sorted({r.threads for r in rows}):
         t0 = time.perf_counter()
