@@ -87,6 +87,23 @@ def workload_spec(args):
     )
 
 
+def scaling_shape(args):
+    """The autoscaled pool the flags ask for, or None (a fixed --replicas)."""
+    if args.max_replicas is None:
+        return None
+    from shoal.fleet.control.autoscaler import AutoscaleConfig
+    from shoal.sim.scaling import ScalingShape
+
+    auto = AutoscaleConfig(
+        target_inflight=args.target_inflight,
+        scale_up_delay_s=args.scale_up_delay,
+        scale_down_delay_s=args.scale_down_delay,
+    )
+    return ScalingShape(
+        args.min_replicas, args.max_replicas, args.warm_standby, auto, args.scale_to_zero_after, args.start_s
+    )
+
+
 def cmd_sim(args) -> int:
     from shoal.bench.report import format_summary, plot
     from shoal.sim.fast import FastFleet
@@ -122,7 +139,11 @@ def cmd_sim(args) -> int:
         prefill=args.prefill or 0,
         decode=args.decode or 0,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        scaling=scaling_shape(args),
     )
+    if shape.scaling is not None and (fast or disaggregated):
+        print("shoal: an autoscaled pool is simulated in the exact mode, of whole replicas", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     result = (FastFleet if fast else FleetSim)(profile, shape).run(reqs)
     took = time.perf_counter() - t0
@@ -130,6 +151,8 @@ def cmd_sim(args) -> int:
     slo_tpot = args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None
     summary = result.summary(slo_ttft, slo_tpot)
     workers = f"{shape.prefill} prefill + {shape.decode} decode" if disaggregated else f"{shape.replicas}"
+    if shape.scaling is not None:
+        workers = f"{shape.scaling.min_replicas} to {shape.scaling.max_replicas} (autoscaled)"
     print(f"simulated {workers} replica(s) of {profile.model} on {profile.machine}, routing {shape.routing}")
     print(format_summary(summary))
     print(f"replica-s       : {result.replica_seconds:.1f} ({result.steps} steps)")
@@ -245,6 +268,15 @@ def add_sim_parsers(sub, wanted) -> None:
         default=256,
         help="prompts with fewer uncached tokens are prefilled on their decode worker",
     )
+    g = p.add_argument_group("an autoscaled pool (instead of --replicas)")
+    g.add_argument("--max-replicas", type=int, default=None, help="scale between --min-replicas and this")
+    g.add_argument("--min-replicas", type=int, default=1)
+    g.add_argument("--warm-standby", type=int, default=0, help="loaded replicas out of traffic")
+    g.add_argument("--scale-to-zero-after", type=float, default=None, metavar="S")
+    g.add_argument("--target-inflight", type=float, default=8.0, help="requests in flight per replica")
+    g.add_argument("--scale-up-delay", type=float, default=1.0, metavar="S")
+    g.add_argument("--scale-down-delay", type=float, default=30.0, metavar="S")
+    g.add_argument("--start-s", type=float, default=None, help="a cold start (default: the profile's)")
     p.add_argument("--routing", default="least_load")
     p.add_argument(
         "--mode",

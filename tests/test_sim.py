@@ -17,6 +17,7 @@ import pytest
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.engine.sampling_params import SamplingParams
+from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim
@@ -31,7 +32,8 @@ from shoal.sim.profile import (
 )
 from shoal.sim.profiler import ProfileConfig, StepRecorder, measure
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.workload import Lengths, SimRequest, WorkloadSpec, load_trace, tokens
+from shoal.sim.scaling import ScalingShape
+from shoal.sim.workload import Burst, Lengths, SimRequest, WorkloadSpec, load_trace, tokens
 from tests.fleet_helpers import start_gateway
 from tests.server_helpers import start_server
 
@@ -193,6 +195,58 @@ def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gat
     assert all(r.ok and r.output_tokens == 8 for r in result.records) and not sim.handing
     with pytest.raises(ValueError):
         FastFleet(profile, shape)
+
+
+def burst_requests(seed: int = 4) -> list[SimRequest]:
+    """1 request a second for 10 s, then 30 a second for 5 s, then 1 a second for 20 s."""
+    spec = WorkloadSpec(
+        num_requests=10 + 150 + 20,
+        rate=1.0,
+        bursts=[Burst(10.0, 5.0, 30.0)],
+        input_len=Lengths("fixed", 256),
+        output_len=Lengths("fixed", 64),
+        seed=seed,
+    )
+    return spec.requests()
+
+
+def test_an_autoscaled_pool_scales_up_for_a_burst_starts_cold_or_warm_and_scales_down():
+    """The controller's rules in simulated time, with the real Autoscaler: a burst raises the
+    pool (cold replicas take traffic after the start-up time, a warm standby at once), the pool
+    shrinks after it, and replica-seconds count only the time replicas were up."""
+    profile = made_up_profile()
+    auto = AutoscaleConfig(target_inflight=4, scale_up_delay_s=0.5, scale_down_delay_s=3.0)
+    runs = {}
+    for warm in (0, 1):
+        scaling = ScalingShape(1, 4, warm, auto, start_s=2.0)
+        sim = FleetSim(
+            profile, FleetShape(routing="least_load", replica=ReplicaShape(16, 2048, 0.0), scaling=scaling)
+        )
+        result = sim.run(burst_requests())
+        runs[warm] = (sim.pool, result.summary(), result)
+    for pool, summary, result in runs.values():
+        ups = [d for d in pool.decisions if d[1] > 1]
+        assert ups and 10.0 <= ups[0][0] - result.records[0].start < 15.0  # during the burst
+        assert pool.decisions[-1][1] < max(d for _, d, _ in pool.decisions)  # and down after it
+        assert summary["completed"] == 180
+        # Up less than all four replicas the whole run, more than one.
+        assert result.duration_s < result.replica_seconds < 4 * result.duration_s
+    # A warm standby takes the burst at once: its requests wait less for a first token.
+    assert runs[1][1]["ttft_s"]["p99"] < runs[0][1]["ttft_s"]["p99"]
+    assert runs[1][2].replica_seconds > runs[0][2].replica_seconds  # the standby is paid for
+
+
+def test_a_pool_at_zero_starts_cold_for_its_first_request():
+    profile = made_up_profile()
+    scaling = ScalingShape(0, 2, 0, AutoscaleConfig(), scale_to_zero_after_s=5.0, start_s=3.0)
+    sim = FleetSim(profile, FleetShape(replica=ReplicaShape(16, 2048, 0.0), scaling=scaling))
+    rng = random.Random(1)
+    reqs = [SimRequest("a", 0.0, tokens(rng, 64), 4), SimRequest("b", 30.0, tokens(rng, 64), 4)]
+    result = sim.run(reqs)
+    first, second = sorted(result.records, key=lambda r: r.start)
+    # Each waited for a cold start: the pool went back to zero in between (idle 5 s).
+    assert 3.0 <= first.ttft < 3.5 and 3.0 <= second.ttft < 3.5
+    assert [d for _, d, _ in sim.pool.decisions] == [1, 0, 1]
 
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)

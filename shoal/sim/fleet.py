@@ -10,6 +10,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from shoal.bench.report import RequestRecord, summarize
 from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Health, Replica
@@ -17,6 +19,7 @@ from shoal.fleet.routing.policies import RouteRequest, make_policy
 from shoal.protocol.block_hash import hash_blocks
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import ReplicaShape, SimReplica
+from shoal.sim.scaling import TICK_S, TTFT_WINDOW_S, Load, ScalingShape, SimPool
 from shoal.sim.workload import SimRequest
 
 
@@ -35,12 +38,14 @@ class FleetShape:
     decode: int = 0
     disagg_min_prompt_tokens: int = 256
     kv_transport: str = "shm"
+    # An autoscaled pool (scaling.py) of up to scaling.max_replicas, instead of `replicas` fixed.
+    scaling: ScalingShape | None = None
 
     @property
     def roles(self) -> list[str]:
         if self.prefill:
             return ["prefill"] * self.prefill + ["decode"] * self.decode
-        return ["both"] * self.replicas
+        return ["both"] * (self.scaling.max_replicas if self.scaling else self.replicas)
 
 
 @dataclass
@@ -61,6 +66,8 @@ class FleetSim:
     def __init__(self, profile: NodeProfile, shape: FleetShape):
         if shape.prefill and not shape.decode:
             raise ValueError("a disaggregated fleet needs decode workers too")
+        if shape.prefill and shape.scaling:
+            raise ValueError("the simulator scales a pool of whole replicas, not a P/D fleet")
         self.profile = profile
         self.shape = shape
         self.index = PrefixIndex()
@@ -82,9 +89,21 @@ class FleetSim:
         # A disaggregated request's prefill part, by its id: (the request, its record, when the
         # client sent it, its decode worker).
         self.handing: dict[str, tuple[SimRequest, RequestRecord, float, int]] = {}
+        self.pool: SimPool | None = None
+        if shape.scaling is not None:
+            start = shape.scaling.start_s
+            if start is None:
+                start = profile.startup_s.get("again", profile.startup_s.get("first", 0.0))
+            self.pool = SimPool(shape.scaling, start)
 
-    def _route(self, req: SimRequest, role: str, hashes: list[int]) -> SimReplica:
+    def _route(self, req: SimRequest, role: str, hashes: list[int]) -> SimReplica | None:
+        """The replica the gateway picks (None: no replica takes requests now)."""
         candidates = [v for v in self.views.values() if v.role == role]
+        if self.pool is not None:
+            active = {self.replicas[i].name for i in self.pool.active}
+            candidates = [v for v in candidates if v.name in active]
+            if not candidates:
+                return None
         if len(candidates) == 1:
             return self.by_name[candidates[0].name]
         for view in candidates:
@@ -111,6 +130,19 @@ class FleetSim:
         seconds = self.profile.kv_transfer_seconds(tokens, self.shape.kv_transport)
         return 0.0 if seconds is None else seconds
 
+    def _load(self, records: list[RequestRecord], now: float, first: float, last_arrival: float, queued: int):
+        """What the autoscaler reads at a tick (see scaling.Load)."""
+        since = now - first - TTFT_WINDOW_S
+        recent = [r.ttft for r in records if r.ttft is not None and r.start + r.ttft >= since]
+        return Load(
+            inflight=[r.outstanding for r in self.replicas],
+            waiting=[len(r.scheduler.waiting) for r in self.replicas],
+            kv_usage=[r.pool.usage for r in self.replicas],
+            queued=queued,
+            ttft_p90=float(np.percentile(recent, 90)) if recent else None,
+            idle_s=now - last_arrival,
+        )
+
     def _publish(self, replica: SimReplica) -> None:
         for ev in replica.pool.take_events():
             (self.index.stored if ev.kind == "stored" else self.index.removed)(replica.name, ev.block_hash)
@@ -129,6 +161,12 @@ class FleetSim:
         first = pending[0].arrival if pending else 0.0
         disaggregated = bool(self.shape.prefill)
         hashing = disaggregated or self.shape.routing == "kv_aware"
+        pool = self.pool
+        gateway: deque[tuple[SimRequest, RequestRecord, float]] = deque()  # waiting for a replica
+        next_tick = first if pool is not None else math.inf
+        last_arrival = first
+        if pool is not None:
+            pool.start(first)
 
         def wake(i: int, at: float) -> None:
             nonlocal seq
@@ -138,13 +176,19 @@ class FleetSim:
                 seq += 1
                 heapq.heappush(steps, (at, seq, i))
 
-        def send(req: SimRequest, at: float) -> None:
+        def send(
+            req: SimRequest, at: float, rec: RequestRecord | None = None, sent: float | None = None
+        ) -> None:
             nonlocal in_flight
-            in_flight += 1
-            rec = RequestRecord(start=at - first, input_len=req.prompt_len)
-            records.append(rec)
+            if rec is None:
+                in_flight += 1
+                rec = RequestRecord(start=at - first, input_len=req.prompt_len)
+                records.append(rec)
             hashes = hash_blocks(req.prompt, self.profile.block_size) if hashing else []
             target = self._route(req, "decode" if disaggregated else "both", hashes)
+            if target is None:  # the gateway holds it until a replica takes requests
+                gateway.append((req, rec, at if sent is None else sent))
+                return
             if disaggregated and self._prefilled_remotely(hashes, target):
                 decode = self.replicas.index(target)
                 target = self._route(req, "prefill", hashes)
@@ -152,20 +196,27 @@ class FleetSim:
                 target.add(part, at, RequestRecord(at - first, req.prompt_len), max_tokens=1)
                 self.handing[part.id] = (req, rec, at, decode)
             else:
-                target.add(req, at, rec)
+                target.add(req, at, rec, sent=sent)
             wake(self.replicas.index(target), at)
 
-        while pending or steps or held or handoffs:
+        while pending or steps or held or handoffs or gateway:
             next_arrival = pending[0].arrival if pending else math.inf
             next_handoff = handoffs[0][0] if handoffs else math.inf
             next_step = steps[0][0] if steps else math.inf
             if held and in_flight < cap:
                 send(held.popleft(), now)
                 continue
+            if next_tick <= min(next_arrival, next_handoff, next_step):
+                now, next_tick = next_tick, next_tick + TICK_S
+                pool.tick(now, self._load(records, now, first, last_arrival, len(gateway)))
+                for _ in range(len(gateway)):
+                    req, rec, sent = gateway.popleft()
+                    send(req, now, rec, sent)
+                continue
             if next_arrival <= next_step and next_arrival <= next_handoff:
                 if next_arrival == math.inf:
                     break  # held requests but nothing in flight to free a slot: cannot happen
-                now = next_arrival
+                now = last_arrival = next_arrival
                 held.append(pending.popleft())
                 continue
             if next_handoff <= next_step:
@@ -196,9 +247,5 @@ class FleetSim:
         for rec in records:
             rec.chunk_times = [t - first for t in rec.chunk_times]
         duration = max(now - first, 1e-9)
-        return SimResult(
-            records,
-            duration,
-            duration * len(self.replicas),
-            sum(r.steps for r in self.replicas),
-        )
+        up = pool.replica_seconds(now) if pool is not None else duration * len(self.replicas)
+        return SimResult(records, duration, up, sum(r.steps for r in self.replicas))
