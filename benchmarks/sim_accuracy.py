@@ -115,7 +115,7 @@ def main() -> None:
         Row("one replica, 16 clients", 1, 2, math.inf, 16, n),
         Row("two replicas kv_aware, 3 req/s", 2, 1, 3.0, None, n),
         # 512-token prompts: over the split's 256, so each is prefilled on the prefill worker.
-        Row("1 prefill + 1 decode, 2 req/s", 2, 1, 2.0, None, n, input_len=512, prefill=1, decode=1),
+        Row("1 prefill + 1 decode, 1 req/s", 2, 1, 1.0, None, n, input_len=512, prefill=1, decode=1),
     ]
     rows = [r for r in rows if args.only is None or args.only in r.name]
     profiles = {}
