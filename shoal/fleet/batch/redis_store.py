@@ -4,11 +4,11 @@ the next leader runs on where it stopped. The same methods as store.BatchStore, 
 runner calls them on a thread).
 
 Exactly one result per line, whatever dies when: a line is claimed by moving it from its
-batch's pending set to its running set, and its result is kept only by the one runner that
-moves it out of the running set, in the same script that writes the result (at most once per
-line) and counts it. A new leader puts the running lines back to pending; an old runner that
-finishes one of them later finds it gone from the running set, or its result already written,
-and its answer is dropped."""
+batch's pending set to its running set, and a result is kept only by a runner that moves the line
+out of the running set, in the same script that writes the result (at most once per line) and
+counts it. A new leader puts the running lines back to pending. An old runner that finishes one
+of them later is dropped while the line waits to run again; once it runs again, whichever run
+finishes first is kept and the other is dropped."""
 
 from __future__ import annotations
 
