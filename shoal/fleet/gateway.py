@@ -228,6 +228,8 @@ class Gateway:
         where.mkdir(parents=True, exist_ok=True)
         self.config.state_dir = str(where)
         await self.usage.start(where)
+        if self.concurrency is not None:
+            await self.concurrency.start()
         await self.batches.start(lead=self.leadership is None)
         if self.leadership is not None:
             await self.leadership.start()  # before the keys: the fleet's salt comes with it

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import uuid
 
-from shoal.fleet.admission.store import store_errors
+from shoal.fleet.admission.store import Presence, store_errors
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,6 @@ if held >= tonumber(ARGV[2]) then return held end
 redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 return -1
 """
-# KEYS: the gateways alive. ARGV: this gateway, how long it is alive for (ms).
-BEAT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return 1
-"""
 
 
 class SharedConcurrency:
@@ -61,7 +53,7 @@ class SharedConcurrency:
         self.id = uuid.uuid4().hex
         self.errors = store_errors()
         self._enter = client.register_script(ENTER)
-        self._beat = client.register_script(BEAT)
+        self.gateways = Presence(client, prefix + "gateways")
         self._task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
         self._counted: dict[str, object] = {}  # name -> tenant: those this gateway counts
@@ -72,9 +64,8 @@ class SharedConcurrency:
     async def enter(self, tenant) -> int:
         """Takes one of the tenant's places: -1 when taken (or the store did not answer), else the
         count held across the gateways (the limit is reached)."""
-        await self._beat_now()  # the first request of a gateway must count it alive
         self._counted[tenant.name] = tenant
-        keys = [self._key(tenant), self.prefix + "gateways"]
+        keys = [self._key(tenant), self.gateways.key]
         try:
             return int(await self._enter(keys=keys, args=[self.id, tenant.config.max_concurrency]))
         except self.errors as exc:
@@ -92,17 +83,17 @@ class SharedConcurrency:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _beat_now(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._renew())
-            with contextlib.suppress(*self.errors):
-                await self._beat(keys=[self.prefix + "gateways"], args=[self.id, int(ALIVE_S * 1000)])
+    async def start(self) -> None:
+        """This gateway counts as alive from now (renewed every BEAT_S)."""
+        with contextlib.suppress(*self.errors):
+            await self.gateways.beat(self.id, ALIVE_S)
+        self._task = asyncio.get_running_loop().create_task(self._renew())
 
     async def _renew(self) -> None:
         while True:
             await asyncio.sleep(BEAT_S)
             try:
-                await self._beat(keys=[self.prefix + "gateways"], args=[self.id, int(ALIVE_S * 1000)])
+                await self.gateways.beat(self.id, ALIVE_S)
                 await self._heal()
             except self.errors as exc:
                 log.warning("concurrency store %s: %s", self.url, exc)
@@ -127,5 +118,5 @@ class SharedConcurrency:
             pipe = self.client.pipeline(transaction=False)
             for t in self._counted.values():
                 pipe.hdel(self._key(t), self.id)
-            pipe.zrem(self.prefix + "gateways", self.id)
             await pipe.execute()
+            await self.gateways.leave(self.id)

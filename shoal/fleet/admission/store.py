@@ -33,3 +33,35 @@ def store_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # no store client: no store errors, beside the network's
         return (OSError,)
     return (redis.RedisError, OSError)
+
+
+# KEYS: the set. ARGV: the member, its time to live (ms), and "beat" or "leave". Scores are
+# expiry times by the store's clock (gateways' clocks may differ). Returns how many members
+# (this one included, unless it leaves) are alive.
+PRESENCE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[3] == 'leave' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+else
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+class Presence:
+    """A set of gateways alive in the store: each renews its own entry, which expires unrenewed."""
+
+    def __init__(self, client, key: str):
+        self.key = key
+        self._script = client.register_script(PRESENCE)
+
+    async def beat(self, member: str, ttl_s: float) -> int:
+        """`member` is alive for `ttl_s` more; returns how many are."""
+        return int(await self._script(keys=[self.key], args=[member, int(ttl_s * 1000), "beat"]))
+
+    async def leave(self, member: str) -> int:
+        """`member` goes; returns how many others are alive."""
+        return int(await self._script(keys=[self.key], args=[member, 0, "leave"]))

@@ -71,7 +71,7 @@ class Leadership:
         """Joins the fleet: takes its secrets, and leads at once when no gateway does."""
         gw = self.config
         gw.kv_salt, gw.kv_transfer_key = await self.registry.secrets(gw.kv_salt, gw.kv_transfer_key)
-        self.gateways = await self.registry.beat(self.id, self.config.lease_ttl_s)
+        self.gateways = await self.registry.gateways.beat(self.id, self.config.lease_ttl_s)
         await self._try_lead()
         self._task = asyncio.create_task(self._loop())
 
@@ -88,7 +88,7 @@ class Leadership:
                 log.exception("leadership step failed; retrying")
 
     async def _step(self) -> None:
-        self.gateways = await self.registry.beat(self.id, self.config.lease_ttl_s)
+        self.gateways = await self.registry.gateways.beat(self.id, self.config.lease_ttl_s)
         self.metrics.gateways_alive.set(self.gateways)
         if not self.leading:
             return await self._try_lead()
@@ -177,7 +177,7 @@ class Leadership:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         try:
-            others = await self.registry.leave(self.id)
+            others = await self.registry.gateways.leave(self.id)
         except self.errors as exc:
             log.warning("fleet store: %s; the replicas are left to their lifeline", exc)
             if self.leading:

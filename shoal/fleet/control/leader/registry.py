@@ -7,20 +7,7 @@ from __future__ import annotations
 
 import json
 
-# KEYS: the gateways' sorted set. ARGV: this gateway, its time to live (ms), and "beat" or
-# "leave". Scores are expiry times by the store's clock (gateways' clocks may differ). Returns
-# how many gateways (this one included, unless it leaves) are alive.
-MEMBERS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if ARGV[3] == 'leave' then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-else
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return redis.call('ZCARD', KEYS[1])
-"""
+from shoal.fleet.admission.store import Presence
 
 # KEYS: the lease, the state. ARGV: the holder, the state. Only the lease's holder writes: a
 # leader cut off from the store past its lease must not overwrite its successor's state.
@@ -38,7 +25,7 @@ class FleetRegistry:
         self.client = client
         self.prefix = prefix  # e.g. "shoal:fleet:"
         self.lease_key = prefix + "leader"
-        self._members = client.register_script(MEMBERS)
+        self.gateways = Presence(client, prefix + "gateways")
         self._publish = client.register_script(PUBLISH)
 
     async def secrets(self, salt: str, transfer_key: str) -> tuple[str, str]:
@@ -50,16 +37,6 @@ class FleetRegistry:
         pipe.hmget(key, "kv_salt", "kv_transfer_key")
         *_, (got_salt, got_key) = await pipe.execute()
         return got_salt.decode(), got_key.decode()
-
-    async def beat(self, gateway: str, ttl_s: float) -> int:
-        """Says this gateway is alive for `ttl_s` more; returns how many are."""
-        return int(
-            await self._members(keys=[self.prefix + "gateways"], args=[gateway, int(ttl_s * 1000), "beat"])
-        )
-
-    async def leave(self, gateway: str) -> int:
-        """This gateway goes; returns how many others are alive."""
-        return int(await self._members(keys=[self.prefix + "gateways"], args=[gateway, 0, "leave"]))
 
     async def publish(self, holder: str, state: dict) -> bool:
         """The leader's replica set, pools and status; False: `holder` no longer leads."""
