@@ -197,6 +197,27 @@ def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gat
         FastFleet(profile, shape)
 
 
+def test_a_step_costs_the_same_priced_from_its_features_as_from_its_shape():
+    """StepCost.cost (the fast simulator's) equals StepCost.seconds to the bit, for linear and
+    interpolated models, also after a calibration replaced the coefficients."""
+    rng = random.Random(5)
+    models = [
+        StepCost(DECODE_FEATURES, [0.010, 0.0005, 1e-7]),
+        StepCost(MIXED_FEATURES, [0.010, 0.0005, 0.0002, 1e-9]),
+        StepCost(("rows=1", "rows=8", "rows=32", "context"), [0.01, 0.03, 0.09, 1e-6], knots=[1, 8, 32]),
+    ]
+    for model in models:
+        for calibrated in (False, True):
+            if calibrated:
+                model.coef = [c * 1.3 + 1e-4 for c in model.coef]  # as calibrate_to_server does
+            for _ in range(2000):
+                shape = StepShape()
+                for _ in range(rng.randint(1, 40)):
+                    shape.add_row(rng.choice([1, rng.randint(1, 600)]), rng.randint(0, 2000))
+                got = model.cost(shape.rows, shape.tokens, shape.context, shape.attention)
+                assert got == model.seconds(shape)
+
+
 def burst_requests(seed: int = 4) -> list[SimRequest]:
     """1 request a second for 10 s, then 30 a second for 5 s, then 1 a second for 20 s."""
     spec = WorkloadSpec(

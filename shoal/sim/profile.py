@@ -115,6 +115,7 @@ class StepCost:
 
     def __post_init__(self):
         self._by_rows: dict[int, float] = {}  # with knots: the cost of a row count, summed once
+        self._by_rows_of: list[float] = self.coef  # ... of these coefficients
 
     def seconds(self, shape: StepShape) -> float:
         return float(sum(c * f for c, f in zip(self.coef, self.row(shape))))
@@ -124,6 +125,8 @@ class StepCost:
         millions of steps); the same sums in the same order, so the same figure to the bit."""
         c = self.coef
         if self.knots:
+            if self._by_rows_of is not c:  # the coefficients were replaced (a calibration)
+                self._by_rows, self._by_rows_of = {}, c
             base = self._by_rows.get(rows)
             if base is None:
                 weights = interpolation_weights(rows, self.knots)
