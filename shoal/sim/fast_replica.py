@@ -93,12 +93,8 @@ class FastReplica:
 
     # --- KV ---------------------------------------------------------------------------------
 
-    def used_blocks(self) -> int:
-        running = len(self.decoding) + len(self.prefilling)
-        return -(-self.tokens // self.block_size) + running // 2  # each row's last block is half full
-
     def free_blocks(self) -> int:
-        running = len(self.decoding) + len(self.prefilling)  # used_blocks, inlined: called per step
+        running = len(self.decoding) + len(self.prefilling)  # each row's last block is half full
         return self.num_kv_blocks - (-(-self.tokens // self.block_size) + running // 2)
 
     def _trim_prefixes(self) -> None:
@@ -178,10 +174,8 @@ class FastReplica:
         running = len(self.decoding) + len(self.prefilling)
         if running >= self.max_num_seqs:
             return False
-        bs = self.block_size
-        need = -(-min(waiting[0].prompt_left, self.max_tokens) // bs)
-        free = self.num_kv_blocks - (-(-self.tokens // bs) + running // 2)
-        return need <= free - self.reserve
+        need = -(-min(waiting[0].prompt_left, self.max_tokens) // self.block_size)
+        return need <= self.free_blocks() - self.reserve
 
     def _preempt(self) -> bool:
         """The newest running request gives its blocks back and waits again (recompute)."""
