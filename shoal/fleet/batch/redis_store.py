@@ -66,6 +66,7 @@ if redis.call('HGET', KEYS[1], 'status') ~= ARGV[1] then return 0 end
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
+FILE_FIELDS = ("id", "tenant", "purpose", "filename", "bytes", "created_at", "seq")  # all but its content
 INTS = ("total", "completed", "failed", "input_tokens", "output_tokens", "bytes", "seq")
 
 
@@ -89,11 +90,15 @@ class RedisBatchStore:
     def _k(self, *parts: str) -> str:
         return self.p + ":".join(parts)
 
-    def _row(self, key: str) -> dict | None:
-        raw = self.r.hgetall(key)
+    def _row(self, key: str, fields: tuple[str, ...] | None = None) -> dict | None:
+        """The record at `key` (only `fields`, when given: a file's, without its content)."""
+        if fields is None:
+            raw = {k.decode(): v for k, v in self.r.hgetall(key).items()}
+        else:
+            raw = {f: v for f, v in zip(fields, self.r.hmget(key, fields), strict=True) if v is not None}
         if not raw:
             return None
-        row = {k.decode(): v.decode() for k, v in raw.items() if k != b"content"}
+        row = {k: v.decode() for k, v in raw.items()}
         out: dict = dict.fromkeys(TIMES)
         out.update(metadata=None, errors=None, models=None, output_file_id=None, error_file_id=None)
         for k, v in row.items():
@@ -113,16 +118,18 @@ class RedisBatchStore:
         pipe.execute()
         return render_file(row)
 
-    def _file(self, tenant: str, file_id: str) -> dict | None:
-        row = self._row(self._k("file", file_id))
+    def _owned(self, kind: str, tenant: str, record_id: str) -> dict | None:
+        """The tenant's file or batch of that id (None: none, or another tenant's)."""
+        row = self._row(self._k(kind, record_id), FILE_FIELDS if kind == "file" else None)
         return row if row is not None and row["tenant"] == tenant else None
 
     def get_file(self, tenant: str, file_id: str) -> dict | None:
-        row = self._file(tenant, file_id)
+        row = self._owned("file", tenant, file_id)
         return render_file(row) if row else None
 
     def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        return self.r.hget(self._k("file", file_id), "content") if self._file(tenant, file_id) else None
+        owner, content = self.r.hmget(self._k("file", file_id), ["tenant", "content"])
+        return content if owner is not None and owner.decode() == tenant else None
 
     def _page(self, index: str, after: str | None, newest_first: bool) -> list[str]:
         ids = [i.decode() for i in (self.r.zrevrange if newest_first else self.r.zrange)(index, 0, -1)]
@@ -135,7 +142,7 @@ class RedisBatchStore:
     ) -> tuple[list[dict], bool]:
         rows = []
         for file_id in self._page(self._k("files", tenant), after, newest_first):
-            row = self._row(self._k("file", file_id))
+            row = self._row(self._k("file", file_id), FILE_FIELDS)
             if row is not None and (not purpose or row["purpose"] == purpose):
                 rows.append(row)
                 if len(rows) > limit:
@@ -143,7 +150,7 @@ class RedisBatchStore:
         return [render_file(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
-        if self._file(tenant, file_id) is None:
+        if self._owned("file", tenant, file_id) is None:
             return False
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self._k("file", file_id))
@@ -180,12 +187,8 @@ class RedisBatchStore:
         pipe.execute()
         return render_batch(self._row(self._k("batch", bid)))
 
-    def _batch(self, tenant: str, batch_id: str) -> dict | None:
-        row = self._row(self._k("batch", batch_id))
-        return row if row is not None and row["tenant"] == tenant else None
-
     def get_batch(self, tenant: str, batch_id: str) -> dict | None:
-        row = self._batch(tenant, batch_id)
+        row = self._owned("batch", tenant, batch_id)
         return render_batch(row) if row else None
 
     def list_batches(self, tenant: str, limit: int, after: str | None) -> tuple[list[dict], bool]:
@@ -194,7 +197,7 @@ class RedisBatchStore:
         return [render_batch(r) for r in rows[:limit]], len(ids) > limit
 
     def cancel(self, tenant: str, batch_id: str) -> dict | None:
-        row = self._batch(tenant, batch_id)
+        row = self._owned("batch", tenant, batch_id)
         if row is None:
             return None
         key = self._k("batch", batch_id)
