@@ -203,21 +203,12 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
     the HTTP front); the time to a single request's first token beyond its prefill step is what
     each request adds."""
     from shoal.bench.serve import ServeBenchConfig, run_serve_bench
-    from shoal.fleet.control.launchers.local import free_port
 
-    port = free_port()
     if cfg.through_gateway:
         command = ["fleet", "up", "--replicas", "1", "--replica-args", " ".join(cfg.serve_flags)]
     else:
         command = ["serve", *cfg.serve_flags]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", *command, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(url, proc)
+    with running(command) as url:
         prompt, steps = 128, 48
         measured = []
         for b in cfg.serve_batches:
@@ -233,9 +224,6 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
             )
             with contextlib.redirect_stdout(io.StringIO()):  # its report is not the profile's
                 measured.append((b, run_serve_bench(bench)))
-    finally:
-        proc.terminate()
-        proc.wait(60)
     rows = np.array([b for b, _ in measured], dtype=float)
     extra = np.array(
         [s["itl_s"]["p50"] - profile.decode.decode_seconds(b, b * (prompt + steps // 2)) for b, s in measured]
@@ -268,57 +256,59 @@ def time_kv_transfer(cfg: ProfileConfig, max_len: int) -> dict[str, float]:
     import httpx
 
     from shoal.engine.kv_connector.transports import transport_named
-    from shoal.fleet.control.launchers.local import free_port
     from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 
-    key, port = secrets.token_hex(16), free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shoal.cli",
-            "serve",
-            *cfg.serve_flags,
-            "--role",
-            "prefill",
-            "--port",
-            str(port),
-        ],
-        env={**os.environ, KV_TRANSFER_KEY_ENV: key},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url, rng = f"http://127.0.0.1:{port}", random.Random(cfg.seed)
+    key, rng = secrets.token_hex(16), random.Random(cfg.seed)
     samples: dict[str, list[tuple[float, float]]] = {"shm": [], "tcp": []}
     per_token = []
-    try:
-        wait_for(url, proc)
-        with httpx.Client(timeout=300, headers={KV_TRANSFER_KEY_HEADER: key}) as client:
-            model = client.get(url + "/v1/models").json()["data"][0]["id"]
-            for n in (n for n in cfg.kv_transfer_lengths if n < max_len):
-                for _ in range(3):
-                    prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
-                    hold = {"do_remote_decode": True}
-                    body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": hold}
-                    answer = client.post(url + "/v1/completions", json=body).json()
-                    handle = answer["kv_transfer_params"]["handle"]
-                    for name, got in samples.items():
-                        way = transport_named(name)
-                        t0 = time.perf_counter()
-                        reply = client.post(url + "/kv/pull", json={"handle": handle, "transport": name})
-                        packed = way.take(reply.json() if way.reply_is_json else bytearray(reply.content))
-                        got.append((packed.nbytes / 2**20, time.perf_counter() - t0))
-                        per_token.append(packed.nbytes / n)
-                    client.post(url + "/kv/release", json={"handle": handle})
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    prefill = ["serve", *cfg.serve_flags, "--role", "prefill"]
+    with (
+        running(prefill, {KV_TRANSFER_KEY_ENV: key}) as url,
+        httpx.Client(timeout=300, headers={KV_TRANSFER_KEY_HEADER: key}) as client,
+    ):
+        model = client.get(url + "/v1/models").json()["data"][0]["id"]
+        for n in (n for n in cfg.kv_transfer_lengths if n < max_len):
+            for _ in range(3):
+                prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
+                hold = {"do_remote_decode": True}
+                body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": hold}
+                answer = client.post(url + "/v1/completions", json=body).json()
+                handle = answer["kv_transfer_params"]["handle"]
+                for name, got in samples.items():
+                    way = transport_named(name)
+                    t0 = time.perf_counter()
+                    reply = client.post(url + "/kv/pull", json={"handle": handle, "transport": name})
+                    packed = way.take(reply.json() if way.reply_is_json else bytearray(reply.content))
+                    got.append((packed.nbytes / 2**20, time.perf_counter() - t0))
+                    per_token.append(packed.nbytes / n)
+                client.post(url + "/kv/release", json={"handle": handle})
     out = {"bytes_per_token": float(np.median(per_token))}
     for name, got in samples.items():
         mib, seconds = (np.array(v, dtype=float) for v in zip(*got, strict=True))
         per_mib, fixed = np.clip(np.polyfit(mib, seconds, 1), 0, None)
         out[f"{name}_s"], out[f"{name}_s_per_mib"] = float(fixed), float(per_mib)
     return out
+
+
+@contextlib.contextmanager
+def running(command: list[str], env: dict[str, str] | None = None):
+    """`shoal COMMAND` on a free port, ready: its URL; stopped at the exit."""
+    from shoal.fleet.control.launchers.local import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", *command, "--port", str(port)],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def wait_for(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
