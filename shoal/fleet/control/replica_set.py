@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from shoal.fleet.config import FleetConfig, ModelConfig
 from shoal.fleet.control.autoscaler import Autoscaler
-from shoal.fleet.control.launchers.adopted import host_id, process_start
+from shoal.fleet.control.launchers.adopted import host_id
 from shoal.fleet.control.launchers.base import Launcher, ReplicaSpec
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.replicas.replica import Health, Lifecycle, Replica
@@ -302,7 +302,7 @@ class ReplicaSet:
                     "port": s.port,
                     "log_path": s.log_path,
                     "pid": s.proc.pid if local else None,
-                    "started": process_start(s.proc.pid) if local else None,
+                    "started": s.proc.started if local else None,
                     "host_id": here,
                     "state": s.state.value,
                     "version": s.version,

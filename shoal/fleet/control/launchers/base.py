@@ -26,6 +26,7 @@ class ReplicaProcess(Protocol):
     pid: int | None
     node: str | None  # where a remote launcher placed it (None: this host)
     address: tuple[str, int] | None  # (host, port) it listens on, once known
+    started: int | None  # on this host: when its process started (/proc clock ticks), else None
 
     def poll(self) -> int | None: ...  # its exit code, None while it runs
 

@@ -84,6 +84,7 @@ class LocalProcess:
     def __init__(self, popen: subprocess.Popen, address: tuple[str, int], lease: CoreLease | None = None):
         self.popen = popen
         self.pid = popen.pid
+        self.started = process_start(popen.pid)  # with the pid, what a next leader finds it by
         self.address = address  # (host, port) it listens on
         self.lease = lease
         self.cpus = lease.cpus if lease is not None else None  # the cores it is pinned to

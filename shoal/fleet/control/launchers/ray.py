@@ -91,6 +91,7 @@ class RayReplica:
         self.launcher = launcher
         self.address: tuple[str, int] | None = None
         self.pid: int | None = None
+        self.started = None  # placed by Ray: not this host's process to find again
         self.node: str | None = None
         self._exit: int | None = None
         self._poll_ref = None
