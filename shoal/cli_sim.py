@@ -121,10 +121,10 @@ def cmd_sim(args) -> int:
         return 2
     n = len(reqs) if reqs is not None else spec.num_requests
     disaggregated = bool(args.prefill or args.decode)
-    if disaggregated and (not args.prefill or not args.decode or args.mode == "fast"):
-        print("shoal: a P/D fleet takes --prefill N and --decode M, in the exact mode", file=sys.stderr)
+    if disaggregated and (not args.prefill or not args.decode):
+        print("shoal: a P/D fleet takes --prefill N and --decode M", file=sys.stderr)
         return 2
-    fast = args.mode == "fast" or (args.mode == "auto" and n > AUTO_FAST_FROM and not disaggregated)
+    fast = args.mode == "fast" or (args.mode == "auto" and n > AUTO_FAST_FROM)
     if reqs is None:
         reqs = spec.requests(with_tokens=not fast)
     shape = FleetShape(
@@ -139,6 +139,7 @@ def cmd_sim(args) -> int:
         prefill=args.prefill or 0,
         decode=args.decode or 0,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        kv_transport=args.kv_transport,
         scaling=scaling_shape(args),
     )
     if shape.scaling is not None and (fast or disaggregated):
@@ -169,7 +170,15 @@ def cmd_sim(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from shoal.sim.planner import SLO, PlanConfig, fleet_check, plan, replica_capacity, users_to_rate
+    from shoal.sim.planner import (
+        SLO,
+        PlanConfig,
+        candidate_check,
+        pd_capacity,
+        plan,
+        replica_capacity,
+        users_to_rate,
+    )
     from shoal.sim.profile import NodeProfile
 
     try:
@@ -180,6 +189,9 @@ def cmd_plan(args) -> int:
         return 2
     cfg = PlanConfig(SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000 if args.slo_itl_ms else None))
     cfg.routing = args.routing
+    cfg.disaggregated = not args.no_pd
+    cfg.disagg_min_prompt_tokens = args.disagg_min_prompt_tokens
+    cfg.kv_transport = args.kv_transport
     response = 0.0
     if args.users:
         # Closed-loop users: the rate depends on the response time, which depends on the rate;
@@ -212,15 +224,23 @@ def cmd_plan(args) -> int:
     if best is None:
         print("\nno shape meets the SLO within the replica limit")
         return 1
-    _, notes = replica_capacity(profile, best.shape, spec)
-    print(
-        f"\ncheapest: {best.replicas} replicas of batch {best.shape.max_num_seqs}, "
-        f"chunk {best.shape.max_num_batched_tokens}"
-    )
-    for note in notes:
-        print(f"  {note}")
+    print(f"\ncheapest: {best.describe()}")
+    pd = [r for r in rows if r.prefill and r.replicas is not None]
+    if best.prefill:
+        per_prefill, per_decode = pd_capacity(profile, best.shape, spec)
+        print(
+            f"  a prefill worker computes at most {per_prefill:.2f} prompts/s and a decode worker "
+            f"answers {per_decode:.2f} requests/s: at {spec.rate:.2f} requests/s at least "
+            f"{spec.rate / per_prefill:.1f} + {spec.rate / per_decode:.1f} workers; "
+            f"K/V handed over {cfg.kv_transport}"
+        )
+    else:
+        for note in replica_capacity(profile, best.shape, spec)[1]:
+            print(f"  {note}")
+        if pd:
+            print(f"cheapest P/D fleet: {min(pd, key=lambda c: c.replicas).describe()}")
     for scale in (1.0, *([args.what_if] if args.what_if else [])):
-        s = fleet_check(profile, best.shape, spec, best.replicas, cfg, scale)
+        s = candidate_check(profile, spec, best, cfg, scale)
         verdict = "meets" if cfg.slo.met(s) else "MISSES"
         print(
             f"whole fleet at {scale:g}x ({cfg.routing}): TTFT p99 {1e3 * s['ttft_s']['p99']:.1f} ms, "
@@ -230,7 +250,7 @@ def cmd_plan(args) -> int:
         if scale != 1.0 and not cfg.slo.met(s):
             more = plan(profile, replace(spec, rate=spec.rate * scale), cfg)[1]
             if more is not None:
-                print(f"  at {scale:g}x it takes {more.replicas} replicas (batch {more.shape.max_num_seqs})")
+                print(f"  at {scale:g}x it takes {more.describe()}")
     return 0
 
 
@@ -268,6 +288,7 @@ def add_sim_parsers(sub, wanted) -> None:
         default=256,
         help="prompts with fewer uncached tokens are prefilled on their decode worker",
     )
+    p.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="a P/D fleet's K/V handoff")
     g = p.add_argument_group("an autoscaled pool (instead of --replicas)")
     g.add_argument("--max-replicas", type=int, default=None, help="scale between --min-replicas and this")
     g.add_argument("--min-replicas", type=int, default=1)
@@ -311,5 +332,18 @@ def add_sim_parsers(sub, wanted) -> None:
     )
     p.add_argument("--routing", default="least_load")
     p.add_argument("--what-if", type=float, default=2.0, help="also simulate this multiple of the load")
+    p.add_argument("--no-pd", action="store_true", help="leave out P/D fleets")
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=256,
+        help="a P/D fleet prefills prompts with fewer uncached tokens on their decode worker",
+    )
+    p.add_argument(
+        "--kv-transport",
+        choices=("shm", "tcp"),
+        default="tcp",
+        help="how a P/D fleet's K/V goes from prefill to decode worker (tcp: on other hosts)",
+    )
     add_workload_args(p)
     p.set_defaults(func=cmd_plan)

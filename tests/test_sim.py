@@ -21,7 +21,7 @@ from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim
-from shoal.sim.planner import SLO, PlanConfig, check, fleet_check, plan
+from shoal.sim.planner import SLO, PlanConfig, check, fleet_check, pd_capacity, pd_check, plan
 from shoal.sim.profile import (
     DECODE_FEATURES,
     MIXED_FEATURES,
@@ -118,6 +118,7 @@ def test_the_planner_finds_the_fewest_replicas_that_meet_the_slo():
     profile = synthetic_profile()
     spec = WorkloadSpec(rate=30.0, input_len=Lengths("fixed", 512), output_len=Lengths("fixed", 64), seed=2)
     cfg = PlanConfig(SLO(ttft_p99_s=0.5), batch_sizes=(8, 32), chunk_sizes=(2048,), requests_per_check=600)
+    cfg.disaggregated = False
     rows, best = plan(profile, spec, cfg)
     assert best is not None and best.floor <= best.replicas <= best.split
     assert all(r.replicas is None or r.replicas >= best.replicas for r in rows)
@@ -134,6 +135,34 @@ def test_the_planner_finds_the_fewest_replicas_that_meet_the_slo():
         assert not cfg.slo.met(fleet_check(profile, best.shape, spec, best.replicas - 1, cfg))
     doubled = fleet_check(profile, best.shape, spec, best.replicas, cfg, scale=2.0)
     assert doubled["ttft_s"]["p99"] > fleet["ttft_s"]["p99"]
+
+
+def test_the_planner_sizes_each_phase_of_a_pd_fleet():
+    """P/D fleets of the shapes near the cheapest: the fewest prefill workers that hold the TTFT
+    bound (with decode workers to spare), the fewest decode workers behind them; the exact
+    simulator agrees that the fleet holds the SLO."""
+    profile = synthetic_profile()
+    profile.kv_transfer = {"bytes_per_token": 46080.0, "tcp_s": 0.008, "tcp_s_per_mib": 0.0025}
+    spec = WorkloadSpec(rate=30.0, input_len=Lengths("fixed", 512), output_len=Lengths("fixed", 64), seed=2)
+    slo = SLO(ttft_p99_s=0.5, itl_p99_s=0.05)
+    cfg = PlanConfig(slo, batch_sizes=(8, 32), chunk_sizes=(2048,), requests_per_check=600)
+    rows, best = plan(profile, spec, cfg)
+    pd = [r for r in rows if r.prefill]
+    assert pd and all(r.replicas is not None for r in pd)
+    c = min(pd, key=lambda r: r.replicas)
+    p, d = c.prefill, c.decode
+    assert best.replicas <= c.replicas and p >= 1 and d >= 1
+    # Prefill workers carry the load the arithmetic says, decode workers theirs.
+    per_prefill, per_decode = pd_capacity(profile, c.shape, spec)
+    assert p >= spec.rate / per_prefill and d >= spec.rate / per_decode
+    assert slo.met(pd_check(profile, c.shape, spec, p, d, cfg))
+    assert not slo.met(pd_check(profile, c.shape, spec, p, d - 1, cfg))
+    assert not slo.met(pd_check(profile, c.shape, spec, p - 1, d + 1, cfg))
+    # Aggregated, prompt steps stall the decodes: the ITL bound holds only on mostly idle replicas.
+    aggregated = min(r.replicas for r in rows if not r.prefill and r.replicas is not None)
+    assert best is c and aggregated > 1.5 * c.replicas
+    exact = FleetSim(profile, c.fleet(cfg)).run(replace(spec, num_requests=1500).requests()).summary()
+    assert exact["ttft_s"]["p99"] <= 1.2 * slo.ttft_p99_s and exact["itl_s"]["p99"] <= 1.2 * slo.itl_p99_s
 
 
 def test_the_fast_simulator_agrees_with_the_exact_one():
@@ -193,8 +222,45 @@ def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gat
     alone.add_row(100, 0)
     assert ttft[100] == pytest.approx(profile.step_seconds(alone), rel=1e-12)
     assert all(r.ok and r.output_tokens == 8 for r in result.records) and not sim.handing
-    with pytest.raises(ValueError):
-        FastFleet(profile, shape)
+    # The fast simulator splits and prices them the same way.
+    fast = FastFleet(profile, shape).run([long, short]).out
+    fast_ttft = dict(zip(fast.input_len, fast.ttft, strict=True))
+    assert fast_ttft == {n: pytest.approx(ttft[n], rel=1e-12) for n in (100, 512)}
+    assert fast.output_tokens == [8, 8]
+
+
+def test_the_fast_simulator_splits_a_pd_fleet_as_the_exact_one_does():
+    """P/D fleets with shared prefixes: a prompt whose prefix its decode worker holds is prefilled
+    there when what is left is short, else on a prefill worker (which kv_aware routing must not
+    take for cached: the index is read before this request is noted in it, as dispatch does)."""
+    profile = synthetic_profile()
+    profile.kv_transfer = {"bytes_per_token": 46080.0, "shm_s": 0.008, "shm_s_per_mib": 0.0011}
+    spec = WorkloadSpec(
+        num_requests=1200,
+        rate=10.0,
+        input_len=Lengths("uniform", 512, 400),
+        output_len=Lengths("uniform", 128, 96),
+        num_prefixes=8,
+        prefix_len=256,
+        seed=3,
+    )
+    for routing, p, d in (("kv_aware", 1, 3), ("least_load", 2, 2)):
+        shape = FleetShape(0, routing, ReplicaShape(64, 2048), prefill=p, decode=d)
+        sim = FleetSim(profile, shape)
+        exact = sim.run(spec.requests()).summary()
+        fast_fleet = FastFleet(profile, shape)
+        fast = fast_fleet.run(spec.requests(with_tokens=False)).summary()
+        # About half the prompts have 256 or more tokens past their prefix: those, and only those
+        # (give or take a prefix not yet cached where it decodes), go to a prefill worker.
+        prefill_steps = [sum(f.replicas[i].steps for i in range(p)) for f in (sim, fast_fleet)]
+        assert 0.35 * 1200 < prefill_steps[0] < 0.6 * 1200, prefill_steps
+        assert abs(prefill_steps[1] - prefill_steps[0]) <= 0.1 * prefill_steps[0], prefill_steps
+        for key in ("ttft_s", "itl_s", "e2e_s"):
+            for q, within in (("p50", 0.1), ("p99", 0.2)):
+                e, f = exact[key][q], fast[key][q]
+                assert abs(f - e) <= within * e, (routing, key, q, e, f)
+        thr = exact["output_token_throughput"], fast["output_token_throughput"]
+        assert abs(thr[1] - thr[0]) <= 0.02 * thr[0], (routing, thr)
 
 
 def test_a_step_costs_the_same_priced_from_its_features_as_from_its_shape():

@@ -1,13 +1,13 @@
 """The simulator at fleet scale: thousands of replicas, millions of requests, in seconds. Each
 replica is a FastReplica (fast_replica.py: the scheduler's rules in aggregate, decode stretches as
-one event); routing is the gateway's policies by the same rules, over loads kept in a heap. Its
-agreement with the exact simulator (fleet.py, the engine's own scheduler) is checked in the
-tests; `shoal sim --mode fast` runs it."""
+one event); routing is the gateway's policies by the same rules (fast_routing.py), and a P/D
+fleet's split is the gateway's rule, as the exact simulator has it. Its agreement with the exact
+simulator (fleet.py, the engine's own scheduler) is checked in the tests; `shoal sim --mode fast`
+runs it."""
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import random
 from collections import deque
@@ -17,55 +17,92 @@ import numpy as np
 
 from shoal.bench.report import PERCENTILES, CompletedRequests, summary_of
 from shoal.sim.fast_replica import ITL_BUCKETS, FastReplica, RunArrays
+from shoal.sim.fast_routing import FastRouter
 from shoal.sim.fleet import FleetShape
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import request_overhead
 from shoal.sim.workload import SimRequest, paused_gc
 
-KV_CANDIDATES = 16  # holders of a prefix that kv_aware weighs against the least loaded replica
-
 
 class FastFleet:
-    """N fast replicas behind a routing policy: round_robin, power_of_two, least_load, kv_aware."""
+    """N fast replicas behind a routing policy (round_robin, power_of_two, least_load, kv_aware),
+    or a P/D fleet of prefill and decode workers behind the gateway's rule."""
 
     def __init__(self, profile: NodeProfile, shape: FleetShape, seed: int = 0, load_weight: float = 8.0):
-        if shape.prefill:
-            raise ValueError("the fast simulator has no P/D split; the exact one (FleetSim) has")
+        if shape.prefill and not shape.decode:
+            raise ValueError("a disaggregated fleet needs decode workers too")
+        if shape.scaling is not None:
+            raise ValueError("the fast simulator runs a fixed fleet; the exact one (FleetSim) scales a pool")
         self.profile = profile
         self.shape = shape
+        self.roles = shape.roles
         self.replicas: list[FastReplica] = []
         self.rng = random.Random(seed)
         self.load_weight = load_weight
-        self.holders: dict[int, dict[int, None]] = {}  # prefix id -> replicas holding it, latest last
-        self._rr = 0
-        self.loads: list[int] = [0] * shape.replicas  # each replica's requests in its hands
-        self._loads: list[tuple[int, int]] = [(0, i) for i in range(shape.replicas)]  # lazy heap
+        # Prefix id -> the replicas of a role holding it, latest last: every replica caches
+        # prefixes, and kv_aware routing reads them.
+        self.holders: dict[str, dict[int, dict[int, None]]] = {role: {} for role in set(self.roles)}
+        self.loads: list[int] = [0] * len(self.roles)  # each replica's requests in its hands
+        self.routers: dict[str, FastRouter] = {}
 
     def run(self, requests: list[SimRequest]) -> FastResult:
         with paused_gc():
             return self._run(requests)
 
-    def _run(self, requests: list[SimRequest]) -> FastResult:
-        reqs = sorted(requests, key=lambda r: r.arrival)
-        out = RunArrays(len(reqs))
+    def _start(self, out: RunArrays) -> None:
         r = self.shape.replica
-        holders = self.holders  # every replica caches prefixes; kv_aware routing also reads them
-        self.loads = [0] * self.shape.replicas
+        roles = self.roles
+        self.loads = loads = [0] * len(roles)
+        overhead = request_overhead(self.profile, r)
         self.replicas = [
             FastReplica(
                 i,
                 self.profile,
                 r.max_num_seqs,
                 r.max_num_batched_tokens,
-                holders,
+                self.holders[role],
                 out,
-                request_overhead(self.profile, r),
-                self.loads,
+                overhead,
+                loads,
             )
-            for i in range(self.shape.replicas)
+            for i, role in enumerate(roles)
         ]
+        self.routers = {
+            role: FastRouter(
+                self.shape.routing,
+                [i for i, r in enumerate(roles) if r == role],
+                loads,
+                self.holders[role],
+                self.rng,
+                self.load_weight,
+            )
+            for role in self.holders
+        }
+
+    def _prefilled_remotely(self, req: SimRequest, decode: FastReplica) -> bool:
+        """The gateway's rule (proxy/disagg.py): enough of the prompt's whole blocks are not
+        cached where it decodes."""
+        bs = self.profile.block_size
+        blocks = req.prompt_len // bs
+        cached = min(decode.cached_prefix_blocks(req.prefix_id), req.prefix_len // bs)
+        return cached < blocks and (blocks - cached) * bs >= self.shape.disagg_min_prompt_tokens
+
+    def _handoff_seconds(self, tokens: int) -> float:
+        seconds = self.profile.kv_transfer_seconds(tokens, self.shape.kv_transport)
+        return 0.0 if seconds is None else seconds
+
+    def _run(self, requests: list[SimRequest]) -> FastResult:
+        reqs = sorted(requests, key=lambda r: r.arrival)
+        out = RunArrays(len(reqs))
+        self._start(out)
+        disaggregated = bool(self.shape.prefill)
+        front = self.routers["decode" if disaggregated else "both"]
+        router_of = [self.routers[role] for role in self.roles]
+        prefill_of = [role == "prefill" for role in self.roles]
+        loads = self.loads
         first = reqs[0].arrival if reqs else 0.0
         events: list[tuple[float, int, int, int]] = []  # (time, sequence, replica, its version)
+        handoffs: list[tuple[float, int, int, int]] = []  # (K/V arrives, sequence, request, decode worker)
         seq = 0
         cap = self.shape.max_concurrency or math.inf
         held: deque[int] = deque()
@@ -80,14 +117,9 @@ class FastFleet:
             seq += 1
             heapq.heappush(events, (at, seq, rep.index, rep.version))
 
-        def send(i: int, at: float) -> None:
-            req = reqs[i]
-            out.start[i] = at - first
-            out.input_len[i] = req.prompt_len
-            blocks = -(-req.prompt_len // bs)
-            target = self.replicas[self.route(req.prefix_id, req.prefix_len // bs, blocks)]
-            target.add(i, req, at)
-            self._loaded(target.index)
+        def given(target: FastReplica, at: float) -> None:
+            """target was given a request at `at`."""
+            router_of[target.index].loaded(target.index)
             if target.busy_until is None:
                 push(target, at)  # wakes once every arrival of this instant is in
                 target.waking = True
@@ -96,21 +128,46 @@ class FastFleet:
                 if ends is not None:
                     push(target, ends)
 
+        def send(i: int, at: float) -> None:
+            req = reqs[i]
+            out.start[i] = at - first
+            out.input_len[i] = req.prompt_len
+            blocks = -(-req.prompt_len // bs)
+            prefix_blocks = req.prefix_len // bs
+            target = self.replicas[front.route(req.prefix_id, prefix_blocks, blocks)]
+            if disaggregated and self._prefilled_remotely(req, target):
+                decode = target.index
+                loads[decode] += 1  # in flight to it from now, as the gateway counts it
+                front.loaded(decode)
+                target = self.replicas[self.routers["prefill"].route(req.prefix_id, prefix_blocks, blocks)]
+                target.add(i, req, at, handoff_to=decode)
+            else:
+                target.add(i, req, at)
+            given(target, at)
+
         in_flight = 0
-        loads = self.loads
-        while next_req < len(reqs) or events or held:
+        while next_req < len(reqs) or events or held or handoffs:
             if held and in_flight < cap:
                 in_flight += 1
                 send(held.popleft(), now)
                 continue
             t_arrival = reqs[next_req].arrival if next_req < len(reqs) else math.inf
             t_event = events[0][0] if events else math.inf
-            if t_arrival <= t_event:
+            t_handoff = handoffs[0][0] if handoffs else math.inf
+            if t_arrival <= t_event and t_arrival <= t_handoff:
                 if t_arrival == math.inf:
                     break
                 now = t_arrival
                 held.append(next_req)
                 next_req += 1
+                continue
+            if t_handoff <= t_event:  # a prompt's K/V reaches its decode worker
+                now, _, j, d = heapq.heappop(handoffs)
+                req = reqs[j]
+                target = self.replicas[d]
+                loads[d] -= 1  # counted since it was routed: add() counts it again
+                target.add(j, req, out.start[j] + first, external=req.prompt_len - 1)
+                given(target, now)
                 continue
             now, _, i, version = heapq.heappop(events)
             rep = self.replicas[i]
@@ -122,8 +179,14 @@ class FastFleet:
                 before = loads[i]
                 rep.finish(now)
                 if loads[i] != before:
-                    in_flight -= before - loads[i]
-                    self._loaded(i)
+                    if not prefill_of[i]:
+                        in_flight -= before - loads[i]
+                    router_of[i].loaded(i)
+                for f in rep.handed:  # its K/V goes on to the decode worker
+                    seq += 1
+                    ready = now + self._handoff_seconds(f.prompt_len)
+                    heapq.heappush(handoffs, (ready, seq, f.index, f.handoff_to))
+                rep.handed.clear()
             ends = rep.plan(now)
             if ends is None:
                 rep.busy_until = None
@@ -132,57 +195,6 @@ class FastFleet:
         duration = max(now - first, 1e-9)
         steps = sum(rep.steps for rep in self.replicas)
         return FastResult(out, duration, duration * len(self.replicas), steps)
-
-    # --- routing ----------------------------------------------------------------------------
-
-    def _least_loaded(self) -> int:
-        """The least loaded replica, the lowest index of those: every change of a replica's load
-        pushes an entry, so the stale ones on top are dropped."""
-        heap, loads = self._loads, self.loads
-        while True:
-            load, i = heap[0]
-            if load == loads[i]:
-                return i
-            heapq.heappop(heap)
-
-    def _loaded(self, i: int) -> None:
-        heap, loads = self._loads, self.loads
-        heapq.heappush(heap, (loads[i], i))
-        if len(heap) > 8 * len(loads):  # stale entries of loads long gone: start afresh
-            heap[:] = [(load, j) for j, load in enumerate(loads)]
-            heapq.heapify(heap)
-
-    def route(self, prefix_id: int | None, prefix_blocks: int, prompt_blocks: int) -> int:
-        n, policy = len(self.replicas), self.shape.routing
-        if n == 1:
-            return 0
-        if policy == "round_robin":
-            self._rr += 1
-            return self._rr % n
-        if policy == "power_of_two":
-            a, b = self.rng.sample(range(n), 2)
-            return a if self.loads[a] <= self.loads[b] else b
-        best = self._least_loaded()
-        if policy != "kv_aware" or prefix_id is None:
-            return best
-
-        # kv_aware's cost: the prompt blocks a replica lacks + load_weight x its load. A replica
-        # without the prefix is best at its least loaded, so only holders compete with that one;
-        # of a prefix held widely, the latest few (a gateway over thousands of replicas that
-        # scored each for every request would be its own bottleneck).
-        holders = self.holders.get(prefix_id)
-        if not holders:
-            return best
-        loads, w = self.loads, self.load_weight
-        choice, low = best, prompt_blocks + w * loads[best]
-        if best in holders:
-            low -= prefix_blocks
-        lacking = prompt_blocks - prefix_blocks
-        for i in itertools.islice(reversed(holders), KV_CANDIDATES):
-            c = lacking + w * loads[i]
-            if c < low:
-                choice, low = i, c
-        return choice
 
 
 @dataclass

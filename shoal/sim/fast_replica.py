@@ -38,6 +38,8 @@ class Flow:
     joined: int = 0  # the clock when it began to decode
     shared: int = 0  # tokens of its prefix held once for every request that uses them
     sent: float = 0.0
+    external: int = 0  # prompt tokens whose K/V came from a prefill worker, held at its admission
+    handoff_to: int = -1  # a prefill worker's part: the decode worker its K/V goes to
 
 
 class FastReplica:
@@ -84,6 +86,7 @@ class FastReplica:
         self.segment: tuple[float, int, int, float, float] | None = None
         self.steps = 0
         self.waking = False  # given work while idle: its next event plans a step, ends none
+        self.handed: list[Flow] = []  # prefill parts whose prompt is done: their K/V leaves now
         self._seq = 0
 
     @property
@@ -153,6 +156,10 @@ class FastReplica:
         f.shared = 0
         self._trim_prefixes()
 
+    def cached_prefix_blocks(self, prefix_id: int | None) -> int:
+        """Blocks of a shared prefix it holds now."""
+        return self.prefixes.get(prefix_id, 0) if prefix_id is not None else 0
+
     def _prefix_hit(self, f: Flow) -> int:
         if f.prefix_id is None or f.prefix_id not in self.prefixes:
             return 0
@@ -160,11 +167,16 @@ class FastReplica:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def add(self, index: int, req: SimRequest, now: float) -> None:
+    def add(self, index: int, req: SimRequest, sent: float, external: int = 0, handoff_to: int = -1) -> None:
+        """`sent`: when the client sent it; `external`: prompt tokens whose K/V a prefill worker
+        computed; `handoff_to`: this is a prefill worker's part of the request, one token, whose
+        K/V goes on to that decode worker."""
         n = req.prompt_len
-        out = max(1, min(req.output_len, self.profile.max_model_len - n))
+        out = 1 if handoff_to >= 0 else max(1, min(req.output_len, self.profile.max_model_len - n))
         self._seq += 1
-        self.waiting.append(Flow(index, n, n, out, 0, req.prefix_id, req.prefix_len, self._seq, sent=now))
+        f = Flow(index, n, n - external, out, 0, req.prefix_id, req.prefix_len, self._seq, sent=sent)
+        f.external, f.handoff_to = external, handoff_to
+        self.waiting.append(f)
         self.loads[self.index] += 1
 
     def can_admit(self) -> bool:
@@ -174,7 +186,8 @@ class FastReplica:
         running = len(self.decoding) + len(self.prefilling)
         if running >= self.max_num_seqs:
             return False
-        need = -(-min(waiting[0].prompt_left, self.max_tokens) // self.block_size)
+        f = waiting[0]
+        need = -(-(min(f.prompt_left, self.max_tokens) + f.external) // self.block_size)
         return need <= self.free_blocks() - self.reserve
 
     def _preempt(self) -> bool:
@@ -197,7 +210,7 @@ class FastReplica:
             victim.out_done += steps
             victim.prompt_len = ctx + 1  # the last sampled token too: recomputed as prompt
         self._unshare(victim)
-        victim.prompt_left = victim.prompt_len
+        victim.prompt_left = victim.prompt_len  # handed K/V is given back too: all recomputed
         self.waiting.appendleft(victim)
         return True
 
@@ -245,7 +258,8 @@ class FastReplica:
             self.prefilling.append(f)
             chunks.append((f, n))
             budget -= n
-            self.tokens += n
+            self.tokens += n + f.external
+            f.external = 0
         if not rows and not chunks:
             return None
         # The step's shape (see StepShape) without walking its decode rows: their context is kept
@@ -258,7 +272,8 @@ class FastReplica:
             n_tokens += n
             n_context += end
             attention += n * end
-        cost = self.profile.mixed if chunks else self.profile.decode
+        # A step of one token a row (a handed prompt's last token among them) is priced as a decode.
+        cost = self.profile.mixed if n_tokens > n_rows else self.profile.decode
         seconds = cost.cost(n_rows, n_tokens, n_context, attention)
         self._planned = (chunks, rows, seconds)
         self.steps += 1
@@ -308,6 +323,10 @@ class FastReplica:
                 self.prefilling.remove(f)
                 if f.prefix_id is not None and not f.shared:
                     self._share(f, tokens_held=True)  # computed here: cached for the next ones
+                if f.handoff_to >= 0:
+                    self._release(f, f.prompt_len)
+                    self.handed.append(f)
+                    continue
                 if ttft[f.index] != ttft[f.index]:  # NaN: its first token
                     ttft[f.index] = now - f.sent + self.overhead
                 f.out_done += 1
@@ -326,10 +345,13 @@ class FastReplica:
             f.out_done += steps
             self._done(f, now, ctx)
 
-    def _done(self, f: Flow, now: float, ctx: int) -> None:
+    def _release(self, f: Flow, ctx: int) -> None:
         self.tokens -= ctx - f.shared
         self._unshare(f)
         self.loads[self.index] -= 1
+
+    def _done(self, f: Flow, now: float, ctx: int) -> None:
+        self._release(f, ctx)
         self.out.e2e[f.index] = now - f.sent + self.overhead
         self.out.output_tokens[f.index] = f.out_done
 

@@ -72,7 +72,8 @@ class FleetSim:
         self.shape = shape
         self.index = PrefixIndex()
         self.policy = make_policy(shape.routing, self.index)
-        kv_events = shape.routing == "kv_aware"
+        # The gateway reads the prefix index to route by it, and to split a P/D fleet's prompts.
+        kv_events = shape.routing == "kv_aware" or bool(shape.prefill)
         self.roles = shape.roles
         self.replicas = [
             SimReplica(
@@ -96,30 +97,33 @@ class FleetSim:
                 start = profile.startup_s.get("again", profile.startup_s.get("first", 0.0))
             self.pool = SimPool(shape.scaling, start)
 
-    def _route(self, req: SimRequest, role: str, hashes: list[int]) -> SimReplica | None:
-        """The replica the gateway picks (None: no replica takes requests now)."""
+    def _route(self, req: SimRequest, role: str, hashes: list[int]) -> tuple[SimReplica | None, int]:
+        """The replica the gateway picks (None: no replica takes requests now), and how many of
+        the prompt's leading blocks the index said it held before this request (dispatch's rule)."""
         candidates = [v for v in self.views.values() if v.role == role]
         if self.pool is not None:
             active = {self.replicas[i].name for i in self.pool.active}
             candidates = [v for v in candidates if v.name in active]
             if not candidates:
-                return None
+                return None, 0
         if len(candidates) == 1:
-            return self.by_name[candidates[0].name]
-        for view in candidates:
-            r = self.by_name[view.name]
-            view.inflight = r.outstanding
-            view.load = {"running": len(r.scheduler.running), "waiting": len(r.scheduler.waiting)}
-        view, _reason = self.policy.choose(candidates, RouteRequest(hashes=hashes))
+            view = candidates[0]
+        else:
+            for view in candidates:
+                r = self.by_name[view.name]
+                view.inflight = r.outstanding
+                view.load = {"running": len(r.scheduler.running), "waiting": len(r.scheduler.waiting)}
+            view, _reason = self.policy.choose(candidates, RouteRequest(hashes=hashes))
         view.requests_total += 1
-        if hashes and self.shape.routing == "kv_aware":
+        cached = 0
+        if hashes:
+            cached = self.index.matched_blocks(hashes, [view.name])[view.name]
             self.index.routed(view.name, hashes)
-        return self.by_name[view.name]
+        return self.by_name[view.name], cached
 
-    def _prefilled_remotely(self, hashes: list[int], decode: SimReplica) -> bool:
+    def _prefilled_remotely(self, hashes: list[int], cached: int) -> bool:
         """The gateway's rule (proxy/disagg.py): enough of the prompt is not cached where it decodes."""
         bs = self.profile.block_size
-        cached = self.index.matched_blocks(hashes, [decode.name])[decode.name]
         return (
             bool(hashes)
             and cached < len(hashes)
@@ -185,13 +189,14 @@ class FleetSim:
                 rec = RequestRecord(start=at - first, input_len=req.prompt_len)
                 records.append(rec)
             hashes = hash_blocks(req.prompt, self.profile.block_size) if hashing else []
-            target = self._route(req, "decode" if disaggregated else "both", hashes)
+            target, cached = self._route(req, "decode" if disaggregated else "both", hashes)
             if target is None:  # the gateway holds it until a replica takes requests
                 gateway.append((req, rec, at if sent is None else sent))
                 return
-            if disaggregated and self._prefilled_remotely(hashes, target):
+            if disaggregated and self._prefilled_remotely(hashes, cached):
                 decode = self.replicas.index(target)
-                target = self._route(req, "prefill", hashes)
+                target.awaited += 1
+                target, _ = self._route(req, "prefill", hashes)
                 part = replace(req, id=f"{req.id}/prefill")
                 target.add(part, at, RequestRecord(at - first, req.prompt_len), max_tokens=1)
                 self.handing[part.id] = (req, rec, at, decode)
@@ -221,6 +226,7 @@ class FleetSim:
                 continue
             if next_handoff <= next_step:
                 now, _, d, req, rec, sent = heapq.heappop(handoffs)
+                self.replicas[d].awaited -= 1
                 self.replicas[d].add(req, now, rec, sent=sent, external_tokens=req.prompt_len)
                 wake(d, now)
                 continue

@@ -5,7 +5,10 @@ the arithmetic gives a floor (what one replica can carry at all), and the simula
 replica at its share of the load (rate / N: a gateway that sends each request where there is room
 does no worse than that random split), stepping N up until the percentiles hold. The shapes
 closest to the cheapest are then simulated whole, N replicas behind the routing policy, and N
-brought down to the fewest that still hold. All of it on the fast simulator (fast.py)."""
+brought down to the fewest that still hold. Those shapes are also tried as P/D fleets, sized as
+DistServe sizes them, each phase on its own: the fewest prefill workers that hold the TTFT bound
+with decode workers to spare, then the fewest decode workers that hold the whole SLO behind them.
+All of it on the fast simulator (fast.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +47,10 @@ class PlanConfig:
     refine_within: float = 1.25  # shapes within this factor of the cheapest split are simulated whole
     routing: str = "least_load"
     max_replicas: int = 100_000
+    disaggregated: bool = True  # also size P/D fleets of the shapes near the cheapest
+    disagg_min_prompt_tokens: int = 256
+    # Prefill and decode workers of a fleet this size sit on different hosts: the handoff is TCP's.
+    kv_transport: str = "tcp"
 
 
 @dataclass
@@ -53,6 +60,23 @@ class Candidate:
     floor: int  # the arithmetic's least number of replicas
     summary: dict | None = None  # the simulation that decided `replicas`
     split: int | None = None  # replicas by the split (one replica at rate / N), before refining
+    prefill: int = 0  # a P/D fleet: of `replicas`, this many prefill workers (the rest decode)
+
+    @property
+    def decode(self) -> int:
+        return (self.replicas or 0) - self.prefill
+
+    def fleet(self, cfg: PlanConfig) -> FleetShape:
+        if self.prefill:
+            return pd_fleet(self.shape, self.prefill, self.decode, cfg)
+        return FleetShape(self.replicas, cfg.routing, self.shape)
+
+    def describe(self) -> str:
+        s = self.shape
+        shape = f"batch {s.max_num_seqs}, chunk {s.max_num_batched_tokens}"
+        if self.prefill:
+            return f"{self.replicas} workers ({self.prefill} prefill + {self.decode} decode) of {shape}"
+        return f"{self.replicas} replicas of {shape}"
 
     def row(self) -> str:
         s = self.shape
@@ -60,11 +84,33 @@ class Candidate:
         if self.replicas is None:
             return f"{head}  split      -  (the SLO is out of reach of this shape)"
         m = self.summary
-        whole = f"{self.replicas:>6}" if self.replicas != self.split else "     ="
-        return (
-            f"{head}  split {self.split:>6}  whole {whole}  TTFT p99 {1e3 * m['ttft_s']['p99']:8.1f} ms  "
-            f"ITL p99 {1e3 * (m['itl_s']['p99'] or 0):7.1f} ms"
+        figures = (
+            f"TTFT p99 {1e3 * m['ttft_s']['p99']:8.1f} ms  ITL p99 {1e3 * (m['itl_s']['p99'] or 0):7.1f} ms"
         )
+        if self.prefill:
+            return f"{head}  P/D {self.prefill:>6} + {self.decode:<6} = {self.replicas:>6}  {figures}"
+        whole = f"{self.replicas:>6}" if self.replicas != self.split else "     ="
+        return f"{head}  split {self.split:>6}  whole {whole}  {figures}"
+
+
+def prompt_seconds(profile: NodeProfile, shape: ReplicaShape, spec: WorkloadSpec) -> float:
+    """A mean prompt's steps, alone on a replica."""
+    n_in = spec.input_len.mean
+    hit = spec.prefix_len if spec.num_prefixes else 0  # a shared prefix is computed once per replica
+    prompt = StepShape()
+    prompt.add_row(max(1, n_in - hit), hit)
+    chunks = math.ceil(max(1, n_in - hit) / shape.max_num_batched_tokens)
+    return profile.step_seconds(prompt) + (chunks - 1) * profile.mixed.coef[0]
+
+
+def decode_step(profile: NodeProfile, shape: ReplicaShape, spec: WorkloadSpec) -> tuple[int, float]:
+    """The largest decode batch of mean requests a replica holds, and the cost of its step."""
+    n_in, n_out = spec.input_len.mean, spec.output_len.mean
+    batch = max(1, min(shape.max_num_seqs, profile.kv_tokens // max(1, n_in + n_out)))
+    decode = StepShape()
+    for _ in range(batch):
+        decode.add_row(1, n_in + n_out // 2)
+    return batch, profile.step_seconds(decode)
 
 
 def replica_capacity(
@@ -72,16 +118,9 @@ def replica_capacity(
 ) -> tuple[float, list[str]]:
     """Requests per second one replica can finish at most, and the arithmetic behind it."""
     n_in, n_out = spec.input_len.mean, spec.output_len.mean
-    hit = spec.prefix_len if spec.num_prefixes else 0  # a shared prefix is computed once per replica
-    batch = max(1, min(shape.max_num_seqs, profile.kv_tokens // max(1, n_in + n_out)))
-    decode = StepShape()
-    for _ in range(batch):
-        decode.add_row(1, n_in + n_out // 2)
-    step = profile.step_seconds(decode)
-    prompt = StepShape()
-    prompt.add_row(max(1, n_in - hit), hit)
-    chunks = math.ceil(max(1, n_in - hit) / shape.max_num_batched_tokens)
-    prefill = profile.step_seconds(prompt) + (chunks - 1) * profile.mixed.coef[0]
+    hit = spec.prefix_len if spec.num_prefixes else 0
+    batch, step = decode_step(profile, shape, spec)
+    prefill = prompt_seconds(profile, shape, spec)
     per_request = n_out * step / batch + prefill
     notes = [
         f"a decode step of {batch} rows at context {n_in + n_out // 2}: {1e3 * step:.2f} ms "
@@ -94,12 +133,31 @@ def replica_capacity(
     return 1 / per_request, notes
 
 
-def simulate(
-    profile: NodeProfile, shape: ReplicaShape, spec: WorkloadSpec, replicas: int, routing: str, n: int
-) -> dict:
-    """The fast simulator's figures for `replicas` replicas behind `routing`, over n requests."""
+def pd_capacity(profile: NodeProfile, shape: ReplicaShape, spec: WorkloadSpec) -> tuple[float, float]:
+    batch, step = decode_step(profile, shape, spec)
+    return 1 / prompt_seconds(profile, shape, spec), batch / (spec.output_len.mean * step)
+
+
+def pd_fleet(shape: ReplicaShape, prefill: int, decode: int, cfg: PlanConfig) -> FleetShape:
+    return FleetShape(
+        0,
+        cfg.routing,
+        shape,
+        prefill=prefill,
+        decode=decode,
+        disagg_min_prompt_tokens=cfg.disagg_min_prompt_tokens,
+        kv_transport=cfg.kv_transport,
+    )
+
+
+def simulate(profile: NodeProfile, fleet: FleetShape, spec: WorkloadSpec, n: int) -> dict:
+    """The fast simulator's figures for a fleet, over n requests."""
     load = replace(spec, num_requests=n)
-    return FastFleet(profile, FleetShape(replicas, routing, shape)).run(load.requests(False)).summary()
+    return FastFleet(profile, fleet).run(load.requests(False)).summary()
+
+
+def fleet_requests(workers: int, cfg: PlanConfig) -> int:
+    return min(cfg.max_fleet_requests, max(cfg.requests_per_check, cfg.requests_per_replica * workers))
 
 
 def check(
@@ -107,7 +165,7 @@ def check(
 ) -> dict:
     """One replica at its share of the load (rate / replicas)."""
     share = replace(spec, rate=spec.rate / replicas)
-    return simulate(profile, shape, share, 1, "least_load", cfg.requests_per_check)
+    return simulate(profile, FleetShape(1, "least_load", shape), share, cfg.requests_per_check)
 
 
 def fleet_check(
@@ -119,8 +177,42 @@ def fleet_check(
     scale: float = 1.0,
 ) -> dict:
     """The whole fleet: `replicas` replicas behind the routing policy, at `scale` x the load."""
-    n = min(cfg.max_fleet_requests, max(cfg.requests_per_check, cfg.requests_per_replica * replicas))
-    return simulate(profile, shape, replace(spec, rate=spec.rate * scale), replicas, cfg.routing, n)
+    fleet = FleetShape(replicas, cfg.routing, shape)
+    return simulate(profile, fleet, replace(spec, rate=spec.rate * scale), fleet_requests(replicas, cfg))
+
+
+def candidate_check(
+    profile: NodeProfile, spec: WorkloadSpec, c: Candidate, cfg: PlanConfig, scale: float = 1.0
+) -> dict:
+    """A candidate's whole fleet (P/D or not) at `scale` x the load."""
+    load = replace(spec, rate=spec.rate * scale)
+    return simulate(profile, c.fleet(cfg), load, fleet_requests(c.replicas, cfg))
+
+
+def pd_check(
+    profile: NodeProfile,
+    shape: ReplicaShape,
+    spec: WorkloadSpec,
+    prefill: int,
+    decode: int,
+    cfg: PlanConfig,
+    scale: float = 1.0,
+) -> dict:
+    """A P/D fleet of `prefill` + `decode` workers, at `scale` x the load."""
+    fleet = pd_fleet(shape, prefill, decode, cfg)
+    n = fleet_requests(prefill + decode, cfg)
+    return simulate(profile, fleet, replace(spec, rate=spec.rate * scale), n)
+
+
+def up_then_down(floor: int, limit: int, meets) -> tuple[int, dict] | None:
+    """The fewest n >= floor for which `meets(n)` gives a summary: up by doubling until it does
+    (None past `limit`, or past 64 x floor: more do not help), then down by halves."""
+    low, high = floor - 1, floor
+    while meets(high) is None:
+        low, high = high, high * 2
+        if high > limit or high > 64 * floor:
+            return None
+    return fewest(low, high, meets)
 
 
 def fewest(low: int, high: int, meets) -> tuple[int, dict]:
@@ -149,14 +241,46 @@ def fewest_replicas(
         summary = check(profile, shape, spec, n, cfg)
         return summary if cfg.slo.met(summary) else None
 
-    # Up by doubling until the SLO holds, then down by halves to the fewest that still hold it.
-    low, high = floor - 1, floor
-    while meets(high) is None:
-        low, high = high, high * 2
-        if high > cfg.max_replicas or high > 64 * floor:
-            return Candidate(shape, None, floor)  # more replicas do not help: the steps are too slow
-    n, summary = fewest(low, high, meets)
+    found = up_then_down(floor, cfg.max_replicas, meets)
+    if found is None:
+        return Candidate(shape, None, floor)  # more replicas do not help: the steps are too slow
+    n, summary = found
     return Candidate(shape, n, floor, summary, split=n)
+
+
+def fewest_pd(profile: NodeProfile, shape: ReplicaShape, spec: WorkloadSpec, cfg: PlanConfig) -> Candidate:
+    """The cheapest P/D fleet of a shape: the fewest prefill workers that hold the TTFT bound with
+    twice the decode workers the arithmetic asks, then the fewest decode workers behind those; then
+    one prefill worker more at a time while that saves more decode workers than it costs (a decode
+    worker's first step is part of the TTFT too)."""
+    per_prefill, per_decode = pd_capacity(profile, shape, spec)
+    p_floor, d_floor = (max(1, math.ceil(spec.rate / c)) for c in (per_prefill, per_decode))
+    ttft_only = SLO(cfg.slo.ttft_p99_s)
+
+    def prefill_meets(p: int) -> dict | None:
+        summary = pd_check(profile, shape, spec, p, 2 * d_floor, cfg)
+        return summary if ttft_only.met(summary) else None
+
+    def fewest_decode(p: int) -> tuple[int, dict] | None:
+        def meets(d: int) -> dict | None:
+            summary = pd_check(profile, shape, spec, p, d, cfg)
+            return summary if cfg.slo.met(summary) else None
+
+        return up_then_down(d_floor, cfg.max_replicas - p, meets)
+
+    found = up_then_down(p_floor, cfg.max_replicas, prefill_meets)
+    best = None
+    if found is not None:
+        p = found[0]
+        while (decode := fewest_decode(p)) is not None:
+            d, summary = decode
+            if best is not None and p + d >= best.replicas:
+                break
+            best = Candidate(shape, p + d, p_floor + d_floor, summary, prefill=p)
+            if d == d_floor:
+                break  # no decode worker left to save
+            p += 1
+    return best or Candidate(shape, None, p_floor + d_floor, prefill=p_floor)
 
 
 def refine(profile: NodeProfile, spec: WorkloadSpec, c: Candidate, cfg: PlanConfig) -> Candidate:
@@ -190,9 +314,13 @@ def plan(
     # The shapes close to the cheapest by the split are simulated whole, and the cheapest of those
     # wins; of equals, the one with the lower TTFT p99 (more headroom).
     least = min(c.replicas for c in ok)
+    near = []
     for i, c in enumerate(out):
         if c.replicas is not None and c.replicas <= least * cfg.refine_within:
             out[i] = refine(profile, spec, c, cfg)
+            near.append(c.shape)
+    if cfg.disaggregated:
+        out += [fewest_pd(profile, shape, spec, cfg) for shape in near]
     ok = [c for c in out if c.replicas is not None]
     best = min(ok, key=lambda c: (c.replicas, c.summary["ttft_s"]["p99"]))
     return out, best

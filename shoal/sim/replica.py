@@ -65,6 +65,7 @@ class SimReplica:
         self.scheduler = Scheduler(cfg, self.kv, profile.max_model_len, frozenset())
         self.overhead = request_overhead(profile, shape)
         self.tracked: dict[str, Tracked] = {}
+        self.awaited = 0  # requests routed to it whose K/V a prefill worker is computing
         self.step_ends: float | None = None  # when the step in progress ends (None: idle)
         self._step: SchedulerOutput | None = None
         self.steps = 0
@@ -73,7 +74,8 @@ class SimReplica:
 
     @property
     def outstanding(self) -> int:
-        return len(self.tracked)
+        """Requests in flight to it, as the gateway counts them."""
+        return len(self.tracked) + self.awaited
 
     def add(
         self,
