@@ -142,8 +142,10 @@ def cmd_sim(args) -> int:
         kv_transport=args.kv_transport,
         scaling=scaling_shape(args),
     )
-    if shape.scaling is not None and (fast or disaggregated):
-        print("shoal: an autoscaled pool is simulated in the exact mode, of whole replicas", file=sys.stderr)
+    if shape.scaling is not None and disaggregated:
+        print(
+            "shoal: an autoscaled pool is of whole replicas, not prefill and decode workers", file=sys.stderr
+        )
         return 2
     t0 = time.perf_counter()
     result = (FastFleet if fast else FleetSim)(profile, shape).run(reqs)

@@ -20,7 +20,7 @@ from shoal.engine.sampling_params import SamplingParams
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
-from shoal.sim.fleet import FleetShape, FleetSim
+from shoal.sim.fleet import FleetShape, FleetSim, SimResult
 from shoal.sim.planner import SLO, PlanConfig, check, fleet_check, pd_capacity, pd_check, plan
 from shoal.sim.profile import (
     DECODE_FEATURES,
@@ -297,23 +297,32 @@ def burst_requests(seed: int = 4) -> list[SimRequest]:
     return spec.requests()
 
 
-def test_an_autoscaled_pool_scales_up_for_a_burst_starts_cold_or_warm_and_scales_down():
+def first_tokens(result) -> list[tuple[float, float]]:
+    """(sent, TTFT) of each request, by when it was sent, from either simulator's result."""
+    if isinstance(result, SimResult):
+        return sorted((r.start, r.ttft) for r in result.records)
+    return sorted(zip(result.out.start, result.out.ttft, strict=True))
+
+
+@pytest.mark.parametrize("simulator", [FleetSim, FastFleet])
+def test_an_autoscaled_pool_scales_up_for_a_burst_starts_cold_or_warm_and_scales_down(simulator):
     """The controller's rules in simulated time, with the real Autoscaler: a burst raises the
     pool (cold replicas take traffic after the start-up time, a warm standby at once), the pool
     shrinks after it, and replica-seconds count only the time replicas were up."""
     profile = made_up_profile()
     auto = AutoscaleConfig(target_inflight=4, scale_up_delay_s=0.5, scale_down_delay_s=3.0)
     runs = {}
+    reqs = burst_requests()
     for warm in (0, 1):
         scaling = ScalingShape(1, 4, warm, auto, start_s=2.0)
-        sim = FleetSim(
+        sim = simulator(
             profile, FleetShape(routing="least_load", replica=ReplicaShape(16, 2048, 0.0), scaling=scaling)
         )
-        result = sim.run(burst_requests())
+        result = sim.run(reqs)
         runs[warm] = (sim.pool, result.summary(), result)
     for pool, summary, result in runs.values():
         ups = [d for d in pool.decisions if d[1] > 1]
-        assert ups and 10.0 <= ups[0][0] - result.records[0].start < 15.0  # during the burst
+        assert ups and 10.0 <= ups[0][0] < 15.0  # during the burst (it starts at 10 s)
         assert pool.decisions[-1][1] < max(d for _, d, _ in pool.decisions)  # and down after it
         assert summary["completed"] == 180
         # Up less than all four replicas the whole run, more than one.
@@ -323,17 +332,43 @@ def test_an_autoscaled_pool_scales_up_for_a_burst_starts_cold_or_warm_and_scales
     assert runs[1][2].replica_seconds > runs[0][2].replica_seconds  # the standby is paid for
 
 
-def test_a_pool_at_zero_starts_cold_for_its_first_request():
+@pytest.mark.parametrize("simulator", [FleetSim, FastFleet])
+def test_a_pool_at_zero_starts_cold_for_its_first_request(simulator):
     profile = made_up_profile()
     scaling = ScalingShape(0, 2, 0, AutoscaleConfig(), scale_to_zero_after_s=5.0, start_s=3.0)
-    sim = FleetSim(profile, FleetShape(replica=ReplicaShape(16, 2048, 0.0), scaling=scaling))
+    sim = simulator(profile, FleetShape(replica=ReplicaShape(16, 2048, 0.0), scaling=scaling))
     rng = random.Random(1)
     reqs = [SimRequest("a", 0.0, tokens(rng, 64), 4), SimRequest("b", 30.0, tokens(rng, 64), 4)]
     result = sim.run(reqs)
-    first, second = sorted(result.records, key=lambda r: r.start)
     # Each waited for a cold start: the pool went back to zero in between (idle 5 s).
-    assert 3.0 <= first.ttft < 3.5 and 3.0 <= second.ttft < 3.5
+    assert [sent for sent, _ in first_tokens(result)] == [0.0, 30.0]
+    assert all(3.0 <= ttft < 3.5 for _, ttft in first_tokens(result))
     assert [d for _, d, _ in sim.pool.decisions] == [1, 0, 1]
+
+
+def test_the_fast_simulator_scales_a_pool_as_the_exact_one_does():
+    """The same burst through both simulators' autoscaled pools: the same decisions at about the
+    same times, and latencies and replica-seconds that agree."""
+    profile = made_up_profile()
+    auto = AutoscaleConfig(target_inflight=4, scale_up_delay_s=0.5, scale_down_delay_s=3.0)
+    shape = FleetShape(
+        routing="least_load",
+        replica=ReplicaShape(16, 2048, 0.0),
+        scaling=ScalingShape(1, 4, 0, auto, start_s=2.0),
+    )
+    reqs = burst_requests(seed=5)
+    runs = []
+    for simulator in (FleetSim, FastFleet):
+        sim = simulator(profile, shape)
+        runs.append((sim.pool.decisions, sim.run(reqs).summary()))
+    (exact_decisions, exact), (fast_decisions, fast) = runs
+    assert [d for _, d, _ in fast_decisions] == [d for _, d, _ in exact_decisions]
+    assert all(abs(f[0] - e[0]) <= 1.0 for f, e in zip(fast_decisions, exact_decisions, strict=True))
+    for key in ("ttft_s", "e2e_s"):
+        for q, within in (("p50", 0.15), ("p99", 0.2)):
+            e, f = exact[key][q], fast[key][q]
+            assert abs(f - e) <= within * e, (key, q, e, f)
+    assert abs(fast["replica_seconds"] - exact["replica_seconds"]) <= 0.1 * exact["replica_seconds"]
 
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)

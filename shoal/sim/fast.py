@@ -21,18 +21,20 @@ from shoal.sim.fast_routing import FastRouter
 from shoal.sim.fleet import FleetShape
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import request_overhead
+from shoal.sim.scaling import TICK_S, TTFT_WINDOW_S, Load, SimPool
 from shoal.sim.workload import SimRequest, paused_gc
 
 
 class FastFleet:
     """N fast replicas behind a routing policy (round_robin, power_of_two, least_load, kv_aware),
-    or a P/D fleet of prefill and decode workers behind the gateway's rule."""
+    an autoscaled pool of them (scaling.py's rules, as the exact simulator has them), or a P/D
+    fleet of prefill and decode workers behind the gateway's rule."""
 
     def __init__(self, profile: NodeProfile, shape: FleetShape, seed: int = 0, load_weight: float = 8.0):
         if shape.prefill and not shape.decode:
             raise ValueError("a disaggregated fleet needs decode workers too")
-        if shape.scaling is not None:
-            raise ValueError("the fast simulator runs a fixed fleet; the exact one (FleetSim) scales a pool")
+        if shape.prefill and shape.scaling:
+            raise ValueError("the simulator scales a pool of whole replicas, not a P/D fleet")
         self.profile = profile
         self.shape = shape
         self.roles = shape.roles
@@ -44,6 +46,7 @@ class FastFleet:
         self.holders: dict[str, dict[int, dict[int, None]]] = {role: {} for role in set(self.roles)}
         self.loads: list[int] = [0] * len(self.roles)  # each replica's requests in its hands
         self.routers: dict[str, FastRouter] = {}
+        self.pool = SimPool.of(shape.scaling, profile) if shape.scaling is not None else None
 
     def run(self, requests: list[SimRequest]) -> FastResult:
         with paused_gc():
@@ -109,6 +112,14 @@ class FastFleet:
         next_req = 0
         now = first
         bs = self.profile.block_size
+        pool = self.pool
+        gateway: deque[tuple[int, float]] = deque()  # (request, sent): waiting for a replica
+        next_tick = first if pool is not None else math.inf
+        last_arrival = first
+        if pool is not None:
+            pool.start(first)
+            front.serve(pool.active)
+            out.first_tokens = deque()
 
         def push(rep: FastReplica, at: float) -> None:
             nonlocal seq
@@ -128,9 +139,13 @@ class FastFleet:
                 if ends is not None:
                     push(target, ends)
 
-        def send(i: int, at: float) -> None:
+        def send(i: int, at: float, sent: float | None = None) -> None:
             req = reqs[i]
-            out.start[i] = at - first
+            sent = at if sent is None else sent
+            if not front.members:  # the gateway holds it until a replica takes requests
+                gateway.append((i, sent))
+                return
+            out.start[i] = sent - first
             out.input_len[i] = req.prompt_len
             blocks = -(-req.prompt_len // bs)
             prefix_blocks = req.prefix_len // bs
@@ -140,13 +155,13 @@ class FastFleet:
                 loads[decode] += 1  # in flight to it from now, as the gateway counts it
                 front.loaded(decode)
                 target = self.replicas[self.routers["prefill"].route(req.prefix_id, prefix_blocks, blocks)]
-                target.add(i, req, at, handoff_to=decode)
+                target.add(i, req, sent, handoff_to=decode)
             else:
-                target.add(i, req, at)
+                target.add(i, req, sent)
             given(target, at)
 
         in_flight = 0
-        while next_req < len(reqs) or events or held or handoffs:
+        while next_req < len(reqs) or events or held or handoffs or gateway:
             if held and in_flight < cap:
                 in_flight += 1
                 send(held.popleft(), now)
@@ -154,10 +169,20 @@ class FastFleet:
             t_arrival = reqs[next_req].arrival if next_req < len(reqs) else math.inf
             t_event = events[0][0] if events else math.inf
             t_handoff = handoffs[0][0] if handoffs else math.inf
+            if next_tick <= min(t_arrival, t_event, t_handoff):
+                now, next_tick = next_tick, next_tick + TICK_S
+                active = pool.active
+                pool.tick(now, self._load(now, last_arrival, len(gateway)))
+                if pool.active != active:
+                    front.serve(pool.active)
+                for _ in range(len(gateway)):
+                    i, sent = gateway.popleft()
+                    send(i, now, sent)
+                continue
             if t_arrival <= t_event and t_arrival <= t_handoff:
                 if t_arrival == math.inf:
                     break
-                now = t_arrival
+                now = last_arrival = t_arrival
                 held.append(next_req)
                 next_req += 1
                 continue
@@ -194,7 +219,26 @@ class FastFleet:
                 push(rep, ends)
         duration = max(now - first, 1e-9)
         steps = sum(rep.steps for rep in self.replicas)
-        return FastResult(out, duration, duration * len(self.replicas), steps)
+        up = pool.replica_seconds(now) if pool is not None else duration * len(self.replicas)
+        return FastResult(out, duration, up, steps)
+
+    def _load(self, now: float, last_arrival: float, queued: int) -> Load:
+        """What the autoscaler reads at a tick (see scaling.Load)."""
+        recent = self._recent_ttfts(now)
+        return Load(
+            inflight=self.loads,
+            waiting=[len(r.waiting) for r in self.replicas],
+            kv_usage=[r.kv_usage for r in self.replicas],
+            queued=queued,
+            ttft_p90=float(np.percentile(recent, 90)) if recent else None,
+            idle_s=now - last_arrival,
+        )
+
+    def _recent_ttfts(self, now: float) -> list[float]:
+        log = self.replicas[0].out.first_tokens
+        while log and log[0][0] < now - TTFT_WINDOW_S:
+            log.popleft()
+        return [ttft for _, ttft in log]
 
 
 @dataclass

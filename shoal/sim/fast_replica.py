@@ -96,6 +96,10 @@ class FastReplica:
 
     # --- KV ---------------------------------------------------------------------------------
 
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks() / self.num_kv_blocks
+
     def free_blocks(self) -> int:
         running = len(self.decoding) + len(self.prefilling)  # each row's last block is half full
         return self.num_kv_blocks - (-(-self.tokens // self.block_size) + running // 2)
@@ -329,6 +333,8 @@ class FastReplica:
                     continue
                 if ttft[f.index] != ttft[f.index]:  # NaN: its first token
                     ttft[f.index] = now - f.sent + self.overhead
+                    if out.first_tokens is not None:
+                        out.first_tokens.append((now + self.overhead, ttft[f.index]))
                 f.out_done += 1
                 out_left = f.out_left = f.out_left - 1
                 if out_left == 0:
@@ -388,6 +394,8 @@ class RunArrays:
         # into a histogram when the run ends.
         self.itl_seconds = array("d")
         self.itl_weights = array("d")
+        # (when, TTFT) of each first token, kept only for an autoscaler that reads recent TTFTs.
+        self.first_tokens: deque[tuple[float, float]] | None = None
 
     def itl_counts(self) -> np.ndarray:
         seconds = np.frombuffer(self.itl_seconds, dtype=np.float64)

@@ -1,6 +1,7 @@
 """The gateway's routing policies as the fast simulator (fast.py) runs them: over one role's
-replicas (a fleet's, or a P/D fleet's prefill or decode workers), with their loads in one flat
-list and the least loaded found through a heap."""
+replicas that take requests now (a fleet's, an autoscaled pool's active ones, or a P/D fleet's
+prefill or decode workers), with their loads in one flat list and the least loaded found through
+a heap."""
 
 from __future__ import annotations
 
@@ -32,21 +33,34 @@ class FastRouter:
         self.rng = rng
         self.load_weight = load_weight
         self._rr = 0
-        self._heap: list[tuple[int, int]] = [(loads[i], i) for i in members]  # lazy: stale entries skipped
+        self.serving = [False] * len(loads)
+        self._heap: list[tuple[int, int]] = []  # lazy: stale entries skipped
+        self.serve(members)
+
+    def serve(self, members: list[int]) -> None:
+        """From now on these take requests (an autoscaled pool's active replicas)."""
+        for i in self.members:
+            self.serving[i] = False
+        for i in members:
+            self.serving[i] = True
+        self.members = members
+        self._heap[:] = [(self.loads[i], i) for i in members]
         heapq.heapify(self._heap)
 
     def least_loaded(self) -> int:
         """The least loaded member, the lowest index of those: every change of a member's load
         pushes an entry, so the stale ones on top are dropped."""
-        heap, loads = self._heap, self.loads
+        heap, loads, serving = self._heap, self.loads, self.serving
         while True:
             load, i = heap[0]
-            if load == loads[i]:
+            if load == loads[i] and serving[i]:
                 return i
             heapq.heappop(heap)
 
     def loaded(self, i: int) -> None:
-        """Member i's load changed."""
+        """Replica i's load changed."""
+        if not self.serving[i]:
+            return
         heap, loads = self._heap, self.loads
         heapq.heappush(heap, (loads[i], i))
         if len(heap) > 8 * len(self.members):  # stale entries of loads long gone: start afresh
@@ -75,13 +89,13 @@ class FastRouter:
         holders = self.holders.get(prefix_id)
         if not holders:
             return best
-        loads, w = self.loads, self.load_weight
+        loads, w, serving = self.loads, self.load_weight, self.serving
         choice, low = best, prompt_blocks + w * loads[best]
         if best in holders:
             low -= prefix_blocks
         lacking = prompt_blocks - prefix_blocks
         for i in itertools.islice(reversed(holders), KV_CANDIDATES):
             c = lacking + w * loads[i]
-            if c < low:
+            if c < low and serving[i]:
                 choice, low = i, c
         return choice

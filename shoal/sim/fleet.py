@@ -90,12 +90,7 @@ class FleetSim:
         # A disaggregated request's prefill part, by its id: (the request, its record, when the
         # client sent it, its decode worker).
         self.handing: dict[str, tuple[SimRequest, RequestRecord, float, int]] = {}
-        self.pool: SimPool | None = None
-        if shape.scaling is not None:
-            start = shape.scaling.start_s
-            if start is None:
-                start = profile.startup_s.get("again", profile.startup_s.get("first", 0.0))
-            self.pool = SimPool(shape.scaling, start)
+        self.pool = SimPool.of(shape.scaling, profile) if shape.scaling is not None else None
 
     def _route(self, req: SimRequest, role: str, hashes: list[int]) -> tuple[SimReplica | None, int]:
         """The replica the gateway picks (None: no replica takes requests now), and how many of

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shoal.fleet.control.autoscaler import AutoscaleConfig, Autoscaler, Signals
+from shoal.sim.profile import NodeProfile
 
 TICK_S = 0.1  # as often as the controller reconciles
 TTFT_WINDOW_S = 30.0  # the window of the TTFT signal, as the controller keeps it
@@ -39,6 +40,15 @@ class Load:
 
 
 class SimPool:
+    @classmethod
+    def of(cls, shape: ScalingShape, profile: NodeProfile) -> SimPool:
+        """A pool whose cold start takes what the profile measured (its second start, with the
+        caches warm, as a replacement's is), unless the shape says."""
+        start = shape.start_s
+        if start is None:
+            start = profile.startup_s.get("again", profile.startup_s.get("first", 0.0))
+        return cls(shape, start)
+
     def __init__(self, shape: ScalingShape, start_s: float):
         self.shape = shape
         self.start_s = start_s
