@@ -178,6 +178,7 @@ def cmd_plan(args) -> int:
         candidate_check,
         pd_capacity,
         plan,
+        plan_scaling,
         replica_capacity,
         users_to_rate,
     )
@@ -241,6 +242,8 @@ def cmd_plan(args) -> int:
             print(f"  {note}")
         if pd:
             print(f"cheapest P/D fleet: {min(pd, key=lambda c: c.replicas).describe()}")
+    if not best.prefill and not args.no_autoscale:
+        print(plan_scaling(profile, spec, best, cfg).describe())
     for scale in (1.0, *([args.what_if] if args.what_if else [])):
         s = candidate_check(profile, spec, best, cfg, scale)
         verdict = "meets" if cfg.slo.met(s) else "MISSES"
@@ -335,6 +338,9 @@ def add_sim_parsers(sub, wanted) -> None:
     p.add_argument("--routing", default="least_load")
     p.add_argument("--what-if", type=float, default=2.0, help="also simulate this multiple of the load")
     p.add_argument("--no-pd", action="store_true", help="leave out P/D fleets")
+    p.add_argument(
+        "--no-autoscale", action="store_true", help="skip sizing an autoscaled pool of the cheapest fleet"
+    )
     p.add_argument(
         "--disagg-min-prompt-tokens",
         type=int,

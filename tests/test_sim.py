@@ -21,7 +21,16 @@ from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim, SimResult
-from shoal.sim.planner import SLO, PlanConfig, check, fleet_check, pd_capacity, pd_check, plan
+from shoal.sim.planner import (
+    SLO,
+    PlanConfig,
+    check,
+    fleet_check,
+    pd_capacity,
+    pd_check,
+    plan,
+    plan_scaling,
+)
 from shoal.sim.profile import (
     DECODE_FEATURES,
     MIXED_FEATURES,
@@ -135,6 +144,35 @@ def test_the_planner_finds_the_fewest_replicas_that_meet_the_slo():
         assert not cfg.slo.met(fleet_check(profile, best.shape, spec, best.replicas - 1, cfg))
     doubled = fleet_check(profile, best.shape, spec, best.replicas, cfg, scale=2.0)
     assert doubled["ttft_s"]["p99"] > fleet["ttft_s"]["p99"]
+
+
+def test_the_planner_bounds_an_autoscaled_pool_through_bursts():
+    """A minute at 4x over a steady load: the fixed fleet is sized for it; a pool of it that keeps
+    fewer replicas up outside it holds the SLO with fewer replica-seconds, and one replica fewer
+    kept up does not (the exact simulator agrees on the pool)."""
+    profile = synthetic_profile()
+    profile.startup_s = {"first": 6.0, "again": 4.0}
+    spec = WorkloadSpec(
+        4000, 8.0, [Burst(120.0, 60.0, 4.0)], Lengths("fixed", 512), Lengths("fixed", 64), seed=2
+    )
+    cfg = PlanConfig(SLO(ttft_p99_s=3.0), batch_sizes=(64,), chunk_sizes=(2048,), requests_per_check=4000)
+    cfg.disaggregated = False
+    _, best = plan(profile, spec, cfg)
+    scaling = plan_scaling(profile, spec, best, cfg)
+    pool = scaling.scaling
+    assert best.replicas >= 2 and pool.max_replicas == best.replicas and pool.min_replicas < best.replicas
+    assert cfg.slo.met(scaling.summary) and scaling.summary["completed"] == 4000
+    assert scaling.summary["replica_seconds"] < 0.9 * scaling.fixed["replica_seconds"]
+    if pool.min_replicas > 1:
+        fewer = replace(pool, min_replicas=pool.min_replicas - 1)
+        fleet = FleetShape(routing=cfg.routing, replica=best.shape, scaling=fewer)
+        assert not cfg.slo.met(FastFleet(profile, fleet).run(spec.requests(False)).summary())
+    fleet = FleetShape(routing=cfg.routing, replica=best.shape, scaling=pool)
+    exact = FleetSim(profile, fleet).run(spec.requests()).summary()
+    assert exact["ttft_s"]["p99"] <= 1.2 * cfg.slo.ttft_p99_s
+    assert (
+        abs(exact["replica_seconds"] - scaling.summary["replica_seconds"]) <= 0.1 * exact["replica_seconds"]
+    )
 
 
 def test_the_planner_sizes_each_phase_of_a_pd_fleet():

@@ -45,7 +45,7 @@ class FleetShape:
     def roles(self) -> list[str]:
         if self.prefill:
             return ["prefill"] * self.prefill + ["decode"] * self.decode
-        return ["both"] * (self.scaling.max_replicas if self.scaling else self.replicas)
+        return ["both"] * (self.scaling.slots if self.scaling else self.replicas)
 
 
 @dataclass

@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape
 from shoal.sim.profile import NodeProfile, StepShape
 from shoal.sim.replica import ReplicaShape
+from shoal.sim.scaling import ScalingShape
 from shoal.sim.workload import WorkloadSpec
 
 
@@ -324,6 +326,57 @@ def plan(
     ok = [c for c in out if c.replicas is not None]
     best = min(ok, key=lambda c: (c.replicas, c.summary["ttft_s"]["p99"]))
     return out, best
+
+
+@dataclass
+class ScalingPlan:
+    """An autoscaled pool of the cheapest shape, between its bounds, and what it saves."""
+
+    scaling: ScalingShape
+    summary: dict  # the pool's run
+    fixed: dict  # the fixed fleet's run of the same requests
+
+    def describe(self) -> str:
+        s, a = self.scaling, self.scaling.autoscale
+        saved = 1 - self.summary["replica_seconds"] / self.fixed["replica_seconds"]
+        return (
+            f"autoscaled between {s.min_replicas} and {s.max_replicas} replicas "
+            f"(target {a.target_inflight:.1f} in flight a replica, {s.warm_standby} warm standby, "
+            f"up to {a.max_step} a step): {self.summary['replica_seconds']:,.0f} replica-s against "
+            f"{self.fixed['replica_seconds']:,.0f} fixed ({100 * saved:.0f} % fewer), "
+            f"TTFT p99 {1e3 * self.summary['ttft_s']['p99']:.1f} ms"
+        )
+
+
+def plan_scaling(profile: NodeProfile, spec: WorkloadSpec, best: Candidate, cfg: PlanConfig) -> ScalingPlan:
+    """The least replica-seconds of an autoscaled pool of the cheapest (whole-replica) fleet: the
+    fleet's size is its upper bound, the fewest replicas kept up that still hold the SLO through
+    the workload (its bursts, the profile's cold starts) the lower, with and without a warm
+    standby. The target in flight a replica is what one replica carries at the most steady load
+    (no bursts) it takes within the SLO."""
+    n = fleet_requests(best.replicas, cfg)
+    fixed = candidate_check(profile, spec, best, cfg)
+    steady = fewest_replicas(profile, best.shape, replace(spec, bursts=[]), cfg).summary or fixed
+    per_replica = steady["request_throughput"] * steady["e2e_s"]["mean"]  # Little's law, on one replica
+    if steady is fixed:
+        per_replica /= best.replicas
+    auto = AutoscaleConfig(target_inflight=max(1.0, per_replica), max_step=max(2, best.replicas // 8))
+    found = []
+    for warm in (0, 1):
+
+        def meets(low: int, warm: int = warm) -> dict | None:
+            pool = ScalingShape(low, best.replicas, warm, auto)
+            fleet = FleetShape(routing=cfg.routing, replica=best.shape, scaling=pool)
+            summary = simulate(profile, fleet, spec, n)
+            return summary if cfg.slo.met(summary) else None
+
+        if meets(best.replicas) is None:
+            continue
+        low, summary = fewest(0, best.replicas, meets)
+        found.append(ScalingPlan(ScalingShape(low, best.replicas, warm, auto), summary, fixed))
+    if not found:  # the fixed fleet only just holds: a pool of it, never scaled, is the fleet
+        return ScalingPlan(ScalingShape(best.replicas, best.replicas, 0, auto), fixed, fixed)
+    return min(found, key=lambda p: p.summary["replica_seconds"])
 
 
 def users_to_rate(users: int, think_s: float, response_s: float) -> float:

@@ -26,6 +26,12 @@ class ScalingShape:
     scale_to_zero_after_s: float | None = None
     start_s: float | None = None  # a cold start's seconds; None: the profile's (its second start)
 
+    @property
+    def slots(self) -> int:
+        """Replicas the pool can have up at once: as the controller's, its standbys on top of its
+        active maximum."""
+        return self.max_replicas + self.warm_standby
+
 
 @dataclass
 class Load:
@@ -55,7 +61,7 @@ class SimPool:
         self.autoscaler = Autoscaler(
             shape.autoscale, shape.min_replicas, shape.max_replicas, shape.scale_to_zero_after_s
         )
-        self.state = [OFF] * shape.max_replicas
+        self.state = [OFF] * shape.slots
         self.ready_at: dict[int, float] = {}
         self.up_since: dict[int, float] = {}
         self.up_total = 0.0
