@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import replace
 
 from shoal.cli_options import add_engine_args, engine_options
+from shoal.cli_plan import add_plan_parser
+from shoal.cli_workload import SIM_DEFAULT_PROFILE, add_workload_args, workload_spec
 
-SIM_DEFAULT_PROFILE = "shoal-profile.json"
 AUTO_FAST_FROM = 20_000  # requests past which `shoal sim --mode auto` runs the fast simulator
 
 
@@ -53,38 +51,6 @@ def engine_flags(argv: list[str]) -> list[str]:
             continue
         out.append(arg)
     return out
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload (or --trace)")
-    g.add_argument("--trace", default=None, help="a trace the gateway recorded (JSON lines)")
-    g.add_argument("--num-requests", type=int, default=1000)
-    g.add_argument(
-        "--rate", type=float, default=math.inf, help="mean arrivals per second (default: all at once)"
-    )
-    g.add_argument(
-        "--burst", nargs=3, type=float, action="append", default=[], metavar=("START_S", "LENGTH_S", "FACTOR")
-    )
-    g.add_argument("--input-len", default="256", help="N, uniform:MEAN:SPREAD or lognormal:MEAN:SIGMA")
-    g.add_argument("--output-len", default="128", help="as --input-len")
-    g.add_argument("--num-prefixes", type=int, default=0, help="shared prompt prefixes")
-    g.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix")
-    g.add_argument("--seed", type=int, default=0)
-
-
-def workload_spec(args):
-    from shoal.sim.workload import Burst, Lengths, WorkloadSpec
-
-    return WorkloadSpec(
-        num_requests=args.num_requests,
-        rate=args.rate,
-        bursts=[Burst(*b) for b in args.burst],
-        input_len=Lengths.parse(args.input_len),
-        output_len=Lengths.parse(args.output_len),
-        num_prefixes=args.num_prefixes,
-        prefix_len=args.prefix_len,
-        seed=args.seed,
-    )
 
 
 def scaling_shape(args):
@@ -171,94 +137,6 @@ def cmd_sim(args) -> int:
     return 0
 
 
-def cmd_plan(args) -> int:
-    from shoal.sim.planner import (
-        SLO,
-        PlanConfig,
-        candidate_check,
-        pd_capacity,
-        plan,
-        plan_scaling,
-        replica_capacity,
-        users_to_rate,
-    )
-    from shoal.sim.profile import NodeProfile
-
-    try:
-        profile = NodeProfile.load(args.profile)
-        spec = workload_spec(args)
-    except ValueError as exc:
-        print(f"shoal: {exc}", file=sys.stderr)
-        return 2
-    cfg = PlanConfig(SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000 if args.slo_itl_ms else None))
-    cfg.routing = args.routing
-    cfg.disaggregated = not args.no_pd
-    cfg.disagg_min_prompt_tokens = args.disagg_min_prompt_tokens
-    cfg.kv_transport = args.kv_transport
-    response = 0.0
-    if args.users:
-        # Closed-loop users: the rate depends on the response time, which depends on the rate;
-        # start from the think time alone (the highest rate) and refine from the plan's own answer.
-        spec.rate = users_to_rate(args.users, args.think_s, 0.0)
-    print(profile.describe(), end="\n\n")
-    for _ in range(2 if args.users else 1):
-        rows, best = plan(profile, spec, cfg)
-        if best is None or not args.users:
-            break
-        response = best.summary["e2e_s"]["mean"]
-        spec.rate = users_to_rate(args.users, args.think_s, response)
-    if args.users:
-        print(
-            f"{args.users} users, each thinking {args.think_s:g} s between answers "
-            f"of about {response:.2f} s: "
-            f"{spec.rate:.2f} requests/s (Little's law: users / (think + response))"
-        )
-    print(
-        f"load {spec.rate:.2f} requests/s of {spec.input_len.mean} prompt "
-        f"and {spec.output_len.mean} output tokens;"
-    )
-    print(
-        f"SLO: TTFT p99 <= {args.slo_ttft_ms:g} ms"
-        + (f", ITL p99 <= {args.slo_itl_ms:g} ms" if args.slo_itl_ms else "")
-    )
-    print()
-    for row in rows:
-        print(row.row())
-    if best is None:
-        print("\nno shape meets the SLO within the replica limit")
-        return 1
-    print(f"\ncheapest: {best.describe()}")
-    pd = [r for r in rows if r.prefill and r.replicas is not None]
-    if best.prefill:
-        per_prefill, per_decode = pd_capacity(profile, best.shape, spec)
-        print(
-            f"  a prefill worker computes at most {per_prefill:.2f} prompts/s and a decode worker "
-            f"answers {per_decode:.2f} requests/s: at {spec.rate:.2f} requests/s at least "
-            f"{spec.rate / per_prefill:.1f} + {spec.rate / per_decode:.1f} workers; "
-            f"K/V handed over {cfg.kv_transport}"
-        )
-    else:
-        for note in replica_capacity(profile, best.shape, spec)[1]:
-            print(f"  {note}")
-        if pd:
-            print(f"cheapest P/D fleet: {min(pd, key=lambda c: c.replicas).describe()}")
-    if not best.prefill and not args.no_autoscale:
-        print(plan_scaling(profile, spec, best, cfg).describe())
-    for scale in (1.0, *([args.what_if] if args.what_if else [])):
-        s = candidate_check(profile, spec, best, cfg, scale)
-        verdict = "meets" if cfg.slo.met(s) else "MISSES"
-        print(
-            f"whole fleet at {scale:g}x ({cfg.routing}): TTFT p99 {1e3 * s['ttft_s']['p99']:.1f} ms, "
-            f"ITL p99 {1e3 * (s['itl_s']['p99'] or 0):.1f} ms, {s['request_throughput']:.2f} req/s: "
-            f"{verdict} the SLO"
-        )
-        if scale != 1.0 and not cfg.slo.met(s):
-            more = plan(profile, replace(spec, rate=spec.rate * scale), cfg)[1]
-            if more is not None:
-                print(f"  at {scale:g}x it takes {more.describe()}")
-    return 0
-
-
 def add_sim_parsers(sub, wanted) -> None:
     p = sub.add_parser(
         "profile", help="measure this node's step costs, KV capacity and start-up into a profile"
@@ -327,31 +205,4 @@ def add_sim_parsers(sub, wanted) -> None:
     add_workload_args(p)
     p.set_defaults(func=cmd_sim)
 
-    p = sub.add_parser("plan", help="the cheapest fleet shape that meets an SLO at a load, from a profile")
-    p.add_argument("--profile", default=SIM_DEFAULT_PROFILE)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT p99 bound")
-    p.add_argument("--slo-itl-ms", type=float, default=None, help="ITL p99 bound")
-    p.add_argument("--users", type=int, default=None, help="closed-loop users instead of --rate")
-    p.add_argument(
-        "--think-s", type=float, default=10.0, help="each user's pause between answer and next request"
-    )
-    p.add_argument("--routing", default="least_load")
-    p.add_argument("--what-if", type=float, default=2.0, help="also simulate this multiple of the load")
-    p.add_argument("--no-pd", action="store_true", help="leave out P/D fleets")
-    p.add_argument(
-        "--no-autoscale", action="store_true", help="skip sizing an autoscaled pool of the cheapest fleet"
-    )
-    p.add_argument(
-        "--disagg-min-prompt-tokens",
-        type=int,
-        default=256,
-        help="a P/D fleet prefills prompts with fewer uncached tokens on their decode worker",
-    )
-    p.add_argument(
-        "--kv-transport",
-        choices=("shm", "tcp"),
-        default="tcp",
-        help="how a P/D fleet's K/V goes from prefill to decode worker (tcp: on other hosts)",
-    )
-    add_workload_args(p)
-    p.set_defaults(func=cmd_plan)
+    add_plan_parser(sub)

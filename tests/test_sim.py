@@ -175,6 +175,42 @@ def test_the_planner_bounds_an_autoscaled_pool_through_bursts():
     )
 
 
+def test_shoal_plan_compares_parallel_shapes_by_the_devices_they_take(tmp_path):
+    """One profile per parallel shape: each is planned, and the fleets are ranked by devices
+    (replicas x TP x PP), not replicas."""
+    tp1 = synthetic_profile()
+    tp2 = synthetic_profile()
+    tp2.tensor_parallel = 2
+    tp2.decode.coef = [c * 0.6 for c in tp2.decode.coef]
+    tp2.mixed.coef = [c * 0.55 for c in tp2.mixed.coef]
+    paths = [tmp_path / "tp1.json", tmp_path / "tp2.json"]
+    tp1.save(paths[0])
+    tp2.save(paths[1])
+    flags = ["--rate", "10", "--input-len", "512", "--output-len", "64", "--slo-ttft-ms", "500"]
+    cmd = [sys.executable, "-m", "shoal.cli", "plan", "--profile", str(paths[0]), "--profile", str(paths[1])]
+    out = subprocess.run(
+        [*cmd, *flags, "--no-pd", "--no-autoscale", "--what-if", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    ranked = out.stdout.split("by parallel shape")[1].strip().splitlines()[1:]
+    cfg = PlanConfig(SLO(ttft_p99_s=0.5))  # the command's own settings
+    cfg.disaggregated = False
+    spec = WorkloadSpec(rate=10.0, input_len=Lengths("fixed", 512), output_len=Lengths("fixed", 64))
+    wanted = []
+    for profile in (tp1, tp2):
+        best = plan(profile, spec, cfg)[1]
+        wanted.append((best.replicas * profile.tensor_parallel, profile.tensor_parallel, best.replicas))
+    wanted.sort()
+    assert len(ranked) == 2
+    for line, (n, tp, replicas) in zip(ranked, wanted, strict=True):
+        assert line.strip().startswith(f"TP={tp} PP=1: {replicas} replicas") and line.endswith(
+            f": {n} devices"
+        )
+
+
 def test_the_planner_sizes_each_phase_of_a_pd_fleet():
     """P/D fleets of the shapes near the cheapest: the fewest prefill workers that hold the TTFT
     bound (with decode workers to spare), the fewest decode workers behind them; the exact
