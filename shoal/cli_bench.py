@@ -7,6 +7,7 @@ import dataclasses
 
 from shoal.cli_flags import Flag, FlagSet, add_flags, build
 from shoal.cli_options import add_engine_args, engine_options
+from shoal.cli_workload import burst_flag
 from shoal.protocol.secrets import api_key_from
 
 JSON_OUT = Flag("json_path", names=("--json",), help="write the results here")
@@ -46,6 +47,14 @@ def serve_bench_flag_set() -> FlagSet:
             Flag("output_len"),
             Flag("dataset", help="JSON or JSONL of conversations"),
             Flag("request_rate", help="Poisson arrivals per second"),
+            Flag(
+                "bursts",
+                names=("--burst",),
+                nargs="+",
+                parse=burst_flag,
+                metavar="START:LENGTH:FACTOR",
+                help="spells of FACTOR x the rate, LENGTH seconds from START seconds into the run",
+            ),
             Flag("max_concurrency"),
             Flag("ignore_eos", names=("--respect-eos",), negate=True, help="let requests stop at EOS"),
             Flag("seed"),

@@ -8,6 +8,16 @@ import math
 SIM_DEFAULT_PROFILE = "shoal-profile.json"
 
 
+def burst_flag(text: str):
+    """--burst START:LENGTH:FACTOR, as argparse takes a type."""
+    from shoal.bench.arrivals import Burst
+
+    try:
+        return Burst.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (or --trace)")
     g.add_argument("--trace", default=None, help="a trace the gateway recorded (JSON lines)")
@@ -16,7 +26,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=math.inf, help="mean arrivals per second (default: all at once)"
     )
     g.add_argument(
-        "--burst", nargs=3, type=float, action="append", default=[], metavar=("START_S", "LENGTH_S", "FACTOR")
+        "--burst",
+        nargs="+",
+        type=burst_flag,
+        action="extend",
+        default=[],
+        metavar="START:LENGTH:FACTOR",
+        help="spells of FACTOR x the rate, LENGTH seconds from START seconds into the run",
     )
     g.add_argument("--input-len", default="256", help="N, uniform:MEAN:SPREAD or lognormal:MEAN:SIGMA")
     g.add_argument("--output-len", default="128", help="as --input-len")
@@ -26,12 +42,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def workload_spec(args):
-    from shoal.sim.workload import Burst, Lengths, WorkloadSpec
+    from shoal.sim.workload import Lengths, WorkloadSpec
 
     return WorkloadSpec(
         num_requests=args.num_requests,
         rate=args.rate,
-        bursts=[Burst(*b) for b in args.burst],
+        bursts=list(args.burst),
         input_len=Lengths.parse(args.input_len),
         output_len=Lengths.parse(args.output_len),
         num_prefixes=args.num_prefixes,

@@ -380,6 +380,7 @@ def test_tokenize_and_detokenize(server, model, bundled):
 def test_bench_serve_against_the_server(server, model, tmp_path, bundled):
     import random
 
+    from shoal.bench.arrivals import Burst, arrival_times
     from shoal.bench.serve import ServeBenchConfig, run_serve_bench
     from shoal.bench.workload import exact_length_text
 
@@ -426,6 +427,23 @@ def test_bench_serve_against_the_server(server, model, tmp_path, bundled):
     )
     assert s["completed"] == 4 and s["total_output_tokens"] == 20 and s["goodput"] > 0
     assert (tmp_path / "r.json").exists()
+    # With bursts, requests go out on the schedule the simulator draws for the same load.
+    bursts = (Burst(1.0, 1.0, 8.0),)
+    cfg = ServeBenchConfig(
+        base_url=server.url,
+        num_requests=16,
+        input_len=8,
+        output_len=2,
+        request_rate=3.0,
+        bursts=bursts,
+        seed=5,
+        json_path=str(tmp_path / "burst.json"),
+    )
+    assert run_serve_bench(cfg)["completed"] == 16
+    sent = [r["start"] for r in json.loads((tmp_path / "burst.json").read_text())["records"]]
+    schedule = arrival_times(16, 3.0, bursts, random.Random(5))
+    assert sum(1.0 <= t < 2.0 for t in schedule) >= 8  # the burst: 24 a second for a second
+    assert all(abs(a - b) < 0.1 for a, b in zip(sent, schedule, strict=True)), (sent, schedule)
 
 
 def test_kv_events_feed_for_routers(server, model, bundled):

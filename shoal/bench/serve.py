@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.report import RequestRecord, format_summary, plot, summarize
 from shoal.bench.workload import BenchRequest, from_dataset, synthetic
 from shoal.models.checkpoint import load_tokenizer
@@ -32,6 +33,9 @@ class ServeBenchConfig:
     output_len: int = 128
     dataset: str | None = None
     request_rate: float = math.inf  # Poisson arrivals per second; inf sends all at once
+    # Spells of a higher rate (seconds from the first send, and the rate's multiple): the sends
+    # then follow arrival_times' schedule, the one the simulator draws for the same bursts.
+    bursts: tuple[Burst, ...] = ()
     max_concurrency: int | None = None
     ignore_eos: bool = True
     seed: int = 0
@@ -131,12 +135,15 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict:
             async with gate:
                 return await _one(client, cfg, name, req, t0)
 
+        schedule = arrival_times(len(requests), cfg.request_rate, cfg.bursts, rng) if cfg.bursts else None
         t0 = time.perf_counter()
         tasks = []
         for i, req in enumerate(requests):
+            if schedule is not None:
+                await asyncio.sleep(max(0.0, t0 + schedule[i] - time.perf_counter()))
             name = cfg.models[i % len(cfg.models)] if cfg.models else model
             tasks.append(asyncio.create_task(limited(req, name)))
-            if math.isfinite(cfg.request_rate):
+            if schedule is None and math.isfinite(cfg.request_rate):
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0

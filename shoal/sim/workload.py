@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.bench.arrivals import Burst, arrival_times
+
 FIRST_PLAIN_ID = 1000
 TOKEN_SPACE = 40_000  # synthetic token ids are drawn from [FIRST_PLAIN_ID, FIRST_PLAIN_ID + this)
 
@@ -72,13 +74,6 @@ class Lengths:
 
 
 @dataclass
-class Burst:
-    start_s: float
-    length_s: float
-    factor: float  # the arrival rate is this many times the base rate during the burst
-
-
-@dataclass
 class WorkloadSpec:
     num_requests: int = 1000
     rate: float = math.inf  # mean Poisson arrivals per second; inf: all at once
@@ -92,23 +87,8 @@ class WorkloadSpec:
     tenants: dict[str, float] = field(default_factory=dict)  # name -> share of the requests
     seed: int = 0
 
-    def rate_at(self, t: float) -> float:
-        factor = 1.0
-        for b in self.bursts:
-            if b.start_s <= t < b.start_s + b.length_s:
-                factor = max(factor, b.factor)
-        return self.rate * factor
-
     def arrivals(self, rng: random.Random) -> list[float]:
-        if not math.isfinite(self.rate):
-            return [0.0] * self.num_requests
-        peak = self.rate * max([1.0, *(b.factor for b in self.bursts)])
-        out, t = [], 0.0
-        while len(out) < self.num_requests:  # thinning: a Poisson process of varying rate
-            t += rng.expovariate(peak)
-            if rng.random() * peak <= self.rate_at(t):
-                out.append(t)
-        return out
+        return arrival_times(self.num_requests, self.rate, self.bursts, rng)
 
     def requests(self, with_tokens: bool = True) -> list[SimRequest]:
         """`with_tokens`: draw each prompt's tokens (the exact simulator hashes them); without,
