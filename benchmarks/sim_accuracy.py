@@ -7,21 +7,29 @@ measured beside predicted, and the error.
 
 Rows: one replica (both cores) at a Poisson rate; the same replica with 16 clients that never
 pause; two replicas (one core each) behind the kv_aware gateway; a prefill and a decode worker
-(one core each), every prompt handed over.
+(one core each), every prompt handed over; a pool of one to two replicas (one core each)
+autoscaled through a burst, its replica-seconds sampled from the gateway's /replicas.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass
 
+import httpx
+
+from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profiler import ProfileConfig, measure
 from shoal.sim.replica import ReplicaShape
+from shoal.sim.scaling import ScalingShape
 from shoal.sim.workload import SimRequest, tokens
 
 REPLICA = {"max_model_len": 2048, "kv_cache_memory": 512 << 20, "max_num_seqs": 32}
@@ -40,11 +48,20 @@ class Row:
     output_len: int = 64
     prefill: int = 0  # a P/D fleet: this many prefill and decode workers instead of `replicas`
     decode: int = 0
+    pool: tuple[int, int] | None = None  # an autoscaled pool between these, instead of `replicas`
+    bursts: tuple[Burst, ...] = ()
 
 
-def bench_arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """When `shoal bench serve` sends each request: it sleeps an exponential gap after each send,
-    drawn from its own Random(seed)."""
+# The pool's autoscaler, as the real fleet is told (flags) and as the simulator runs it.
+POOL = AutoscaleConfig(target_inflight=4.0, scale_down_delay_s=10.0)
+POOL_FLAGS = ["--target-inflight", "4", "--scale-down-delay", "10"]
+
+
+def bench_arrivals(n: int, rate: float, seed: int, bursts: tuple[Burst, ...] = ()) -> list[float]:
+    """When `shoal bench serve` sends each request: with bursts, by arrival_times; else it sleeps
+    an exponential gap after each send, drawn from its own Random(seed)."""
+    if bursts:
+        return arrival_times(n, rate, bursts, random.Random(seed))
     rng, t, out = random.Random(seed), 0.0, []
     for _ in range(n):
         out.append(t)
@@ -57,30 +74,70 @@ def run_real(row: Row) -> dict:
     from fleet_routing import spawn, wait_ready  # a sibling script's helpers
 
     flags = f"{SERVE_FLAGS} --threads {row.threads}"
-    size = ["--prefill", str(row.prefill), "--decode", str(row.decode)] if row.prefill else []
-    url, proc = spawn("fleet", "up", "--replicas", str(row.replicas), *size, "--replica-args", flags)
+    size = ["--replicas", str(row.replicas)]
+    if row.prefill:
+        size = ["--prefill", str(row.prefill), "--decode", str(row.decode)]
+    elif row.pool:
+        size = ["--min-replicas", str(row.pool[0]), "--max-replicas", str(row.pool[1]), *POOL_FLAGS]
+    url, proc = spawn("fleet", "up", *size, "--replica-args", flags)
     try:
-        wait_ready(url, row.prefill + row.decode or row.replicas)
+        wait_ready(url, row.prefill + row.decode or (row.pool[0] if row.pool else row.replicas))
         cfg = ServeBenchConfig(
             base_url=url,
             num_requests=row.num_requests,
             input_len=row.input_len,
             output_len=row.output_len,
             request_rate=row.rate,
+            bursts=row.bursts,
             max_concurrency=row.concurrency,
             seed=1,
         )
-        return run_serve_bench(cfg)
+        with ReplicaSampler(url) as sampler:
+            summary = run_serve_bench(cfg)
+        summary["replica_seconds"] = sampler.replica_seconds()
+        return summary
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+class ReplicaSampler:
+    """Counts the replicas loaded (a process up, not down) every 0.5 s while a run goes on."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                try:
+                    reps = client.get(self.url + "/replicas").json()["replicas"]
+                    loaded = sum(r["pid"] is not None and r["state"] != "down" for r in reps)
+                    self.samples.append((time.perf_counter(), loaded))
+                except (httpx.HTTPError, KeyError, ValueError):
+                    pass
+                self._stop.wait(0.5)
+
+    def replica_seconds(self) -> float:
+        return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
 def run_sim(row: Row, profile) -> dict:
     rng = random.Random(7)
     reqs = [
         SimRequest(f"r{i}", at, tokens(rng, row.input_len), row.output_len)
-        for i, at in enumerate(bench_arrivals(row.num_requests, row.rate, 1))
+        for i, at in enumerate(bench_arrivals(row.num_requests, row.rate, 1, row.bursts))
     ]
     shape = FleetShape(
         row.replicas,
@@ -89,18 +146,21 @@ def run_sim(row: Row, profile) -> dict:
         row.concurrency,
         prefill=row.prefill,
         decode=row.decode,
+        scaling=ScalingShape(row.pool[0], row.pool[1], 0, POOL) if row.pool else None,
     )
     return FleetSim(profile, shape).run(reqs).summary()
 
 
-def figures(s: dict) -> dict[str, float]:
+def figures(s: dict, row: Row) -> dict[str, float]:
+    # A pool's replicas are up while it keeps them (sampled, or simulated); a fixed fleet's, the run.
+    up = s["replica_seconds"] if row.pool else s["duration_s"] * (row.prefill + row.decode or row.replicas)
     return {
         "throughput tok/s": s["output_token_throughput"],
         "TTFT p50 ms": 1e3 * s["ttft_s"]["p50"],
         "TTFT p99 ms": 1e3 * s["ttft_s"]["p99"],
         "ITL p50 ms": 1e3 * s["itl_s"]["p50"],
         "ITL p99 ms": 1e3 * s["itl_s"]["p99"],
-        "replica-s": s["duration_s"],
+        "replica-s": up,
     }
 
 
@@ -116,12 +176,14 @@ def main() -> None:
         Row("two replicas kv_aware, 3 req/s", 2, 1, 3.0, None, n),
         # 512-token prompts: over the split's 256, so each is prefilled on the prefill worker.
         Row("1 prefill + 1 decode, 1 req/s", 2, 1, 1.0, None, n, input_len=512, prefill=1, decode=1),
+        # 0.5 req/s, and 3 req/s for 15 s from the 10th: a second replica starts cold for it.
+        Row("pool of 1-2, burst 6x", 1, 1, 0.5, None, n, pool=(1, 2), bursts=(Burst(10.0, 15.0, 6.0),)),
     ]
     rows = [r for r in rows if args.only is None or args.only in r.name]
     profiles = {}
     for threads in sorted({r.threads for r in rows}):
         t0 = time.perf_counter()
-        cfg = ProfileConfig({**REPLICA, "num_threads": threads}, startup=threads == 2)
+        cfg = ProfileConfig({**REPLICA, "num_threads": threads})  # start-up: the pool's cold starts
         if args.quick:
             cfg.decode_batches, cfg.contexts, cfg.prompt_lengths, cfg.repeats = (
                 (1, 4, 16, 32),
@@ -136,10 +198,8 @@ def main() -> None:
         print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
     print(f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}")
     for row in rows:
-        real = figures(run_real(row))
-        sim = figures(run_sim(row, profiles[row.threads]))
-        real["replica-s"] *= row.replicas
-        sim["replica-s"] *= row.replicas
+        real = figures(run_real(row), row)
+        sim = figures(run_sim(row, profiles[row.threads]), row)
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             print(f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%")

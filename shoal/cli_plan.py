@@ -13,23 +13,23 @@ def plan_for(profile, spec, cfg, args):
     """The plan of one profile (with closed-loop users, the rate their response time gives)."""
     from shoal.sim.planner import plan, users_to_rate
 
+    if not args.users:
+        return (spec, *plan(profile, spec, cfg))
+    # Closed-loop users: the rate depends on the response time, which depends on the rate; start
+    # from the think time alone (the highest rate), and plan again at the rate the first plan's
+    # response time gives.
     response = 0.0
-    if args.users:
-        # Closed-loop users: the rate depends on the response time, which depends on the rate;
-        # start from the think time alone (the highest rate) and refine from the plan's own answer.
-        spec = replace(spec, rate=users_to_rate(args.users, args.think_s, 0.0))
-    for _ in range(2 if args.users else 1):
-        rows, best = plan(profile, spec, cfg)
-        if best is None or not args.users:
-            break
+    spec = replace(spec, rate=users_to_rate(args.users, args.think_s, response))
+    rows, best = plan(profile, spec, replace(cfg, disaggregated=False))  # for a response time only
+    if best is not None:
         response = best.summary["e2e_s"]["mean"]
         spec = replace(spec, rate=users_to_rate(args.users, args.think_s, response))
-    if args.users:
-        print(
-            f"{args.users} users, each thinking {args.think_s:g} s between answers "
-            f"of about {response:.2f} s: "
-            f"{spec.rate:.2f} requests/s (Little's law: users / (think + response))"
-        )
+        rows, best = plan(profile, spec, cfg)
+    print(
+        f"{args.users} users, each thinking {args.think_s:g} s between answers "
+        f"of about {response:.2f} s: "
+        f"{spec.rate:.2f} requests/s (Little's law: users / (think + response))"
+    )
     return spec, rows, best
 
 

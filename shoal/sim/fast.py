@@ -90,10 +90,6 @@ class FastFleet:
         cached = min(decode.cached_prefix_blocks(req.prefix_id), req.prefix_len // bs)
         return cached < blocks and (blocks - cached) * bs >= self.shape.disagg_min_prompt_tokens
 
-    def _handoff_seconds(self, tokens: int) -> float:
-        seconds = self.profile.kv_transfer_seconds(tokens, self.shape.kv_transport)
-        return 0.0 if seconds is None else seconds
-
     def _run(self, requests: list[SimRequest]) -> FastResult:
         reqs = sorted(requests, key=lambda r: r.arrival)
         out = RunArrays(len(reqs))
@@ -172,7 +168,7 @@ class FastFleet:
             if next_tick <= min(t_arrival, t_event, t_handoff):
                 now, next_tick = next_tick, next_tick + TICK_S
                 active = pool.active
-                pool.tick(now, self._load(now, last_arrival, len(gateway)))
+                pool.tick(now, self._load(now, last_arrival, len(gateway), out.first_tokens))
                 if pool.active != active:
                     front.serve(pool.active)
                 for _ in range(len(gateway)):
@@ -209,7 +205,7 @@ class FastFleet:
                     router_of[i].loaded(i)
                 for f in rep.handed:  # its K/V goes on to the decode worker
                     seq += 1
-                    ready = now + self._handoff_seconds(f.prompt_len)
+                    ready = now + self.shape.handoff_seconds(self.profile, f.prompt_len)
                     heapq.heappush(handoffs, (ready, seq, f.index, f.handoff_to))
                 rep.handed.clear()
             ends = rep.plan(now)
@@ -222,9 +218,12 @@ class FastFleet:
         up = pool.replica_seconds(now) if pool is not None else duration * len(self.replicas)
         return FastResult(out, duration, up, steps)
 
-    def _load(self, now: float, last_arrival: float, queued: int) -> Load:
-        """What the autoscaler reads at a tick (see scaling.Load)."""
-        recent = self._recent_ttfts(now)
+    def _load(self, now: float, last_arrival: float, queued: int, first_tokens: deque) -> Load:
+        """What the autoscaler reads at a tick (see scaling.Load); `first_tokens`: (when, TTFT)
+        of the run's first tokens so far, of which those older than the window are dropped."""
+        while first_tokens and first_tokens[0][0] < now - TTFT_WINDOW_S:
+            first_tokens.popleft()
+        recent = [ttft for _, ttft in first_tokens]
         return Load(
             inflight=self.loads,
             waiting=[len(r.waiting) for r in self.replicas],
@@ -233,12 +232,6 @@ class FastFleet:
             ttft_p90=float(np.percentile(recent, 90)) if recent else None,
             idle_s=now - last_arrival,
         )
-
-    def _recent_ttfts(self, now: float) -> list[float]:
-        log = self.replicas[0].out.first_tokens
-        while log and log[0][0] < now - TTFT_WINDOW_S:
-            log.popleft()
-        return [ttft for _, ttft in log]
 
 
 @dataclass

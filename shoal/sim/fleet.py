@@ -41,6 +41,11 @@ class FleetShape:
     # An autoscaled pool (scaling.py) of up to scaling.max_replicas, instead of `replicas` fixed.
     scaling: ScalingShape | None = None
 
+    def handoff_seconds(self, profile: NodeProfile, tokens: int) -> float:
+        """A prompt's K/V from prefill to decode worker, as the profile measured it (0: not)."""
+        seconds = profile.kv_transfer_seconds(tokens, self.kv_transport)
+        return 0.0 if seconds is None else seconds
+
     @property
     def roles(self) -> list[str]:
         if self.prefill:
@@ -124,10 +129,6 @@ class FleetSim:
             and cached < len(hashes)
             and (len(hashes) - cached) * bs >= self.shape.disagg_min_prompt_tokens
         )
-
-    def _handoff_seconds(self, tokens: int) -> float:
-        seconds = self.profile.kv_transfer_seconds(tokens, self.shape.kv_transport)
-        return 0.0 if seconds is None else seconds
 
     def _load(self, records: list[RequestRecord], now: float, first: float, last_arrival: float, queued: int):
         """What the autoscaler reads at a tick (see scaling.Load)."""
@@ -235,7 +236,7 @@ class FleetSim:
                     for t in done:  # its K/V goes on to the decode worker
                         req, rec, sent, d = self.handing.pop(t.request_id)
                         seq += 1
-                        ready = now + self._handoff_seconds(req.prompt_len)
+                        ready = now + self.shape.handoff_seconds(self.profile, req.prompt_len)
                         heapq.heappush(handoffs, (ready, seq, d, req, rec, sent))
                 else:
                     in_flight -= len(done)

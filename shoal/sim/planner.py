@@ -322,7 +322,10 @@ def plan(
             out[i] = refine(profile, spec, c, cfg)
             near.append(c.shape)
     if cfg.disaggregated:
-        out += [fewest_pd(profile, shape, spec, cfg) for shape in near]
+        # A prefill worker computes whole prompts whatever the chunk: one P/D fleet a batch size,
+        # with the largest chunk of those near the cheapest.
+        chunks = {s.max_num_seqs: s for s in sorted(near, key=lambda s: s.max_num_batched_tokens)}
+        out += [fewest_pd(profile, shape, spec, cfg) for shape in chunks.values()]
     ok = [c for c in out if c.replicas is not None]
     best = min(ok, key=lambda c: (c.replicas, c.summary["ttft_s"]["p99"]))
     return out, best
