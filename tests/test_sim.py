@@ -28,7 +28,7 @@ from shoal.sim.profile import (
     StepShape,
     made_up_profile,
 )
-from shoal.sim.profiler import ProfileConfig, StepRecorder, measure, prompt_calibration
+from shoal.sim.profiler import ProfileConfig, StepRecorder, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
 from shoal.sim.workload import Burst, Lengths, SimRequest, WorkloadSpec, load_trace, tokens
@@ -208,24 +208,6 @@ def test_the_fast_simulator_splits_a_pd_fleet_as_the_exact_one_does():
                 assert abs(f - e) <= within * e, (routing, key, q, e, f)
         thr = exact["output_token_throughput"], fast["output_token_throughput"]
         assert abs(thr[1] - thr[0]) <= 0.02 * thr[0], (routing, thr)
-
-
-def test_prompt_calibration_finds_what_a_server_adds_to_each_prompt():
-    """Lone prompts through a server: their first tokens at 1.3 x the engine's prompt step plus
-    40 ms give back that factor and those 40 ms; one length alone gives the difference."""
-    profile = made_up_profile()
-
-    def step(n: int) -> float:
-        shape = StepShape()
-        shape.add_row(n, 0)
-        return profile.step_seconds(shape)
-
-    lone = [(n, 0.04 + 1.3 * step(n)) for n in (128, 512, 1024)]
-    per_request, factor = prompt_calibration(profile, lone)
-    assert factor == pytest.approx(1.3) and per_request == pytest.approx(0.04)
-    assert prompt_calibration(profile, lone[:1]) == (pytest.approx(0.04 + 0.3 * step(128)), 1.0)
-    # A line through noise that would make prompts free or thrice as dear is held to the plausible.
-    assert prompt_calibration(profile, [(128, 5.0), (512, 0.1)])[1] == 0.5
 
 
 def test_a_step_costs_the_same_priced_from_its_features_as_from_its_shape():

@@ -224,8 +224,7 @@ class NodeProfile:
             lines.append(
                 f"serving adds: {1e3 * self.serving['per_step_s']:.2f} ms a step, "
                 f"{1e3 * self.serving['per_row_s']:.2f} ms a row, "
-                f"{1e3 * self.serving['per_request_s']:.1f} ms a request, "
-                f"prompt steps x {self.serving.get('prompt_factor', 1.0):.2f}"
+                f"{1e3 * self.serving['per_request_s']:.1f} ms a request"
             )
         t = self.kv_transfer
         if t:

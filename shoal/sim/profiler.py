@@ -40,7 +40,6 @@ class ProfileConfig:
     # machine where the gateway shares the replicas' cores, its relaying is part of every step.
     through_gateway: bool = False
     serve_batches: tuple[int, ...] = (1, 4, 16)
-    serve_prompts: tuple[int, ...] = (128, 512)  # lone prompts timed through the server
     # With serve_flags: time a K/V handoff by its size, from a prefill worker of the same engine
     # to a puller, over shared memory and over TCP (prompts of these lengths, each thrice).
     kv_transfer_lengths: tuple[int, ...] = (64, 256, 1024)
@@ -201,9 +200,8 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
     """Streams batches of requests through a real `shoal serve` of the same engine (or a gateway
     in front of one) and compares their inter-token times with the engine's decode steps: the
     difference, per step and per row, is what serving adds (streaming each token to its client,
-    the HTTP front). Then lone prompts of a few lengths: their first token's time against their
-    prefill step gives what each request adds, and a factor on prompt steps (the front's event
-    loop shares the replica's cores, a pinned replica's most of all)."""
+    the HTTP front); the time to a single request's first token beyond its prefill step is what
+    each request adds."""
     from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 
     if cfg.through_gateway:
@@ -226,13 +224,6 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
             )
             with contextlib.redirect_stdout(io.StringIO()):  # its report is not the profile's
                 measured.append((b, run_serve_bench(bench)))
-        lone = []
-        for n in (n for n in cfg.serve_prompts if n < profile.max_model_len):
-            bench = ServeBenchConfig(
-                base_url=url, num_requests=4, input_len=n, output_len=1, max_concurrency=1, seed=n
-            )
-            with contextlib.redirect_stdout(io.StringIO()):
-                lone.append((n, run_serve_bench(bench)["ttft_s"]["p50"]))
     rows = np.array([b for b, _ in measured], dtype=float)
     extra = np.array(
         [s["itl_s"]["p50"] - profile.decode.decode_seconds(b, b * (prompt + steps // 2)) for b, s in measured]
@@ -246,31 +237,14 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
     ]
     profile.mixed.coef[0] += step_s
     profile.mixed.coef[1] += row_s
-    per_request, factor = prompt_calibration(profile, lone)
-    profile.mixed.coef = [c * factor for c in profile.mixed.coef]
+    one = StepShape()
+    one.add_row(prompt, 0)
+    first = measured[0][1]["ttft_s"]["p50"] - profile.step_seconds(one)
     profile.serving = {
         "per_step_s": float(step_s),
         "per_row_s": float(row_s),
-        "per_request_s": per_request,
-        "prompt_factor": factor,
+        "per_request_s": max(0.0, first),
     }
-
-
-def prompt_calibration(profile: NodeProfile, lone: list[tuple[int, float]]) -> tuple[float, float]:
-    """From lone prompts' first-token times through a server, (n tokens, seconds): the seconds a
-    request adds, and the factor by which the server's prompt steps exceed the engine's (a line
-    through the points; one point: the seconds alone, factor 1)."""
-    steps = []
-    for n, _ in lone:
-        shape = StepShape()
-        shape.add_row(n, 0)
-        steps.append(profile.step_seconds(shape))
-    ttft = [t for _, t in lone]
-    if len(lone) < 2:
-        return (max(0.0, ttft[0] - steps[0]) if lone else 0.0), 1.0
-    factor = np.polyfit(steps, ttft, 1)[0]
-    factor = float(np.clip(factor, 0.5, 3.0))  # a line through noisy points: kept to what is plausible
-    return max(0.0, float(np.mean(ttft) - factor * np.mean(steps))), factor
 
 
 def time_kv_transfer(cfg: ProfileConfig, max_len: int) -> dict[str, float]:
