@@ -67,7 +67,10 @@ DOWN_BOUND_S = 15.0  # a cut link is seen as a replica down within this (measure
 # The tensor-parallel replica: its driver and rank 0 on h0, rank 1 on h2 (whose link is cut).
 TP_PORT, TP_DIST_PORT = 8200, 29600
 RANK_TIMEOUT_S = 3.0
-TP_STREAMS, TP_TOKENS = 2, 64  # through the gateway; one more streams from the replica directly
+# Through the gateway; one more streams from the replica directly. Enough tokens that the stream
+# on the plain replica still runs when the split one's, slowed by gloo across hosts, reach
+# FAULT_AFTER (on an AMD EPYC, 64 were done first).
+TP_STREAMS, TP_TOKENS = 2, 192
 TP_ARGS = (*COMMON_ARGS, "--quantization", "none")
 
 
