@@ -2,12 +2,17 @@
 
 The bundled GGUF is too large to carry to a lent GPU machine, so this runs a checkpoint of the same
 shape (SmolLM2-135M: its config and tokenizer, written here with `prepare`) with random weights:
-the arithmetic and bytes per step are the bundled model's. For each dtype and batch cap it prints
-output tok/s, ms per engine step, and the step time that reading the weights and KV once per step
+the arithmetic and bytes per step are the bundled model's. `prepare --size 1b` writes a Llama of
+about 1B parameters instead (Llama-3.2-1B's layers over the bundled vocabulary), whose weights take
+long enough to read that a step can be bound by memory rather than by its host work.
+
+For each dtype and batch cap it prints output tok/s, ms per engine step (and its split into the
+forward and the engine's host work), and the step time that reading the weights and KV once per step
 would take at the device's copy bandwidth (measured in the same run): the roofline a decode step
 cannot beat.
 
     python benchmarks/gpu_offline.py prepare bench-results/gpu-ckpt       # here (needs the GGUF)
+    python benchmarks/gpu_offline.py prepare bench-results/gpu-1b --size 1b
     python benchmarks/gpu_offline.py run bench-results/gpu-ckpt            # on the GPU machine
 """
 
@@ -25,10 +30,23 @@ from shoal.engine.sampling_params import SamplingParams
 from shoal.llm import LLM
 from shoal.models.loader import load_model
 
+SIZES = {
+    "smollm2": {},
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
+}
 
-def prepare(out: Path) -> None:
-    """config.json and tokenizer files of the bundled model, in HF's layout."""
-    write_config(out)
+
+def prepare(out: Path, size: str) -> None:
+    """config.json and tokenizer files of the bundled model, in HF's layout, at the named size."""
+    write_config(out, **SIZES[size])
     print(f"wrote {out}")
 
 
@@ -46,15 +64,16 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 10 / (time.perf_counter() - t0)
 
 
-def run(ckpt: Path, batches: list[int], dtypes: list[str]) -> None:
-    fill_random_weights(ckpt)
+def run(ckpt: Path, batches: list[int], dtypes: list[str], modes: tuple[bool, ...]) -> None:
+    fill_random_weights(ckpt, dtype=torch.bfloat16)
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     cfg = OfflineBenchConfig(num_requests=0, input_len=32, output_len=128)
     print(
-        "\n| dtype | decode | max seqs | requests | output tok/s | ms / step | roofline ms / step | of roof |"
+        "\n| dtype | decode | max seqs | requests | output tok/s | ms / step | forward ms | host ms "
+        "| roofline ms / step | of roof |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for dtype in dtypes:
         loaded = load_model(str(ckpt), dtype=getattr(torch, dtype), device="cuda", quantization="none")
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -67,7 +86,7 @@ def run(ckpt: Path, batches: list[int], dtypes: list[str]) -> None:
             * torch.finfo(getattr(torch, dtype)).bits
             // 8
         )
-        for batch, eager in [(b, e) for b in batches for e in (True, False)]:
+        for batch, eager in [(b, e) for b in batches for e in modes]:
             cfg.num_requests = max(2 * batch, 8)
             work = make_workload(cfg, mcfg.vocab_size)
             llm = LLM(
@@ -80,13 +99,16 @@ def run(ckpt: Path, batches: list[int], dtypes: list[str]) -> None:
             )
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
             llm.generate(work.prompts[:batch], params[:batch])  # warm-up: allocator, kernels
-            steps0 = llm.engine.core.num_steps
+            core = llm.engine.core
+            steps0, fwd0, host0 = core.num_steps, core.forward_seconds, core.host_seconds
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             llm.generate(work.prompts, params)
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
-            steps = llm.engine.core.num_steps - steps0
+            steps = core.num_steps - steps0
+            fwd_ms = 1000 * (core.forward_seconds - fwd0) / steps
+            host_ms = 1000 * (core.host_seconds - host0) / steps
             # A decode step at full batch reads every weight once and each sequence's KV (mean
             # context: prompt + half the output).
             mean_ctx = cfg.input_len + cfg.output_len / 2
@@ -95,7 +117,7 @@ def run(ckpt: Path, batches: list[int], dtypes: list[str]) -> None:
             mode = "eager" if eager else "graphs"
             print(
                 f"| {dtype} | {mode} | {batch} | {cfg.num_requests} | {work.total_output / elapsed:.0f} | "
-                f"{step_ms:.2f} | {roof_ms:.3f} | {roof_ms / step_ms:.1%} |"
+                f"{step_ms:.2f} | {fwd_ms:.2f} | {host_ms:.2f} | {roof_ms:.3f} | {roof_ms / step_ms:.1%} |"
             )
             del llm
 
@@ -104,13 +126,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("action", choices=["prepare", "run"])
     ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--size", choices=sorted(SIZES), default="smollm2", help="prepare: the shape")
+    ap.add_argument("--batches", default="1,32,256")
+    ap.add_argument("--graphs-only", action="store_true", help="skip the eager runs")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     if args.action == "prepare":
-        prepare(args.checkpoint)
+        prepare(args.checkpoint, args.size)
     else:
-        run(args.checkpoint, [int(b) for b in args.batches.split(",")], args.dtypes.split(","))
+        modes = (False,) if args.graphs_only else (True, False)
+        run(args.checkpoint, [int(b) for b in args.batches.split(",")], args.dtypes.split(","), modes)
 
 
 if __name__ == "__main__":

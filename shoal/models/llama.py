@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.kernels import triton_ops
 from shoal.kernels.cpu import kernels_for
 from shoal.models.config import ModelConfig
 from shoal.models.moe import SparseMoE, module_name, unpack_experts
@@ -61,7 +62,9 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """residual += delta (in place, when given), then the norm of residual. One fused call on
-        CPU, where the separate torch ops cost more than the arithmetic at decode sizes."""
+        CPU and CUDA, where the separate torch ops cost more than the arithmetic at decode sizes."""
+        if residual.dim() == 2 and residual.is_contiguous() and triton_ops.fused_ops_for(residual):
+            return triton_ops.add_rms_norm(residual, delta, self.weight, self.eps)
         kernels = kernels_for(residual, self.weight, *(() if delta is None else (delta,)))
         if kernels is not None:
             return kernels.add_rms_norm(residual, delta, self.weight, self.eps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels import triton_ops
 from shoal.kernels.cpu import kernels_for
 
 
@@ -18,6 +19,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dim() == 2 and triton_ops.fused_ops_for(gate_up):
+        return triton_ops.silu_mul(gate_up)
     kernels = kernels_for(gate_up)
     if kernels is not None:
         return kernels.silu_mul(gate_up)

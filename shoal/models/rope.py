@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from shoal.kernels import triton_ops
 from shoal.models.config import RopeScaling
 
 
@@ -64,5 +65,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates x [T, H, D] (HF rotate_half layout)."""
+        """Rotates x [T, H, D] (HF rotate_half layout); on CUDA in place, in one fused kernel, so
+        the caller must not read x again."""
+        if x.stride(-1) == 1 and triton_ops.fused_ops_for(x):
+            return triton_ops.rotate_(x, cos, sin)
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
