@@ -16,7 +16,9 @@ AUTO_FAST_FROM = 20_000  # requests past which `shoal sim --mode auto` runs the 
 def cmd_profile(args) -> int:
     from shoal.sim.profiler import ProfileConfig, measure
 
-    cfg = ProfileConfig({"model": args.model, **engine_options(args)}, startup=not args.no_startup)
+    cfg = ProfileConfig(
+        {"model": args.model, **engine_options(args)}, startup=not args.no_startup, save_to=args.out
+    )
     if not args.no_server:
         cfg.serve_flags = engine_flags(args.argv)
         cfg.through_gateway = args.through_gateway
@@ -27,14 +29,22 @@ def cmd_profile(args) -> int:
             (64, 512),
             1,
         )
+    if args.decode_batches:
+        cfg.decode_batches = tuple(int(b) for b in args.decode_batches.split(","))
     profile = measure(cfg)
-    profile.save(args.out)
     print(profile.describe())
     print(f"saved to {args.out}")
     return 0
 
 
-PROFILE_OWN_FLAGS = {"--out": 1, "--quick": 0, "--no-startup": 0, "--no-server": 0, "--through-gateway": 0}
+PROFILE_OWN_FLAGS = {
+    "--out": 1,
+    "--quick": 0,
+    "--decode-batches": 1,
+    "--no-startup": 0,
+    "--no-server": 0,
+    "--through-gateway": 0,
+}
 
 
 def engine_flags(argv: list[str]) -> list[str]:
@@ -144,6 +154,12 @@ def add_sim_parsers(sub, wanted) -> None:
     p.add_argument("--out", default=SIM_DEFAULT_PROFILE)
     p.add_argument(
         "--quick", action="store_true", help="fewer shapes (a rougher fit, in a fraction of the time)"
+    )
+    p.add_argument(
+        "--decode-batches",
+        metavar="B,B,...",
+        help="decode batch sizes to time (default 1,2,4,...,64; a GPU serves larger ones: add 128,256 "
+        "with --max-num-seqs 256)",
     )
     p.add_argument("--no-startup", action="store_true", help="skip timing a replica's start")
     p.add_argument(

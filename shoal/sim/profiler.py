@@ -22,6 +22,7 @@ from shoal import __version__
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
 
 FIRST_PLAIN_ID = 1000  # ids clear of the special tokens at the start of most vocabularies
+MIN_KEPT = 0.5  # a server calibration keeps at least this part of each step cost it corrects
 
 
 @dataclass
@@ -44,6 +45,9 @@ class ProfileConfig:
     # to a puller, over shared memory and over TCP (prompts of these lengths, each thrice).
     kv_transfer_lengths: tuple[int, ...] = (64, 256, 1024)
     seed: int = 0
+    # Where to save the profile after each stage, so a stage that fails (a server that does not
+    # start, a lease that ends) leaves the stages before it on disk.
+    save_to: str | None = None
 
 
 def step_shape(so) -> StepShape:
@@ -187,13 +191,22 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
         )
     finally:
         llm.shutdown()
+    _save(profile, cfg)
     if cfg.serve_flags is not None:
         calibrate_to_server(profile, cfg)
+        _save(profile, cfg)
         if cfg.kv_transfer_lengths:
             profile.kv_transfer = time_kv_transfer(cfg, profile.max_model_len)
+            _save(profile, cfg)
     if cfg.startup:
         profile.startup_s = time_startup(cfg.engine_options)
+        _save(profile, cfg)
     return profile
+
+
+def _save(profile: NodeProfile, cfg: ProfileConfig) -> None:
+    if cfg.save_to:
+        profile.save(cfg.save_to)
 
 
 def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
@@ -221,6 +234,7 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
                 output_len=steps,
                 max_concurrency=b,
                 seed=b,
+                tokenizer=cfg.engine_options.get("model"),  # the profiled model's, not the bundled one's
             )
             with contextlib.redirect_stdout(io.StringIO()):  # its report is not the profile's
                 measured.append((b, run_serve_bench(bench)))
@@ -228,15 +242,19 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
     extra = np.array(
         [s["itl_s"]["p50"] - profile.decode.decode_seconds(b, b * (prompt + steps // 2)) for b, s in measured]
     )
-    step_s, row_s = (
-        np.clip(np.polyfit(rows, extra, 1)[::-1], 0, None) if len(rows) > 1 else (max(0, extra[0]), 0)
-    )
+    # What serving adds may be negative, and is at large batches here: the server processes a
+    # step's output while the next step runs, where the profile's bare loop waits for it. So the
+    # line is not clipped at zero; only each corrected cost is kept to a part of its own.
+    step_s, row_s = np.polyfit(rows, extra, 1)[::-1] if len(rows) > 1 else (extra[0], 0.0)
     profile.decode.coef = [
-        *(c + step_s + row_s * k for c, k in zip(profile.decode.coef, profile.decode.knots)),
+        *(
+            max(MIN_KEPT * c, c + step_s + row_s * k)
+            for c, k in zip(profile.decode.coef, profile.decode.knots)
+        ),
         profile.decode.coef[-1],
     ]
-    profile.mixed.coef[0] += step_s
-    profile.mixed.coef[1] += row_s
+    profile.mixed.coef[0] = max(MIN_KEPT * profile.mixed.coef[0], profile.mixed.coef[0] + step_s)
+    profile.mixed.coef[1] = max(MIN_KEPT * profile.mixed.coef[1], profile.mixed.coef[1] + row_s)
     one = StepShape()
     one.add_row(prompt, 0)
     first = measured[0][1]["ttft_s"]["p50"] - profile.step_seconds(one)
