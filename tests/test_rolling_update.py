@@ -293,4 +293,7 @@ def test_shadow_copies_judge_the_new_version_before_it_takes_traffic_and_a_good_
     assert p["judgement"]["decision"] == "promoted" and p["judgement"]["verdict"] is None
     assert metric(fleet.url, same) > before
     assert metric(fleet.url, 'shoal:gateway_shadow_requests_total{outcome="different",pool="default"}') == 0
+    # Two clients at a time over two old replicas: the new one takes a copy while it has none in
+    # flight and holds back the second, so it never carries more than an old one does.
+    assert metric(fleet.url, 'shoal:gateway_shadow_requests_total{outcome="held",pool="default"}') > 0
     assert "takes shadow copies for 6 s" in fleet.log()

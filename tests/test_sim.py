@@ -325,9 +325,7 @@ SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-
 @pytest.fixture(scope="module")
 def node_profile(tmp_path_factory):
     """This machine's profile of the bundled model as the server below runs it (a quick one)."""
-    cfg = ProfileConfig(ENGINE, decode_batches=(1, 4, 8, 16), contexts=(64, 384), prompt_lengths=(64, 256))
-    cfg.repeats, cfg.startup, cfg.serve_flags = 1, False, SERVE_FLAGS
-    profile = measure(cfg)
+    profile = _node_profile()
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     profile.save(path)
     return NodeProfile.load(path)
@@ -347,10 +345,15 @@ def test_the_profile_times_kv_handoffs_by_their_size(node_profile, hf_bundled):
     assert "KV transfer : 46080 B a token" in node_profile.describe()
 
 
-def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
-    """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
-    the same workload simulated from the node's profile."""
-    server = start_server("--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16")
+def _node_profile() -> NodeProfile:
+    cfg = ProfileConfig(ENGINE, decode_batches=(1, 4, 8, 16), contexts=(64, 384), prompt_lengths=(64, 256))
+    cfg.repeats, cfg.startup, cfg.serve_flags = 1, False, SERVE_FLAGS
+    return measure(cfg)
+
+
+def _misses(profile: NodeProfile) -> dict:
+    """The real server's figures that the simulator, from `profile`, misses by over 20 %."""
+    server = start_server(*SERVE_FLAGS)
     try:
         measured = run_serve_bench(
             ServeBenchConfig(
@@ -361,14 +364,26 @@ def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
         server.stop()
     spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
-    predicted = FleetSim(node_profile, shape).run(spec.requests()).summary()
+    predicted = FleetSim(profile, shape).run(spec.requests()).summary()
     pairs = {
         "throughput": (measured["output_token_throughput"], predicted["output_token_throughput"]),
         "TTFT p50": (measured["ttft_s"]["p50"], predicted["ttft_s"]["p50"]),
         "ITL p50": (measured["itl_s"]["p50"], predicted["itl_s"]["p50"]),
     }
     off = {k: abs(p - m) / m for k, (m, p) in pairs.items()}
-    assert all(v <= 0.2 for v in off.values()), {k: (pairs[k], f"{100 * v:.0f} %") for k, v in off.items()}
+    return {k: (pairs[k], f"{100 * v:.0f} %") for k, v in off.items() if v > 0.2}
+
+
+def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
+    """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
+    the same workload simulated from the node's profile. This machine is shared, and its speed
+    drifts between a profile and a run a minute later (in CI, by 25-35 % once, every figure off
+    the same way), so a miss is measured again from a fresh profile taken right before; two
+    misses fail."""
+    first = _misses(node_profile)
+    if first:
+        again = _misses(_node_profile())
+        assert not again, {"first": first, "again": again}
 
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -116,7 +116,8 @@ class GatewayMetrics:
         self.shadow = Counter(
             "shoal:gateway_shadow_requests",
             "Shadow copies sent to a rolling update's new version, by how their answers compared with "
-            "the client's (same, different, not_compared: not reproducible) or failed.",
+            "the client's (same, different, not_compared: not reproducible), failed, or held (not sent: the "
+            "new replica was as loaded as the busiest old one).",
             ["pool", "outcome"],
             registry=r,
         )

@@ -4,7 +4,12 @@ canary share. Its answer is compared with the one the client got and thrown away
 costs the new version (its time to first token, its gaps between tokens, a failure) counts
 in the rollout's judgement (control/canary_judge.py) like any request it served, so a version
 can be judged before a client depends on it. Answers are compared only where they are
-reproducible: greedy requests, or seeded ones (a seed makes a replica's draws its own)."""
+reproducible: greedy requests, or seeded ones (a seed makes a replica's draws its own).
+
+A copy is held back while the new replica has as many requests in flight as the busiest replica
+of the old version: with a share near 1, one new replica would otherwise carry the whole pool's
+traffic, and its latency, judged against replicas carrying their part of it, would roll back a
+version for its load rather than its speed."""
 
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ class Shadow:
         replica = self._replica(fwd.route.model, version)
         if replica is None:
             return
+        if replica.inflight >= self._old_load(fwd.route.model, version):
+            return self.metrics.shadow.labels(pool, "held").inc()
         fwd.primary_output = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._run(pool, replica, fwd))
         self.tasks.add(task)
@@ -70,6 +77,18 @@ class Shadow:
             and r.lifecycle in (Lifecycle.STANDBY, Lifecycle.READY)
         ]
         return min(live, key=lambda r: r.inflight, default=None)
+
+    def _old_load(self, model: str | None, version: int) -> int:
+        """Requests in flight on the busiest serving replica of the other versions (at least 1)."""
+        old = [
+            r.inflight
+            for r in self.table.replicas.values()
+            if r.model == model
+            and r.version != version
+            and r.state == Health.READY
+            and r.lifecycle == Lifecycle.READY
+        ]
+        return max([1, *old])
 
     async def _run(self, pool: str, replica: Replica, fwd: Forward) -> None:
         body = {k: v for k, v in fwd.body.items() if k != "stream_options"}
