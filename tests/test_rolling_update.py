@@ -24,8 +24,14 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    gw = start_fleet(2, "--replica-args", REPLICA_ARGS)
+def fleet(tmp_path_factory):
+    # Two cores carry the surge replica beside the two old ones, the gateway and the clients: a
+    # version as fast as the old one has shown a p99 gap 1.7x the old's here, while the slow
+    # version below is 3.4x. The bounds are widened to 2x so that the tests of what an update
+    # does are not decided by that noise; the judge's 1.5x default has its own test.
+    config = tmp_path_factory.mktemp("rollout") / "fleet.toml"
+    config.write_text("[rollout]\nmax_ttft_p99_ratio = 2.0\nmax_itl_p99_ratio = 2.0\n")
+    gw = start_fleet(2, "--replica-args", REPLICA_ARGS, "--config", str(config))
     yield gw
     gw.stop()
 
@@ -252,8 +258,8 @@ def test_a_canary_several_times_slower_is_rolled_back_with_the_figures_that_deci
     enough = CanaryConfig()
     itl = min(new["itl_samples"], old["itl_samples"]) >= enough.min_itl_samples
     ttft = min(new["ttft_samples"], old["ttft_samples"]) >= enough.min_ttft_samples
-    assert (itl and new["itl_p99_s"] > 1.5 * old["itl_p99_s"]) or (
-        ttft and new["ttft_p99_s"] > 1.5 * old["ttft_p99_s"]
+    assert (itl and new["itl_p99_s"] > 2 * old["itl_p99_s"]) or (
+        ttft and new["ttft_p99_s"] > 2 * old["ttft_p99_s"]
     ), judged
     assert "rolling back to version" in fleet.log() and '"decision": "rolled_back"' in fleet.log()
     gauge = 'shoal:gateway_rollout_itl_p99_seconds{pool="default",version="%s"}'
