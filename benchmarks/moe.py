@@ -1,7 +1,9 @@
 """Mixture of experts (issue 30): decode throughput of a random Mixtral-shaped checkpoint at c=1, 8
 and 32 with its experts on 1, 2 and 3 ranks (expert parallelism; attention split by heads over
-the same ranks), the time a step spends in the ranks' collectives (the all-reduce that combines
-the experts' partial outputs, and attention's), and a dense model of the same active parameter
+the same ranks), each way of reaching the experts (all-reduce: every rank routes every token and a
+sum combines; all-to-all: each rank routes its share and trades tokens with the experts' ranks),
+the time a step spends in the ranks' collectives (those and attention's all-reduce), and a dense
+model of the same active parameter
 count (intermediate size = top_k x an expert's) on one process for comparison; then the load of
 each rank under a skewed router (two experts' router rows scaled up), max over mean, with the
 static placement and with the engine replicating hot experts into 2 spare slots a rank.
@@ -10,6 +12,7 @@ Shape: hidden 384, 6 heads over 3 KV heads, 12 layers, 6 experts of intermediate
 bundled model's tokenizer. fp32 weights; 32-token prompts, 64 greedy tokens, EOS ignored.
 
     python benchmarks/moe.py [--eps 1,2,3] [--concurrency 1,8,32] [--tokens 64]
+        [--dispatch all-reduce,all-to-all]
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def main() -> None:
     ap.add_argument("--eps", default="1,2,3")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dispatch", default="all-reduce,all-to-all")
     args = ap.parse_args()
+    dispatches = args.dispatch.split(",")
     eps = [int(x) for x in args.eps.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
     rows = []
@@ -77,28 +82,24 @@ def main() -> None:
             rows.append(
                 ("dense, same active parameters", 1, [decode_rate(llm, c, args.tokens) for c in concs], None)
             )
-        for ep in eps:
-            with LLM(str(moe), expert_parallel_size=ep, num_blocks=2048, max_num_seqs=64) as llm:
+        shapes = [(ep, d) for ep in eps for d in (dispatches if ep > 1 else ["-"])]
+        for ep, dispatch in shapes:
+            how = {} if ep == 1 else {"expert_dispatch": dispatch}
+            with LLM(str(moe), expert_parallel_size=ep, num_blocks=2048, max_num_seqs=64, **how) as llm:
                 rates = [decode_rate(llm, c, args.tokens) for c in concs]
-                rows.append(
-                    (
-                        f"MoE, experts on {ep} rank{'s' if ep > 1 else ''}",
-                        ep,
-                        rates,
-                        collectives_per_step(llm),
-                    )
-                )
+                name = f"MoE, experts on {ep} rank{'s' if ep > 1 else ''}" + (f", {dispatch}" if how else "")
+                rows.append((name, ep, rates, collectives_per_step(llm)))
         skewed = skew_router(moe, (0, 1), 4.0)
         balance = []
-        for ep in [e for e in eps if e > 1]:
+        for ep, dispatch in [s for s in shapes if s[0] > 1]:
             for spares in (0, 2):
-                opts = dict(expert_spare_slots=spares, expert_rebalance_steps=16)
+                opts = dict(expert_spare_slots=spares, expert_rebalance_steps=16, expert_dispatch=dispatch)
                 with LLM(
                     str(skewed), expert_parallel_size=ep, num_blocks=2048, max_num_seqs=64, **opts
                 ) as llm:
                     rate = decode_rate(llm, 8, args.tokens)
                     stats = llm.engine.core.stats().moe_balance
-                    balance.append((ep, spares, stats.imbalance, stats.rebalances, rate))
+                    balance.append((ep, dispatch, spares, stats.imbalance, stats.rebalances, rate))
     head = " | ".join(f"c={c} tok/s" for c in concs)
     print(f"\n| model | ranks | {head} | collectives ms/step |")
     print("| --- | --- |" + " --- |" * len(concs) + " --- |")
@@ -107,9 +108,9 @@ def main() -> None:
         print(f"| {name} | {ranks} | {cells} | {'-' if comm is None else f'{1000 * comm:.2f}'} |")
     print("\n| skewed router (experts 0, 1 favoured), c=8 | rank load max/mean | placements | tok/s |")
     print("| --- | --- | --- | --- |")
-    for ep, spares, ratio, placements, rate in balance:
+    for ep, dispatch, spares, ratio, placements, rate in balance:
         how = f"{spares} spare expert slots a rank" if spares else "static placement"
-        print(f"| EP {ep}, {how} | {ratio:.2f} | {placements} | {rate:.0f} |")
+        print(f"| EP {ep}, {dispatch}, {how} | {ratio:.2f} | {placements} | {rate:.0f} |")
 
 
 if __name__ == "__main__":

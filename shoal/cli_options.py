@@ -121,7 +121,7 @@ def engine_flag_sets() -> tuple[FlagSet, ...]:
 
 
 def parallel_flag_set() -> FlagSet:
-    from shoal.engine.config import ParallelConfig
+    from shoal.engine.config import EXPERT_DISPATCH, ParallelConfig
 
     return FlagSet(
         ParallelConfig,
@@ -140,6 +140,12 @@ def parallel_flag_set() -> FlagSet:
                 "expert_parallel_size",
                 names=("--expert-parallel-size", "-ep"),
                 help="ranks a mixture of experts' experts are split across (its attention by heads)",
+            ),
+            Flag(
+                "expert_dispatch",
+                choices=EXPERT_DISPATCH,
+                help="how tokens reach their experts' ranks: every rank routes all and an all-reduce "
+                "combines, or each routes its share and trades them by all-to-all",
             ),
             Flag(
                 "expert_spare_slots",

@@ -146,3 +146,33 @@ def test_ranks_on_hosts_without_the_model_fetch_it_from_the_driver_once(cluster,
                     p.wait()
         fetched = ["fetching it from the driver" in p.read_text() for p in paths]
         assert fetched == [attempt == 0] * 2, fetched
+
+
+def test_experts_traded_by_all_to_all_across_hosts_answer_as_hf(cluster, tmp_path):
+    """Expert parallelism over two hosts: each rank routes its share of a step's tokens and trades
+    them with the other's experts through gloo's all-to-all (the hosts share no /dev/shm); the
+    checkpoint lives only here, so the ranks fetch it from the driver first."""
+    import torch
+
+    from tests.helpers import assert_matches_hf
+    from tests.test_moe import LOGPROB_ATOL, write_checkpoint
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    heads = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, moe_intermediate_size=64)
+    hf = write_checkpoint("qwen2_moe", model, False, **heads)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 19, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    split = dict(expert_parallel_size=2, expert_dispatch="all-to-all", model=str(model))
+    llm, procs = split_engine(cluster, [0, 1], **split)
+    try:
+        info = llm.engine.core.executor.ranks_info
+        assert [(r["collectives"], r["expert_dispatch"]) for r in info] == [("torch", "all-to-all")] * 2
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert_matches_hf(hf, prompts, outs, 8, LOGPROB_ATOL)

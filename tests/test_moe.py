@@ -167,14 +167,17 @@ def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):
         server.stop()
 
 
-# Three ranks need heads that split three ways: 6 query heads over 3 KV heads.
-# (ranks, pipeline stages, packed layout, whole experts per rank): expert parallelism, or tensor
-# parallelism inside each expert (its columns split, every rank holding every expert). Three
-# ranks need heads that split three ways: 6 query heads over 3 KV heads.
+# (ranks, pipeline stages, packed layout, whole experts per rank): expert parallelism (its tokens
+# combined by all-reduce, or traded by all-to-all where it says so), or tensor parallelism inside
+# each expert (its columns split, every rank holding every expert). Three ranks need heads that
+# split three ways: 6 query heads over 3 KV heads.
 SPLITS = {
     "ep2": (2, 1, False, True),
     "ep3-packed": (3, 1, True, True),
     "ep2-pp2": (2, 2, False, True),
+    "ep2-all-to-all": (2, 1, False, "all-to-all"),
+    "ep3-packed-all-to-all": (3, 1, True, "all-to-all"),
+    "ep2-pp2-all-to-all": (2, 2, False, "all-to-all"),
     "tp2": (2, 1, False, False),
     "tp2-packed": (2, 1, True, False),
 }
@@ -197,10 +200,14 @@ def test_experts_split_across_ranks_answer_as_hf(split, tmp_path):
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (7, 33)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     split_by = {"expert_parallel_size": ranks} if whole else {"tensor_parallel_size": ranks}
+    if whole == "all-to-all":
+        split_by["expert_dispatch"] = "all-to-all"
     with LLM(str(tmp_path), **split_by, pipeline_parallel_size=pp, num_blocks=64) as llm:
         outs = llm.generate(prompts, params)
         # The ranks count their own experts; the engine puts them together, by global layer.
         load = llm.engine.core.stats().moe_expert_tokens
+        dispatch = {r["expert_dispatch"] for r in llm.engine.core.executor.ranks_info}
+    assert dispatch == {{True: "all-reduce", False: None}.get(whole, whole)}
     assert sorted(load) == [0, 2] and all(len(counts) == 6 for counts in load.values())
     assert all(sum(counts) >= 2 * (7 + 33 + 2 * 7) for counts in load.values())
     assert_matches_hf(hf, prompts, outs, 8, LOGPROB_ATOL)
@@ -319,13 +326,15 @@ def test_the_balancer_replicates_hot_experts_where_they_even_the_ranks_out():
     assert plan_replicas(counts, 2, spares=0) == {}
 
 
-def test_replicated_experts_even_the_ranks_out_and_answers_stay_hfs(tmp_path):
+@pytest.mark.parametrize("dispatch", ["all-reduce", "all-to-all"])
+def test_replicated_experts_even_the_ranks_out_and_answers_stay_hfs(dispatch, tmp_path):
     heads = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
     hf = write_checkpoint("qwen2_moe", tmp_path, False, hot=(0, 1), **heads)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (9, 20, 31)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     opts = dict(expert_parallel_size=2, expert_spare_slots=2, expert_rebalance_steps=4, num_blocks=64)
+    opts["expert_dispatch"] = dispatch
     with LLM(str(tmp_path), **opts) as llm:
         balancer, seen = llm.engine.core.experts, []
         observe = balancer.observe

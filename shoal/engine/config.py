@@ -62,6 +62,9 @@ class SchedulerConfig:
     admission_watermark: float = 0.01
 
 
+EXPERT_DISPATCH = ("all-reduce", "all-to-all")
+
+
 @dataclass
 class ParallelConfig:
     """One model across tensor_parallel_size x pipeline_parallel_size worker processes."""
@@ -71,6 +74,10 @@ class ParallelConfig:
     # A mixture-of-experts model's experts split whole across the tensor-parallel ranks (its
     # attention by heads): given alone it sets that many ranks; with -tp it must be the same.
     expert_parallel_size: int = 1
+    # How tokens reach the ranks of their experts: "all-reduce" (every rank routes every token,
+    # the layer's all-reduce combines) or "all-to-all" (each rank routes its share of the tokens
+    # and trades them with the experts' ranks: models/moe_dispatch.py).
+    expert_dispatch: str = "all-reduce"
     # Expert load balancing: each rank may hold this many replicas of other ranks' experts per
     # layer (0: none), placed anew when a window of this many steps found the ranks' loads uneven.
     expert_spare_slots: int = 0
@@ -87,6 +94,9 @@ class ParallelConfig:
     startup_timeout_s: float = 300.0
 
     def __post_init__(self):
+        if self.expert_dispatch not in EXPERT_DISPATCH:
+            choices = ", ".join(EXPERT_DISPATCH)
+            raise ValueError(f"expert_dispatch must be one of {choices}, not {self.expert_dispatch!r}")
         ep, tp = self.expert_parallel_size, self.tensor_parallel_size
         if ep > 1 and tp == 1:
             self.tensor_parallel_size = ep

@@ -75,6 +75,7 @@ MODEL_FEATURES: dict[str, Callable[[Any], bool]] = {
     "expert_ranks": _any,
     "expert_offset": _any,
     "num_local_experts": _any,
+    "expert_all_to_all": _any,
 }
 # The children of a DecoderLayer the C layer reads; another child (q_norm, an adapter) refuses.
 LAYER_CHILDREN = {"input_layernorm", "post_attention_layernorm", *PROJECTIONS}

@@ -133,5 +133,6 @@ void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int6
 int64_t shoal_shm_bytes(int64_t world, int64_t slot_bytes);
 int shoal_shm_allreduce(ShmComm *c, float *buf, int64_t n);
 int shoal_shm_allgather(ShmComm *c, const char *src, int64_t nbytes, char *dst);
+int shoal_shm_alltoall(ShmComm *c, const char *src, const int64_t *bytes, char *dst);
 
 #endif

@@ -68,6 +68,10 @@ class ModelConfig:
     expert_ranks: int = 1
     expert_offset: int = 0
     num_local_experts: int | None = None  # None: all of them
+    # How the ranks' experts get their tokens: every rank routes every token and the layer's
+    # all-reduce sums the experts' outputs, or each rank routes its own share of the tokens and
+    # trades them with the experts' ranks by all-to-all (models/moe_dispatch.py).
+    expert_all_to_all: bool = False
 
     @property
     def q_size(self) -> int:

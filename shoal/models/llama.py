@@ -17,6 +17,7 @@ from shoal.kernels import triton_ops
 from shoal.kernels.cpu import kernels_for
 from shoal.models.config import ModelConfig
 from shoal.models.moe import SparseMoE, module_name, unpack_experts
+from shoal.models.moe_dispatch import ExpertDispatch
 from shoal.models.ops import linear, silu_mul
 from shoal.models.parallel import ModelShard, VocabParallelEmbedding
 from shoal.models.rope import RotaryEmbedding
@@ -38,6 +39,11 @@ class Communicator(Protocol):
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape]: every rank's `t`, in rank order."""
+        ...
+
+    def all_to_all(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of `t` to each rank (rows[s, d]: how many rank s sends rank d); returns those sent
+        to this one, by source."""
         ...
 
 
@@ -77,7 +83,7 @@ class DecoderLayer(nn.Module):
     """One layer; under tensor parallelism `cfg` is the rank's own (its heads, its MLP columns) and
     `all_reduce` sums the partial outputs of o_proj and down_proj across ranks."""
 
-    def __init__(self, cfg: ModelConfig, index: int, all_reduce=_no_reduce):
+    def __init__(self, cfg: ModelConfig, index: int, all_reduce=_no_reduce, dispatch=None):
         super().__init__()
         self.cfg = cfg
         self.index = index
@@ -91,7 +97,7 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_sparse(index):
-            self.mlp = SparseMoE(cfg)
+            self.mlp = SparseMoE(cfg, dispatch)
         else:
             self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
             self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -139,7 +145,12 @@ class DecoderLayer(nn.Module):
         o = self.o_proj(attn(self.index, q, k, v).reshape(t, cfg.q_size))
         self.all_reduce(o)
         h = self.post_attention_layernorm.add_and_norm(x, o)
-        out = self.mlp(h) if hasattr(self, "mlp") else self.down_proj(silu_mul(self.gate_up_proj(h)))
+        if not hasattr(self, "mlp"):
+            out = self.down_proj(silu_mul(self.gate_up_proj(h)))
+        elif self.mlp.dispatch is not None:
+            return self.mlp(h)  # whole already: the dispatch gathered it
+        else:
+            out = self.mlp(h)
         self.all_reduce(out)
         return out
 
@@ -173,7 +184,8 @@ class LlamaForCausalLM(nn.Module):
                 # imports torch._dynamo, 1.4 s of every start.
                 weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
                 self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, reduce) for i in range(cfg.num_layers))
+        dispatch = ExpertDispatch(comm, shard.tp_rank, shard.tp_size) if cfg.expert_all_to_all else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, reduce, dispatch) for i in range(cfg.num_layers))
         if shard.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             if not cfg.tie_word_embeddings:

@@ -42,14 +42,15 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     quantization: str | None = "auto",
-    parallel: tuple[int, int, int, int] | None = None,
+    parallel: tuple | None = None,
     comm: Communicator | None = None,
 ) -> LoadedModel:
     """quantization: "auto" (a GGUF's as stored, see `resolve_quantization`), "none" or None (the
     checkpoint's weights in `dtype`), "int8" or "int4" (see models.quant).
 
-    parallel: (tp_rank, tp_size, pp_rank, pp_size) loads one rank's part of the model (see
-    `ModelShard`), reading only its slices of the weights; `comm` joins its tensor-parallel peers."""
+    parallel: (tp_rank, tp_size, pp_rank, pp_size[, expert_parallel, expert_all_to_all]) loads one
+    rank's part of the model (see `ModelShard`), reading only its slices of the weights; `comm`
+    joins its tensor-parallel peers."""
     name, path = resolve_model(model)
     stored: dict[str, BlockWeights] = {}
     shard: ModelShard | None = None

@@ -34,13 +34,18 @@ class ExpertMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`dispatch` (models/moe_dispatch.py), under expert parallelism by all-to-all, trades the
+    tokens with the experts' ranks and returns the whole output: no all-reduce after it."""
+
+    def __init__(self, cfg: ModelConfig, dispatch=None):
         super().__init__()
+        self.dispatch = dispatch
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         # Under expert parallelism a rank holds experts offset .. offset + len(experts) - 1; every
-        # rank routes every token, and the ranks' partial sums add up in the layer's all-reduce.
+        # rank routes every token, and the ranks' partial sums add up in the layer's all-reduce
+        # (or, with a dispatch, each routes its share and trades tokens by all-to-all).
         self.offset = cfg.expert_offset
         self.rank = cfg.expert_rank
         self.owners = expert_owners(cfg.num_experts, cfg.expert_ranks)
@@ -67,18 +72,23 @@ class SparseMoE(nn.Module):
         return experts, weights
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.dispatch is not None:
+            return self.dispatch(self, h)
         experts, weights = self.route(h)
         out = self.run_experts(h, experts, weights)
+        self.add_shared(h, out)
+        return out
+
+    def add_shared(self, h: torch.Tensor, out: torch.Tensor) -> None:
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
-        return out
 
     def run_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over each token's choices of weight x expert(token), expert by expert."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # choices grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.gate.out_features)
-        self._count(counts[self.offset : self.offset + len(self.experts)])
+        self.count(counts)
         rows = order // self.top_k
         scale = weights.reshape(-1)[order].to(h.dtype).unsqueeze(1)
         out = torch.zeros_like(h)
@@ -92,6 +102,28 @@ class SparseMoE(nn.Module):
             if end > start:
                 tokens = rows[start:end]
                 out.index_add_(0, tokens, module(h[tokens]) * scale[start:end])
+        return out
+
+    def destinations(self, experts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The rank that runs each choice (`experts`, made for `tokens`, by their row in the step):
+        its expert's owner, or for a replicated expert, its holders in turn by token."""
+        ranks = torch.tensor(self.owners, device=experts.device)[experts]
+        for e, held in self.holders.items():
+            chosen = experts == e
+            ranks[chosen] = torch.tensor(held, device=experts.device)[tokens[chosen] % len(held)]
+        return ranks
+
+    def run_received(self, rows: torch.Tensor, expert_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each received row through the expert it is for (`expert_of`; `counts` per expert),
+        unweighted: its sender weighs it."""
+        order = torch.argsort(expert_of, stable=True)
+        ends = torch.cumsum(counts, 0).tolist()
+        out = torch.empty_like(rows)
+        for e, module in self._computed_here():
+            start, end = (ends[e - 1] if e else 0), ends[e]
+            if end > start:
+                picked = order[start:end]
+                out[picked] = module(rows[picked])
         return out
 
     def _computed_here(self):
@@ -126,7 +158,9 @@ class SparseMoE(nn.Module):
                 del self.replicas[e]
         self.holders = {e: list(held) for e, held in holders.items()}
 
-    def _count(self, counts: torch.Tensor) -> None:
+    def count(self, counts: torch.Tensor) -> None:
+        """Takes the step's tokens per expert, all of the model's (this rank keeps its own)."""
+        counts = counts[self.offset : self.offset + len(self.experts)]
         if self.expert_tokens is None:
             self.expert_tokens = torch.zeros_like(counts)
         self.expert_tokens += counts

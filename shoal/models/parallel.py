@@ -51,6 +51,11 @@ def _even_spans(total: int, parts: int, unit: int = 1) -> list[Span]:
     return spans
 
 
+def row_shares(rows: int, ranks: int) -> list[Span]:
+    """A step's rows split among ranks in even runs, in rank order (the first never shorter)."""
+    return _even_spans(rows, ranks)
+
+
 def expert_spans(num_experts: int, ranks: int) -> list[Span]:
     """The experts each rank owns under expert parallelism: even runs, in rank order."""
     return _even_spans(num_experts, ranks)
@@ -68,6 +73,9 @@ class ModelShard:
     # A mixture of experts over the tensor-parallel ranks: whole experts dealt out to them (expert
     # parallelism), or else every expert split like an MLP (tensor parallelism inside experts).
     expert_parallel: bool = False
+    # Under expert parallelism: tokens traded by all-to-all instead of summed by all-reduce; the
+    # shared expert is then whole on every rank, which runs it on its own share of the tokens.
+    expert_all_to_all: bool = False
 
     def __post_init__(self):
         check_parallel_sizes(self.cfg, self.tp_size, self.pp_size, self.expert_parallel)
@@ -115,7 +123,12 @@ class ModelShard:
 
     @property
     def shared_intermediate(self) -> Span:
-        return self._columns(self.cfg.shared_expert_intermediate_size)
+        size = self.cfg.shared_expert_intermediate_size
+        return Span(0, size) if self.all_to_all else self._columns(size)
+
+    @property
+    def all_to_all(self) -> bool:
+        return self.expert_parallel and self.expert_all_to_all and self.tp_size > 1
 
     @property
     def vocab_per_rank(self) -> int:
@@ -166,6 +179,7 @@ class ModelShard:
                 num_local_experts=self.experts.size,
                 moe_intermediate_size=self.expert_intermediate.size,
                 shared_expert_intermediate_size=self.shared_intermediate.size,
+                expert_all_to_all=self.all_to_all,
             )
         return local
 

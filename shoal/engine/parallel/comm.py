@@ -1,13 +1,15 @@
 """Collectives among a stage's tensor-parallel ranks, and hidden states between pipeline stages.
 
-Ranks on one host sum through shared memory (shoal/kernels/shm_comm.c: microseconds per decode
-step's all-reduce, where gloo takes ~0.5 ms); ranks on several hosts, or tensors that are not
-float32, go through torch.distributed (gloo on CPU, NCCL on CUDA)."""
+Ranks on one host sum (and gather, and trade a mixture of experts' tokens) through shared memory
+(shoal/kernels/shm_comm.c: microseconds per decode step's all-reduce, where gloo takes ~0.5 ms);
+ranks on several hosts, or sums of tensors that are not float32, go through torch.distributed
+(gloo on CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -61,6 +63,19 @@ class TorchCommunicator:
         self._calls += 1
         return out
 
+    def all_to_all(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """rows [world, world] (the same on every rank): rank s sends rank d rows[s, d] rows. `t`
+        holds this rank's sends by destination, in rank order; returns what every rank sent this
+        one, by source in rank order."""
+        t0 = time.perf_counter_ns()
+        me = dist.get_rank(self.group)
+        recv = rows[:, me].tolist()
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv, rows[me].tolist(), group=self.group)
+        self._busy_ns += time.perf_counter_ns() - t0
+        self._calls += 1
+        return out
+
     def native(self) -> tuple[int, int] | None:
         return None
 
@@ -86,6 +101,7 @@ class ShmCommunicator(TorchCommunicator):
         lib.shoal_shm_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
         lib.shoal_shm_allreduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.shoal_shm_allgather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        lib.shoal_shm_alltoall.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.lib = lib
         size = lib.shoal_shm_bytes(world_size, SLOT_BYTES)
         path = SHM_DIR / name
@@ -124,7 +140,7 @@ class ShmCommunicator(TorchCommunicator):
     def _check(self, rc: int) -> None:
         if rc:
             raise CommError(
-                f"a tensor-parallel peer did not join an all-reduce within {self.state.timeout_s:g} s"
+                f"a tensor-parallel peer did not join a collective within {self.state.timeout_s:g} s"
             )
 
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -141,6 +157,17 @@ class ShmCommunicator(TorchCommunicator):
         self._check(
             self.lib.shoal_shm_allgather(ctypes.byref(self.state), t.data_ptr(), nbytes, out.data_ptr())
         )
+        return out
+
+    def all_to_all(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return super().all_to_all(t, rows)
+        t = t.contiguous()
+        row_bytes = math.prod(t.shape[1:]) * t.element_size()
+        sizes = (rows.to(torch.int64) * row_bytes).contiguous()
+        out = t.new_empty((int(rows[:, self.state.rank].sum()), *t.shape[1:]))
+        state = ctypes.byref(self.state)
+        self._check(self.lib.shoal_shm_alltoall(state, t.data_ptr(), sizes.data_ptr(), out.data_ptr()))
         return out
 
     def close(self) -> None:

@@ -93,7 +93,8 @@ class Rank:
             self.comm = tp_communicator(
                 groups[place.pp_rank], tp, place.tp_rank, name, device, par.step_timeout_s
             )
-        parallel = (place.tp_rank, tp, place.pp_rank, pp, par.expert_parallel_size > 1)
+        ep = par.expert_parallel_size > 1
+        parallel = (place.tp_rank, tp, place.pp_rank, pp, ep, ep and par.expert_dispatch == "all-to-all")
         loaded = load_model(
             config.model,
             dtype=DTYPES[config.dtype],
@@ -116,6 +117,10 @@ class Rank:
         self.fused = self.runner.fused_decoder is not None
         self.stats = RankStats(place.rank)
         self.moe_layers = sparse_layers(self.runner.model)
+        # How this rank's sparse layers reach their experts (None: it holds every expert whole).
+        self.expert_dispatch = None
+        if self.moe_layers and shard.expert_parallel and tp > 1:
+            self.expert_dispatch = "all-to-all" if shard.all_to_all else "all-reduce"
 
     def _profile(self, step_ns: int) -> RankStats:
         s = self.stats
@@ -223,6 +228,7 @@ def run_worker(
         return 1
     info = {"rank": rank, "fused_decode": worker.fused, "threads": torch.get_num_threads()}
     info["collectives"] = worker.comm.kind if worker.comm is not None else None
+    info["expert_dispatch"] = worker.expert_dispatch
     info["host"], info["address"] = socket.gethostname(), link.advertise_host
     conn.send(("ready", info))
     try:
