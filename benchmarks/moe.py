@@ -2,8 +2,8 @@
 and 32 with its experts on 1, 2 and 3 ranks (expert parallelism; attention split by heads over
 the same ranks), each way of reaching the experts (all-reduce: every rank routes every token and a
 sum combines; all-to-all: each rank routes its share and trades tokens with the experts' ranks),
-the time a step spends in the ranks' collectives (those and attention's all-reduce), and a dense
-model of the same active parameter
+the time a step spends in the ranks' collectives (those and attention's all-reduce; of them, the
+sparse layers' dispatch and combine), and a dense model of the same active parameter
 count (intermediate size = top_k x an expert's) on one process for comparison; then the load of
 each rank under a skewed router (two experts' router rows scaled up), max over mean, with the
 static placement and with the engine replicating hot experts into 2 spare slots a rank.
@@ -42,11 +42,14 @@ def decode_rate(llm: LLM, conc: int, tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def collectives_per_step(llm: LLM) -> float | None:
+def collectives_per_step(llm: LLM) -> tuple[float, float, float] | None:
+    """Seconds a step spends in collectives: all of them, and of those the sparse layers' sending
+    tokens to their experts and putting the outputs together (the busiest rank's)."""
     stats = llm.engine.core.stats().ranks
     if not stats:
         return None
-    return max(s.comm_s / max(1, s.steps) for s in stats)
+    per_step = [(s.comm_s, s.moe_dispatch_s, s.moe_combine_s) for s in stats]
+    return tuple(max(x[i] / max(1, s.steps) for x, s in zip(per_step, stats)) for i in range(3))
 
 
 def skew_router(ckpt: Path, hot: tuple[int, ...], factor: float) -> Path:
@@ -101,11 +104,12 @@ def main() -> None:
                     stats = llm.engine.core.stats().moe_balance
                     balance.append((ep, dispatch, spares, stats.imbalance, stats.rebalances, rate))
     head = " | ".join(f"c={c} tok/s" for c in concs)
-    print(f"\n| model | ranks | {head} | collectives ms/step |")
-    print("| --- | --- |" + " --- |" * len(concs) + " --- |")
+    print(f"\n| model | ranks | {head} | collectives ms/step | of which dispatch | combine |")
+    print("| --- | --- |" + " --- |" * len(concs) + " --- | --- | --- |")
     for name, ranks, rates, comm in rows:
         cells = " | ".join(f"{r:.0f}" for r in rates)
-        print(f"| {name} | {ranks} | {cells} | {'-' if comm is None else f'{1000 * comm:.2f}'} |")
+        times = " | ".join(f"{1000 * t:.2f}" for t in comm) if comm else "- | - | -"
+        print(f"| {name} | {ranks} | {cells} | {times} |")
     print("\n| skewed router (experts 0, 1 favoured), c=8 | rank load max/mean | placements | tok/s |")
     print("| --- | --- | --- | --- |")
     for ep, dispatch, spares, ratio, placements, rate in balance:

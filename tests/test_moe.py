@@ -149,8 +149,10 @@ def test_quantized_experts_stay_close_to_fp32(mode, tmp_path):
 
 
 def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):
+    """Over two expert-parallel ranks trading tokens by all-to-all, with the time each rank spent
+    sending tokens to experts and putting their outputs together."""
     write_checkpoint("mixtral", tmp_path, packed=False)
-    server = start_server(str(tmp_path), "--num-blocks", "64")
+    server = start_server(str(tmp_path), "--num-blocks", "64", "-ep", "2", "--expert-dispatch", "all-to-all")
     try:
         body = {"model": tmp_path.name, "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True}
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
@@ -163,6 +165,11 @@ def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):
         for layer in range(3):
             counted = [float(line.rsplit(" ", 1)[1]) for line in samples if f'layer="{layer}"' in line]
             assert sum(counted) >= 2 * 8
+        for part in ("dispatch", "combine"):
+            times = [
+                line for line in text.splitlines() if line.startswith(f"shoal:parallel_rank_moe_{part}_")
+            ]
+            assert len(times) == 2 and all(float(line.rsplit(" ", 1)[1]) > 0 for line in times), times
     finally:
         server.stop()
 
@@ -205,9 +212,12 @@ def test_experts_split_across_ranks_answer_as_hf(split, tmp_path):
     with LLM(str(tmp_path), **split_by, pipeline_parallel_size=pp, num_blocks=64) as llm:
         outs = llm.generate(prompts, params)
         # The ranks count their own experts; the engine puts them together, by global layer.
-        load = llm.engine.core.stats().moe_expert_tokens
+        stats = llm.engine.core.stats()
+        load = stats.moe_expert_tokens
         dispatch = {r["expert_dispatch"] for r in llm.engine.core.executor.ranks_info}
     assert dispatch == {{True: "all-reduce", False: None}.get(whole, whole)}
+    # Tokens reach experts with no collective unless traded; outputs always need one.
+    assert all((r.moe_dispatch_s > 0) == (whole == "all-to-all") and r.moe_combine_s > 0 for r in stats.ranks)
     assert sorted(load) == [0, 2] and all(len(counts) == 6 for counts in load.values())
     assert all(sum(counts) >= 2 * (7 + 33 + 2 * 7) for counts in load.values())
     assert_matches_hf(hf, prompts, outs, 8, LOGPROB_ATOL)

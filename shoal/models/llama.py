@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_sparse(index):
-            self.mlp = SparseMoE(cfg, dispatch)
+            self.mlp = SparseMoE(cfg, all_reduce, dispatch)
         else:
             self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
             self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -145,12 +145,9 @@ class DecoderLayer(nn.Module):
         o = self.o_proj(attn(self.index, q, k, v).reshape(t, cfg.q_size))
         self.all_reduce(o)
         h = self.post_attention_layernorm.add_and_norm(x, o)
-        if not hasattr(self, "mlp"):
-            out = self.down_proj(silu_mul(self.gate_up_proj(h)))
-        elif self.mlp.dispatch is not None:
-            return self.mlp(h)  # whole already: the dispatch gathered it
-        else:
-            out = self.mlp(h)
+        if hasattr(self, "mlp"):
+            return self.mlp(h)  # combined across the ranks already
+        out = self.down_proj(silu_mul(self.gate_up_proj(h)))
         self.all_reduce(out)
         return out
 

@@ -12,6 +12,7 @@ tokens. An expert is an ordinary gated MLP of two projections, so the int8 and i
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -34,12 +35,15 @@ class ExpertMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """`dispatch` (models/moe_dispatch.py), under expert parallelism by all-to-all, trades the
-    tokens with the experts' ranks and returns the whole output: no all-reduce after it."""
+    """Its output is whole on every rank: `all_reduce` sums the ranks' partial outputs (the
+    layer's, over its tensor-parallel ranks), or `dispatch` (models/moe_dispatch.py), under expert
+    parallelism by all-to-all, trades the tokens with the experts' ranks and gathers the output."""
 
-    def __init__(self, cfg: ModelConfig, dispatch=None):
+    def __init__(self, cfg: ModelConfig, all_reduce=None, dispatch=None):
         super().__init__()
-        self.dispatch = dispatch
+        self.all_reduce, self.dispatch = all_reduce, dispatch
+        # Time in collectives, all told: getting tokens to their experts, and the outputs back.
+        self.dispatch_ns = self.combine_ns = 0
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
@@ -77,6 +81,10 @@ class SparseMoE(nn.Module):
         experts, weights = self.route(h)
         out = self.run_experts(h, experts, weights)
         self.add_shared(h, out)
+        if self.all_reduce is not None:
+            t0 = time.perf_counter_ns()
+            self.all_reduce(out)
+            self.combine_ns += time.perf_counter_ns() - t0
         return out
 
     def add_shared(self, h: torch.Tensor, out: torch.Tensor) -> None:

@@ -153,8 +153,18 @@ class _EngineCollector:
         families = [
             ("shoal:parallel_rank_steps", "Steps a rank has run.", "steps"),
             ("shoal:parallel_rank_step_seconds", "Time a rank spent in steps.", "step_s"),
-            ("shoal:parallel_rank_comm_seconds", "Time a rank spent in all-reduce/all-gather.", "comm_s"),
+            ("shoal:parallel_rank_comm_seconds", "Time a rank spent in collectives.", "comm_s"),
             ("shoal:parallel_rank_collectives", "Collectives a rank has joined.", "comm_calls"),
+            (
+                "shoal:parallel_rank_moe_dispatch_seconds",
+                "Of a rank's collectives, a mixture of experts' sending tokens to their experts' ranks.",
+                "moe_dispatch_s",
+            ),
+            (
+                "shoal:parallel_rank_moe_combine_seconds",
+                "Of a rank's collectives, a mixture of experts' putting its experts' outputs together.",
+                "moe_combine_s",
+            ),
             (
                 "shoal:parallel_rank_stage_wait_seconds",
                 "Time a rank waited for the previous pipeline stage's hidden states.",

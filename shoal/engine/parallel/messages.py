@@ -36,6 +36,10 @@ class RankStats:
     # Mixture of experts: for each of the rank's sparse layers (by its index in the whole model),
     # its first expert's id and the tokens each of its experts has taken.
     expert_tokens: dict[int, tuple[int, list[int]]] | None = None
+    # Of comm_s, the sparse layers' share: sending tokens to their experts' ranks (none under the
+    # all-reduce dispatch), and putting the experts' outputs together.
+    moe_dispatch_s: float = 0.0
+    moe_combine_s: float = 0.0
 
 
 @dataclass(frozen=True)

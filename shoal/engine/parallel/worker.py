@@ -134,6 +134,8 @@ class Rank:
         if self.moe_layers:
             first = self.runner.model.shard.layers.start
             s.expert_tokens = {first + i: (m.offset, m.expert_load()) for i, m in self.moe_layers.items()}
+            s.moe_dispatch_s = sum(m.dispatch_ns for m in self.moe_layers.values()) * 1e-9
+            s.moe_combine_s = sum(m.combine_ns for m in self.moe_layers.values()) * 1e-9
         return s
 
     def serve(self) -> None:
