@@ -21,10 +21,13 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
 from shoal import LLM, SamplingParams
+from shoal.engine.cpu_experts import attach_fused_experts
 from shoal.engine.expert_balance import imbalance, plan_replicas, rank_loads
+from shoal.kernels.cpu import cpu_kernels
 from shoal.models.gguf_loader import iter_gguf_blocks, open_gguf
 from shoal.models.loader import load_model
 from shoal.models.lora import AdapterError, load_adapter
+from shoal.models.moe import sparse_layers
 from shoal.models.parallel import ModelShard, ShardingError
 from shoal.models.quant import BlockQuantLinear, Int8Linear
 from tests.helpers import add_gguf_tokenizer, assert_matches_hf, assert_pool_whole, write_tokenizer
@@ -146,6 +149,37 @@ def test_quantized_experts_stay_close_to_fp32(mode, tmp_path):
     # Measured 0.92 (int8) and 0.66 (int4); a dense qwen2 of the same width gets 0.95 and 0.78:
     # a quantized router input now and then picks other experts, which moves the output further.
     assert agree >= (0.85 if mode == "int8" else 0.55)
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_the_fused_expert_layer_equals_the_torch_path(mode, tmp_path):
+    """One C call for a sparse layer's routed experts (engine/cpu_experts.py) against the loop over
+    experts in torch, at decode and prompt sizes; float32 experts at prompt size stay in torch
+    (the C kernel is for few rows), so there both sides are torch's."""
+    write_checkpoint("qwen2_moe", tmp_path, packed=False)
+    model = load_model(str(tmp_path), quantization=mode).model
+    kernels = cpu_kernels()
+    assert kernels is not None and attach_fused_experts(kernels, model) == len(sparse_layers(model))
+    moe = sparse_layers(model)[0]
+    engine = moe.fused
+    g = torch.Generator().manual_seed(3)
+
+    def run(fused) -> torch.Tensor:
+        moe.fused = fused
+        return moe.run_experts(h, experts, weights)
+
+    for rows in (1, 4, 48):
+        h = torch.randn(rows, moe.gate.in_features, generator=g)
+        experts, weights = moe.route(h)
+        reference = run(None)
+        answers = []
+        fused = run(lambda *args, seen=answers: seen.append(engine(*args)) or seen[-1])
+        torch.testing.assert_close(fused, reference, atol=2e-5 if mode == "none" else 1e-6, rtol=1e-5)
+        widest = int(torch.bincount(experts.reshape(-1)).max())
+        in_c = mode != "none" or not kernels.choices.f32_uses_torch(widest)
+        assert (answers[0] is not None) == in_c, (mode, rows, widest)
+        if rows == 1:
+            assert answers[0] is not None  # decode: always one C call
 
 
 def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):

@@ -30,7 +30,8 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _projection(kernels: CpuKernels, module: Projection | LoRAProjection) -> ProjectionParams:
+def projection_params(kernels: CpuKernels, module: Projection | LoRAProjection) -> ProjectionParams:
+    """A projection (and its adapters) as cpu_layer.c reads it; its tensors must outlive the result."""
     linear = base_projection(module)
     fmt, values, scales, mins = projection_weights(linear)
     params = ProjectionParams(
@@ -100,7 +101,8 @@ class CpuFusedDecoder:
         params = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             projections = {
-                name.removesuffix("_proj"): _projection(kernels, getattr(layer, name)) for name in PROJECTIONS
+                name.removesuffix("_proj"): projection_params(kernels, getattr(layer, name))
+                for name in PROJECTIONS
             }
             params.append(
                 LayerParams(

@@ -16,6 +16,7 @@ import torch
 
 from shoal.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from shoal.engine.cpu_decode import CpuFusedDecoder
+from shoal.engine.cpu_experts import attach_fused_experts
 from shoal.engine.cuda_graphs import CudaGraphDecoder
 from shoal.kernels.cpu import cpu_kernels, decode_attention_supports
 from shoal.kernels.triton_attention import triton_available
@@ -148,6 +149,8 @@ def build_forward_paths(
     args = (kv_caches, block_size, cfg.head_dim**-0.5, cfg.sliding_window, dtype)
     paths: list[ForwardPath] = []
     kernels = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+    if kernels is not None:
+        attach_fused_experts(kernels, model)
     if kernels is not None and decode_attention_supports(cfg.head_dim):
         attention = CpuPagedAttention(kernels, *args)
         fused = CpuFusedDecoder.build(kernels, model, kv_caches, block_size)

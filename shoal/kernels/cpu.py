@@ -63,6 +63,8 @@ _SIGNATURES = {
     "shoal_decode_layer": [ctypes.POINTER(LayerParams), _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P],
     "shoal_lora_apply": [ctypes.POINTER(LoRAParams), _P, _I, _P, _P, _I],
     "shoal_decode_layer_scratch": [ctypes.POINTER(LayerParams), _I],
+    "shoal_moe_experts_scratch": [_I, _I, _I],
+    "shoal_moe_experts": [_P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
     "shoal_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P],
 }
 
@@ -75,6 +77,9 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         lib.shoal_decode_layer_scratch.restype = ctypes.c_int64
+        lib.shoal_moe_experts_scratch.restype = ctypes.c_int64
+        self._moe_experts = lib.shoal_moe_experts
+        self._moe_experts_scratch = lib.shoal_moe_experts_scratch
         self._decode_layer = lib.shoal_decode_layer
         self._decode_layer_scratch = lib.shoal_decode_layer_scratch
         self._block_linear = lib.shoal_block_linear
@@ -240,6 +245,33 @@ class CpuKernels:
             ctypes.byref(params), x.data_ptr(), 0 if delta is None else delta.data_ptr(), x.shape[0],
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), lora, scratch.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def moe_experts(
+        self,
+        gate_up,
+        down,
+        intermediate: int,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        scale: torch.Tensor | None,
+        starts: torch.Tensor,
+        ends: torch.Tensor,
+    ) -> torch.Tensor:
+        """A mixture of experts' routed part (see cpu_layer.c): gate_up, down: ctypes arrays of
+        ProjectionParams, one per expert; x [T, H]; rows, starts, ends int64; scale float32 or
+        None. Returns [T, H]."""
+        hidden = x.shape[1]
+        widest = int((ends - starts).max()) if len(starts) else 0
+        scratch = torch.empty(self._moe_experts_scratch(widest, hidden, intermediate) + 64, dtype=torch.uint8)
+        base = scratch.data_ptr()
+        out = torch.zeros_like(x)
+        self._moe_experts(
+            ctypes.addressof(gate_up), ctypes.addressof(down), len(starts), hidden, intermediate,
+            x.data_ptr(), rows.data_ptr(),
+            0 if scale is None else scale.data_ptr(), starts.data_ptr(), ends.data_ptr(),
+            base + (-base % 64), out.data_ptr(),
         )  # fmt: skip
         return out
 

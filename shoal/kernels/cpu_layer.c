@@ -1,4 +1,5 @@
-/* One Llama-family decoder layer for a batch of single-token (decode) rows, in one call.
+/* One Llama-family decoder layer for a batch of single-token (decode) rows, in one call; and a
+ * mixture of experts' routed experts, likewise.
  *
  * At decode sizes the arithmetic of a layer takes tens of microseconds, and dispatching a dozen
  * torch ops and kernel calls from Python costs about as much again; this runs the layer's whole
@@ -113,4 +114,54 @@ void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int6
     shoal_silu_mul(gu, M, I, act);
     project(&p->down, act, M, lora_slots, xq, dx, sx, out);
     if (p->allreduce) p->allreduce(p->comm, out, M * H);
+}
+
+/* The routed experts' buffers for up to `rows` rows (NULL base: only counts); returns their bytes. */
+static int64_t expert_layout(int64_t rows, int64_t H, int64_t I, char *base, float **xe, float **gu, float **act,
+                             float **y, int8_t **xq, float **dx, float **sx) {
+    const int64_t kmax = H > I ? H : I;
+    const int64_t sizes[7] = {4 * rows * H, 4 * rows * 2 * I, 4 * rows * I, 4 * rows * H, rows * kmax,
+                              4 * rows * (kmax / 32 + 1), 4 * rows * (kmax / 32 + 1)};
+    void **slots[7] = {(void **)xe, (void **)gu, (void **)act, (void **)y, (void **)xq, (void **)dx, (void **)sx};
+    int64_t off = 0;
+    for (int i = 0; i < 7; i++) {
+        if (base) *slots[i] = base + off;
+        off += (sizes[i] + 63) & ~(int64_t)63;
+    }
+    return off;
+}
+
+/* Bytes of scratch shoal_moe_experts needs when no expert takes more than `rows` rows. */
+int64_t shoal_moe_experts_scratch(int64_t rows, int64_t H, int64_t I) {
+    return expert_layout(rows, H, I, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+/* A mixture of experts' routed part in one call, as SparseMoE.run_experts in models/moe.py does it
+ * expert by expert: for each expert e, its choices j in [starts[e], ends[e]) (token rows[j], weight
+ * scale[j], or 1 when scale is NULL) add scale[j] * down(silu(gate_up(x[rows[j]]))) to out[rows[j]].
+ * gate_up, down [E]: each expert's projections (hidden -> 2I, I -> hidden); an expert this rank
+ * does not run has no choices. out [T, H] is added to, in expert order and row order within. */
+void shoal_moe_experts(const ProjectionParams *gate_up, const ProjectionParams *down, int64_t E, int64_t H,
+                       int64_t I, const float *x, const int64_t *rows, const float *scale, const int64_t *starts,
+                       const int64_t *ends, void *scratch, float *out) {
+    int64_t widest = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (ends[e] - starts[e] > widest) widest = ends[e] - starts[e];
+    float *xe, *gu, *act, *y, *dx, *sx;
+    int8_t *xq;
+    expert_layout(widest, H, I, scratch, &xe, &gu, &act, &y, &xq, &dx, &sx);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = starts[e], n = ends[e] - starts[e];
+        if (n <= 0) continue;
+        for (int64_t j = 0; j < n; j++) memcpy(xe + j * H, x + rows[first + j] * H, sizeof(float) * H);
+        project(&gate_up[e], xe, n, 0, xq, dx, sx, gu);
+        shoal_silu_mul(gu, n, I, act);
+        project(&down[e], act, n, 0, xq, dx, sx, y);
+        for (int64_t j = 0; j < n; j++) {
+            const float s = scale ? scale[first + j] : 1.0f;
+            float *o = out + rows[first + j] * H;
+            const float *v = y + j * H;
+            for (int64_t h = 0; h < H; h++) o[h] += v[h] * s;
+        }
+    }
 }

@@ -128,6 +128,10 @@ int64_t shoal_decode_layer_scratch(const LayerParams *p, int64_t M);
 void shoal_decode_layer(const LayerParams *p, float *x, const float *delta, int64_t M, const float *cos,
                         const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
                         const int64_t *lens, const int64_t *lora_slots, void *scratch, float *out);
+int64_t shoal_moe_experts_scratch(int64_t rows, int64_t H, int64_t I);
+void shoal_moe_experts(const ProjectionParams *gate_up, const ProjectionParams *down, int64_t E, int64_t H,
+                       int64_t I, const float *x, const int64_t *rows, const float *scale, const int64_t *starts,
+                       const int64_t *ends, void *scratch, float *out);
 
 /* shm_comm.c (its own library, built for any CPU) */
 int64_t shoal_shm_bytes(int64_t world, int64_t slot_bytes);

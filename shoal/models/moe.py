@@ -44,6 +44,9 @@ class SparseMoE(nn.Module):
         self.all_reduce, self.dispatch = all_reduce, dispatch
         # Time in collectives, all told: getting tokens to their experts, and the outputs back.
         self.dispatch_ns = self.combine_ns = 0
+        # The routed experts in one call (engine/cpu_experts.py), given by the engine where its
+        # kernels run; None, or its answer None, leaves them to the loop below.
+        self.fused = None
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
@@ -97,19 +100,35 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # choices grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.gate.out_features)
         self.count(counts)
-        rows = order // self.top_k
-        scale = weights.reshape(-1)[order].to(h.dtype).unsqueeze(1)
-        out = torch.zeros_like(h)
-        ends = torch.cumsum(counts, 0).tolist()  # expert e's choices: ends[e] - counts[e] .. ends[e]
+        scale = weights.reshape(-1)[order].to(h.dtype)
+        return self._run(h, order // self.top_k, scale, self._work(counts, split=True))
+
+    def _work(self, counts: torch.Tensor, split: bool) -> list[tuple[int, nn.Module, int, int]]:
+        """(expert, module, first, end) for each expert this rank runs on choices first .. end - 1
+        of the sorted ones (`counts` per expert); `split`: a replicated expert's choices are
+        shared out among its holders, this rank taking its even run of them."""
+        ends = torch.cumsum(counts, 0).tolist()
+        work = []
         for e, module in self._computed_here():
             start, end = (ends[e - 1] if e else 0), ends[e]
-            held = self.holders.get(e)
-            if held is not None:  # replicated: this rank takes its even run of the tokens
+            held = self.holders.get(e) if split else None
+            if held is not None:
                 i, n = held.index(self.rank), end - start
                 start, end = start + i * n // len(held), start + (i + 1) * n // len(held)
             if end > start:
-                tokens = rows[start:end]
-                out.index_add_(0, tokens, module(h[tokens]) * scale[start:end])
+                work.append((e, module, start, end))
+        return work
+
+    def _run(self, h: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, work: list):
+        """out[rows[j]] += scale[j] x expert(h[rows[j]]) for each expert's choices j (scale None: 1)."""
+        out = self.fused(h, rows, scale, work) if self.fused is not None else None
+        if out is not None:
+            return out
+        out = torch.zeros_like(h)
+        for _, module, start, end in work:
+            tokens = rows[start:end]
+            y = module(h[tokens])
+            out.index_add_(0, tokens, y if scale is None else y * scale[start:end].unsqueeze(1))
         return out
 
     def destinations(self, experts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -125,14 +144,7 @@ class SparseMoE(nn.Module):
         """Each received row through the expert it is for (`expert_of`; `counts` per expert),
         unweighted: its sender weighs it."""
         order = torch.argsort(expert_of, stable=True)
-        ends = torch.cumsum(counts, 0).tolist()
-        out = torch.empty_like(rows)
-        for e, module in self._computed_here():
-            start, end = (ends[e - 1] if e else 0), ends[e]
-            if end > start:
-                picked = order[start:end]
-                out[picked] = module(rows[picked])
-        return out
+        return self._run(rows, order, None, self._work(counts, split=False))
 
     def _computed_here(self):
         """(expert, module) of each expert whose tokens this rank computes (some of them, when
