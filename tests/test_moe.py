@@ -266,6 +266,10 @@ def test_splits_a_moe_model_cannot_take_are_refused(tmp_path):
         ModelShard(dataclasses.replace(cfg, qk_norm_per_head=True), 0, 8, expert_parallel=True)
     with pytest.raises(ValueError, match="needs --tensor-parallel-size 2"):
         LLM(str(tmp_path), expert_parallel_size=2, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="needs --expert-parallel-size 2 or more"):
+        LLM(str(tmp_path), expert_dispatch="all-to-all")
+    with pytest.raises(ValueError, match="expert_dispatch must be one of all-reduce, all-to-all"):
+        LLM(str(tmp_path), expert_parallel_size=2, expert_dispatch="broadcast")
 
 
 def write_moe_gguf(hf, path, expert_type: Q) -> None:

@@ -98,6 +98,11 @@ class ParallelConfig:
             choices = ", ".join(EXPERT_DISPATCH)
             raise ValueError(f"expert_dispatch must be one of {choices}, not {self.expert_dispatch!r}")
         ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if self.expert_dispatch == "all-to-all" and ep < 2:
+            raise ValueError(
+                "--expert-dispatch all-to-all trades tokens between expert-parallel ranks: "
+                "it needs --expert-parallel-size 2 or more"
+            )
         if ep > 1 and tp == 1:
             self.tensor_parallel_size = ep
         elif ep > 1 and ep != tp:
