@@ -29,15 +29,16 @@ class CpuFusedExperts:
         self._arrays: tuple | None = None
         self._float32 = False
 
-    def _params(self, work: list) -> tuple | None:
+    def _params(self) -> tuple | None:
         """Each expert's projections as C reads them, rebuilt when the rank's experts change (a
         rebalancing adds or drops replicas); None when one of them is not a kind C runs."""
-        held = tuple((e, id(m)) for e, m, _, _ in work)
+        experts = self.moe.computed_here()
+        held = tuple((e, id(m)) for e, m in experts)
         if held != self._held:
             count = self.moe.gate.out_features
             gate_up, down = (ProjectionParams * count)(), (ProjectionParams * count)()
             self._float32, usable = False, True
-            for e, module, _, _ in work:
+            for e, module in experts:
                 if not all(isinstance(p, RUNS_IN_C) for p in (module.gate_up_proj, module.down_proj)):
                     usable = False
                     break
@@ -51,7 +52,7 @@ class CpuFusedExperts:
         if not work or kernels_for(h) is None or (scale is not None and kernels_for(scale) is None):
             return None
         widest = max(end - first for _, _, first, end in work)
-        if self._params(work) is None or (self._float32 and self.kernels.choices.f32_uses_torch(widest)):
+        if self._params() is None or (self._float32 and self.kernels.choices.f32_uses_torch(widest)):
             return None
         gate_up, down = self._arrays
         starts, ends = [0] * self.moe.gate.out_features, [0] * self.moe.gate.out_features

@@ -109,7 +109,7 @@ class SparseMoE(nn.Module):
         shared out among its holders, this rank taking its even run of them."""
         ends = torch.cumsum(counts, 0).tolist()
         work = []
-        for e, module in self._computed_here():
+        for e, module in self.computed_here():
             start, end = (ends[e - 1] if e else 0), ends[e]
             held = self.holders.get(e) if split else None
             if held is not None:
@@ -146,7 +146,7 @@ class SparseMoE(nn.Module):
         order = torch.argsort(expert_of, stable=True)
         return self._run(rows, order, None, self._work(counts, split=False))
 
-    def _computed_here(self):
+    def computed_here(self):
         """(expert, module) of each expert whose tokens this rank computes (some of them, when
         it is replicated): its own, then its replicas, by expert id."""
         own = [(self.offset + i, m) for i, m in enumerate(self.experts)]
