@@ -132,7 +132,9 @@ def test_a_rolling_update_under_streaming_load_fails_no_request(fleet):
             await asyncio.sleep(0.1)
 
     async def load() -> tuple[list[dict], list[dict]]:
-        long = asyncio.ensure_future(long_requests(fleet.url, 1200))
+        # Long enough to outlast two replica starts and two drains on a slow day: 1200 tokens
+        # once ended 0.7 s before the update did (the starts and the decoding slow down alike).
+        long = asyncio.ensure_future(long_requests(fleet.url, 1600))
         await asyncio.sleep(1.0)  # decoding, one on each replica
         flags = "--threads 1 --kv-cache-memory 192MiB"
         update = ("fleet", "update", "--gateway", fleet.url, "--replica-args", flags)
