@@ -159,6 +159,7 @@ def figures(s: dict, row: Row) -> dict[str, float]:
         "TTFT p50 ms": 1e3 * s["ttft_s"]["p50"],
         "TTFT p99 ms": 1e3 * s["ttft_s"]["p99"],
         "ITL p50 ms": 1e3 * s["itl_s"]["p50"],
+        "ITL mean ms": 1e3 * s["itl_s"]["mean"],
         "ITL p99 ms": 1e3 * s["itl_s"]["p99"],
         "replica-s": up,
     }

@@ -252,6 +252,31 @@ def first_tokens(result) -> list[tuple[float, float]]:
 
 
 @pytest.mark.parametrize("simulator", [FleetSim, FastFleet])
+def test_a_capped_client_sends_its_next_request_after_it_sees_the_last_ones_end(simulator):
+    """One client, one request at a time, 0.25 s spent outside the engine per request (HTTP, its
+    hops): the next request reaches the engine 0.25 s after the engine finished the last one,
+    which the client saw end 0.25 s late, so each request starts as the last one's e2e ends."""
+    spec = WorkloadSpec(num_requests=4, input_len=Lengths("fixed", 64), output_len=Lengths("fixed", 8))
+    reqs = spec.requests(with_tokens=simulator is FleetSim)
+    runs = {}
+    for overhead in (0.0, 0.25):
+        shape = FleetShape(1, replica=ReplicaShape(16, 2048, overhead), max_concurrency=1)
+        runs[overhead] = simulator(made_up_profile(), shape).run(reqs)
+    plain, slow = (sorted(_starts_and_e2e(runs[o])) for o in (0.0, 0.25))
+    engine_time = plain[0][1]
+    for i, (start, e2e) in enumerate(slow):
+        assert start == pytest.approx(i * (engine_time + 0.25))
+        assert e2e == pytest.approx(engine_time + 0.25)
+    assert runs[0.25].duration_s == pytest.approx(runs[0.0].duration_s + 3 * 0.25)
+
+
+def _starts_and_e2e(result) -> list[tuple[float, float]]:
+    if isinstance(result, SimResult):
+        return [(r.start, r.e2e) for r in result.records]
+    return list(zip(result.out.start, result.out.e2e, strict=True))
+
+
+@pytest.mark.parametrize("simulator", [FleetSim, FastFleet])
 def test_an_autoscaled_pool_scales_up_for_a_burst_starts_cold_or_warm_and_scales_down(simulator):
     """The controller's rules in simulated time, with the real Autoscaler: a burst raises the
     pool (cold replicas take traffic after the start-up time, a warm standby at once), the pool
@@ -351,8 +376,8 @@ def _node_profile() -> NodeProfile:
     return measure(cfg)
 
 
-def _misses(profile: NodeProfile) -> dict:
-    """The real server's figures that the simulator, from `profile`, misses by over 20 %."""
+def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
+    """The real server's figures and the simulator's from `profile`: (measured, predicted, error)."""
     server = start_server(*SERVE_FLAGS)
     try:
         measured = run_serve_bench(
@@ -365,26 +390,33 @@ def _misses(profile: NodeProfile) -> dict:
     spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
     predicted = FleetSim(profile, shape).run(spec.requests()).summary()
+    # The mean inter-token time, not the median: the simulator prices each step at its average (see
+    # calibrate_to_server), and stalls on a loaded machine put the median well under the mean.
     pairs = {
         "throughput": (measured["output_token_throughput"], predicted["output_token_throughput"]),
         "TTFT p50": (measured["ttft_s"]["p50"], predicted["ttft_s"]["p50"]),
-        "ITL p50": (measured["itl_s"]["p50"], predicted["itl_s"]["p50"]),
+        "ITL mean": (measured["itl_s"]["mean"], predicted["itl_s"]["mean"]),
     }
-    off = {k: abs(p - m) / m for k, (m, p) in pairs.items()}
-    return {k: (pairs[k], f"{100 * v:.0f} %") for k, v in off.items() if v > 0.2}
+    return {k: (m, p, (p - m) / m) for k, (m, p) in pairs.items()}
+
+
+def _misses(errors: dict[str, float]) -> dict[str, str]:
+    return {k: f"{100 * e:+.0f} %" for k, e in errors.items() if abs(e) > 0.2}
 
 
 def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
     """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
     the same workload simulated from the node's profile. This machine is shared, and its speed
-    drifts by 25-35 % between a profile and a run a minute later, either way (seen in CI and in
-    full runs here: every figure off in the same direction, the next round off the other way). So
-    a miss is measured again from a fresh profile taken right before, up to twice; a simulator
-    that is off by itself misses every round."""
-    rounds = [_misses(node_profile)]
-    while rounds[-1] and len(rounds) < 3:
-        rounds.append(_misses(_node_profile()))
-    assert not rounds[-1], rounds
+    moves by 10-20 % between a profile and a run half a minute later, either way (seen here in
+    rounds run back to back: throughput +8 %, -18 %, -5 %; TTFT p50 -1 %, +21 %, -3 %). So a round
+    that misses is followed by two more, each from a fresh profile taken right before, and each
+    figure's median error over the three is what must hold: noise moves it both ways, a simulator
+    that is off by itself moves it the same way every round."""
+    rounds = [_errors(node_profile)]
+    if _misses({k: e for k, (_, _, e) in rounds[0].items()}):
+        rounds += [_errors(_node_profile()) for _ in range(2)]
+    median = {k: float(np.median([r[k][2] for r in rounds])) for k in rounds[0]}
+    assert not _misses(median), rounds
 
 
 MODEL = "SmolLM2-135M-Instruct"

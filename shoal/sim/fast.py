@@ -157,6 +157,7 @@ class FastFleet:
             given(target, at)
 
         in_flight = 0
+        releases: list[float] = []  # when a client may send again (see FleetSim.run)
         while next_req < len(reqs) or events or held or handoffs or gateway:
             if held and in_flight < cap:
                 in_flight += 1
@@ -165,6 +166,10 @@ class FastFleet:
             t_arrival = reqs[next_req].arrival if next_req < len(reqs) else math.inf
             t_event = events[0][0] if events else math.inf
             t_handoff = handoffs[0][0] if handoffs else math.inf
+            if releases and releases[0] <= min(next_tick, t_arrival, t_event, t_handoff):
+                now = heapq.heappop(releases)
+                in_flight -= 1
+                continue
             if next_tick <= min(t_arrival, t_event, t_handoff):
                 now, next_tick = next_tick, next_tick + TICK_S
                 active = pool.active
@@ -200,8 +205,9 @@ class FastFleet:
                 before = loads[i]
                 rep.finish(now)
                 if loads[i] != before:
-                    if not prefill_of[i]:
-                        in_flight -= before - loads[i]
+                    if not prefill_of[i] and cap < math.inf:  # uncapped: nobody waits for a slot
+                        for _ in range(before - loads[i]):
+                            heapq.heappush(releases, now + rep.overhead)
                     router_of[i].loaded(i)
                 for f in rep.handed:  # its K/V goes on to the decode worker
                     seq += 1

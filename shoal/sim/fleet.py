@@ -156,6 +156,9 @@ class FleetSim:
         cap = self.shape.max_concurrency or math.inf
         in_flight = 0
         held: deque[SimRequest] = deque()  # arrived, waiting for the clients' cap
+        # When a client that finished a request may send its next: it sees the end one request's
+        # overhead after the engine does, and its next request spends that long reaching a replica.
+        releases: list[float] = []
         waking: set[int] = set()  # idle replicas given work: their step starts at an event of its own
         now = 0.0
         first = pending[0].arrival if pending else 0.0
@@ -207,6 +210,10 @@ class FleetSim:
             if held and in_flight < cap:
                 send(held.popleft(), now)
                 continue
+            if releases and releases[0] <= min(next_tick, next_arrival, next_handoff, next_step):
+                now = heapq.heappop(releases)
+                in_flight -= 1
+                continue
             if next_tick <= min(next_arrival, next_handoff, next_step):
                 now, next_tick = next_tick, next_tick + TICK_S
                 pool.tick(now, self._load(records, now, first, last_arrival, len(gateway)))
@@ -238,8 +245,9 @@ class FleetSim:
                         seq += 1
                         ready = now + self.shape.handoff_seconds(self.profile, req.prompt_len)
                         heapq.heappush(handoffs, (ready, seq, d, req, rec, sent))
-                else:
-                    in_flight -= len(done)
+                elif cap < math.inf:  # uncapped: nobody waits for a slot
+                    for _ in done:
+                        heapq.heappush(releases, now + replica.overhead)
                 if replica.pool.enable_events:
                     self._publish(replica)
             ends = replica.start_step(now)
