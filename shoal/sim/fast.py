@@ -128,8 +128,11 @@ class FastFleet:
             """target was given a request at `at`."""
             router_of[target.index].loaded(target.index)
             if target.busy_until is None:
-                push(target, at)  # wakes once every arrival of this instant is in
-                target.waking = True
+                if self.shape.offline:  # see FleetShape.offline
+                    push(target, at)  # wakes once every arrival of this instant is in
+                    target.waking = True
+                elif (ends := target.plan(at)) is not None:
+                    push(target, ends)
             elif target.segment is not None:
                 ends = target.cut(at)
                 if ends is not None:

@@ -40,6 +40,10 @@ class FleetShape:
     kv_transport: str = "shm"
     # An autoscaled pool (scaling.py) of up to scaling.max_replicas, instead of `replicas` fixed.
     scaling: ScalingShape | None = None
+    # Requests that reach an idle replica at one instant share its first step, as an offline batch
+    # does (LLM.generate adds them all, then steps). A server's front end hands its engine requests
+    # one at a time, and an idle engine starts a step at the first: the others wait for the next.
+    offline: bool = False
 
     def handoff_seconds(self, profile: NodeProfile, tokens: int) -> float:
         """A prompt's K/V from prefill to decode worker, as the profile measured it (0: not)."""
@@ -173,11 +177,16 @@ class FleetSim:
 
         def wake(i: int, at: float) -> None:
             nonlocal seq
-            if self.replicas[i].step_ends is None and i not in waking:
+            replica = self.replicas[i]
+            if replica.step_ends is not None or i in waking:
+                return
+            seq += 1
+            if self.shape.offline:
                 # It starts a step once every arrival of this instant is in (arrivals go first).
                 waking.add(i)
-                seq += 1
                 heapq.heappush(steps, (at, seq, i))
+            elif (ends := replica.start_step(at)) is not None:
+                heapq.heappush(steps, (ends, seq, i))
 
         def send(
             req: SimRequest, at: float, rec: RequestRecord | None = None, sent: float | None = None

@@ -36,6 +36,14 @@ class StepShape:
         self.attention += tokens * end
 
 
+def step_shape(so) -> StepShape:
+    """What a scheduled step (a SchedulerOutput) holds."""
+    shape = StepShape()
+    for sr in so.scheduled:
+        shape.add_row(len(sr.token_ids) + len(sr.spec_token_ids), sr.start_pos)
+    return shape
+
+
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares of relative error with every coefficient at least 0 (a cost never falls as a
     step holds more): drop the most negative coefficient and fit again until none is."""

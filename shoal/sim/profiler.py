@@ -19,7 +19,10 @@ from datetime import UTC, datetime
 import numpy as np
 
 from shoal import __version__
-from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
+from shoal.sim.fleet import FleetShape, FleetSim
+from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape, step_shape
+from shoal.sim.replica import ReplicaShape
+from shoal.sim.workload import Lengths, WorkloadSpec
 
 FIRST_PLAIN_ID = 1000  # ids clear of the special tokens at the start of most vocabularies
 MIN_KEPT = 0.5  # a server calibration keeps at least this part of each step cost it corrects
@@ -48,13 +51,6 @@ class ProfileConfig:
     # Where to save the profile after each stage, so a stage that fails (a server that does not
     # start, a lease that ends) leaves the stages before it on disk.
     save_to: str | None = None
-
-
-def step_shape(so) -> StepShape:
-    shape = StepShape()
-    for sr in so.scheduled:
-        shape.add_row(len(sr.token_ids) + len(sr.spec_token_ids), sr.start_pos)
-    return shape
 
 
 class StepRecorder:
@@ -238,26 +234,31 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
             )
             with contextlib.redirect_stdout(io.StringIO()):  # its report is not the profile's
                 measured.append((b, run_serve_bench(bench)))
+    fold_serving(profile, measured, prompt, steps)
+
+
+def fold_serving(profile: NodeProfile, measured: list[tuple[int, dict]], prompt: int, steps: int) -> None:
+    """Folds what serving adds into `profile`, from `shoal bench serve` summaries of runs of 2 x b
+    requests (`prompt` tokens in, `steps` out), b at a time: [(b, summary)], b ascending."""
     rows = np.array([b for b, _ in measured], dtype=float)
-    # The mean inter-token time, not the median: a simulated step costs the same each time, so its
-    # cost must be the average for a run's length (throughput, replica-seconds) to come out right.
-    # A loaded machine's steps are skewed (the mean 10 % over the median here, 30-45 % in CI runs
-    # with stalls), and the median would price every step as a quiet one.
-    ctx = prompt + steps // 2
-    extra = np.array([s["itl_s"]["mean"] - profile.decode.decode_seconds(b, b * ctx) for b, s in measured])
+    # Each run's mean inter-token time against the same run simulated from the bare profile: the
+    # simulation has the gaps a new prompt's prefill puts between the others' tokens, so what is
+    # left is what serving adds. The mean, not the median: a simulated step costs the same each
+    # time, so its cost must be the average for a run's length (throughput, replica-seconds) to
+    # come out right; a loaded machine's steps are skewed (stalls), the median prices quiet ones.
+    extra = np.array([s["itl_s"]["mean"] - _simulated_itl(profile, b, prompt, steps) for b, s in measured])
     # What serving adds may be negative, and is at large batches here: the server processes a
     # step's output while the next step runs, where the profile's bare loop waits for it. So the
     # line is not clipped at zero; only each corrected cost is kept to a part of its own.
     step_s, row_s = np.polyfit(rows, extra, 1)[::-1] if len(rows) > 1 else (extra[0], 0.0)
-    profile.decode.coef = [
-        *(
-            max(MIN_KEPT * c, c + step_s + row_s * k)
-            for c, k in zip(profile.decode.coef, profile.decode.knots)
-        ),
-        profile.decode.coef[-1],
-    ]
-    profile.mixed.coef[0] = max(MIN_KEPT * profile.mixed.coef[0], profile.mixed.coef[0] + step_s)
-    profile.mixed.coef[1] = max(MIN_KEPT * profile.mixed.coef[1], profile.mixed.coef[1] + row_s)
+    decode, mixed = profile.decode, profile.mixed
+    if decode.knots:
+        per_knot = (_corrected(c, step_s + row_s * k) for c, k in zip(decode.coef, decode.knots))
+        decode.coef = [*per_knot, decode.coef[-1]]
+    else:  # a line: step, rows, context
+        decode.coef = [_corrected(decode.coef[0], step_s), _corrected(decode.coef[1], row_s), decode.coef[2]]
+    mixed.coef[0] = _corrected(mixed.coef[0], step_s)
+    mixed.coef[1] = _corrected(mixed.coef[1], row_s)
     one = StepShape()
     one.add_row(prompt, 0)
     first = measured[0][1]["ttft_s"]["p50"] - profile.step_seconds(one)
@@ -266,6 +267,19 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
         "per_row_s": float(row_s),
         "per_request_s": max(0.0, first),
     }
+
+
+def _corrected(cost: float, added: float) -> float:
+    return max(MIN_KEPT * cost, cost + added)
+
+
+def _simulated_itl(profile: NodeProfile, clients: int, prompt: int, steps: int) -> float:
+    """The mean inter-token time the simulator gives a calibration run (2 x `clients` requests,
+    `clients` at a time), from `profile` as it stands."""
+    spec = WorkloadSpec(2 * clients, input_len=Lengths("fixed", prompt), output_len=Lengths("fixed", steps))
+    replica = ReplicaShape(profile.max_num_seqs, profile.max_num_batched_tokens, 0.0)
+    run = FleetSim(profile, FleetShape(1, replica=replica, max_concurrency=clients)).run(spec.requests())
+    return run.summary()["itl_s"]["mean"]
 
 
 def time_kv_transfer(cfg: ProfileConfig, max_len: int) -> dict[str, float]:

@@ -15,8 +15,7 @@ from shoal.engine.request import Request, RequestStatus
 from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from shoal.sim.profile import NodeProfile, StepShape
-from shoal.sim.profiler import step_shape
+from shoal.sim.profile import NodeProfile, StepShape, step_shape
 from shoal.sim.workload import SimRequest
 
 OUTPUT_TOKEN = 999  # what every simulated step "samples"; EOS is never it (requests ignore EOS)
