@@ -11,6 +11,7 @@ tokens. An expert is an ordinary gated MLP of two projections, so the int8 and i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -85,10 +86,23 @@ class SparseMoE(nn.Module):
         out = self.run_experts(h, experts, weights)
         self.add_shared(h, out)
         if self.all_reduce is not None:
-            t0 = time.perf_counter_ns()
-            self.all_reduce(out)
-            self.combine_ns += time.perf_counter_ns() - t0
+            with self.combining():
+                self.all_reduce(out)
         return out
+
+    @contextlib.contextmanager
+    def dispatching(self):
+        """Counts the time inside into dispatch_ns."""
+        t0 = time.perf_counter_ns()
+        yield
+        self.dispatch_ns += time.perf_counter_ns() - t0
+
+    @contextlib.contextmanager
+    def combining(self):
+        """Counts the time inside into combine_ns."""
+        t0 = time.perf_counter_ns()
+        yield
+        self.combine_ns += time.perf_counter_ns() - t0
 
     def add_shared(self, h: torch.Tensor, out: torch.Tensor) -> None:
         if hasattr(self, "shared_expert"):

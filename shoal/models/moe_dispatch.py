@@ -11,8 +11,6 @@ rather than the whole step's sum; the price is three collectives in place of one
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from shoal.models.parallel import row_shares
@@ -39,27 +37,24 @@ class ExpertDispatch:
         key = moe.destinations(chosen, token + mine.start) * num_experts + chosen
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=self.world * num_experts).view(self.world, num_experts)
-        t0 = time.perf_counter_ns()
-        every = self.comm.all_gather(counts)  # [source, destination, expert], alike on all ranks
-        rows = every.sum(2)
-        received = self.comm.all_to_all(local[token[order]], rows)
-        moe.dispatch_ns += time.perf_counter_ns() - t0
+        with moe.dispatching():
+            every = self.comm.all_gather(counts)  # [source, destination, expert], alike on all ranks
+            rows = every.sum(2)
+            received = self.comm.all_to_all(local[token[order]], rows)
         moe.count(every.sum((0, 1)))
         per_source = every[:, self.rank]  # [source, expert]
         expert_of = torch.repeat_interleave(
             torch.arange(num_experts, device=h.device).repeat(self.world), per_source.reshape(-1)
         )
         outputs = moe.run_received(received, expert_of, per_source.sum(0))
-        t0 = time.perf_counter_ns()
-        back = self.comm.all_to_all(outputs, rows.t().contiguous())  # in the order they were sent
-        moe.combine_ns += time.perf_counter_ns() - t0
+        with moe.combining():
+            back = self.comm.all_to_all(outputs, rows.t().contiguous())  # in the order they were sent
         out = torch.zeros_like(local)
         out.index_add_(0, token[order], back * weights.reshape(-1)[order].to(h.dtype).unsqueeze(1))
         moe.add_shared(local, out)
         largest = shares[0].size
         padded = torch.zeros((largest, h.shape[1]), dtype=h.dtype, device=h.device)
         padded[: out.shape[0]] = out
-        t0 = time.perf_counter_ns()
-        gathered = self.comm.all_gather(padded)
-        moe.combine_ns += time.perf_counter_ns() - t0
+        with moe.combining():
+            gathered = self.comm.all_gather(padded)
         return torch.cat([gathered[r, : s.size] for r, s in enumerate(shares)])
