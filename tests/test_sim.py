@@ -378,6 +378,26 @@ def test_a_pool_at_zero_starts_cold_for_its_first_request(simulator):
     assert [d for _, d, _ in sim.pool.decisions] == [1, 0, 1]
 
 
+@pytest.mark.parametrize("simulator", [FleetSim, FastFleet])
+def test_a_replica_started_again_holds_nothing_of_its_old_cache(simulator):
+    """Two requests 30 s apart share a 512-token prefix. A pool that stays up serves the second
+    from the cached prefix; one that went to zero in between starts a new replica, which
+    computes the whole prompt again (0.2 ms a token in the made-up profile)."""
+    rng = random.Random(2)
+    head = tokens(rng, 512)
+    prompts = [head + tokens(rng, 16) for _ in range(2)]
+    reqs = [
+        SimRequest(name, at, p, 4, prefix_id=0, prefix_len=512)
+        for name, at, p in (("a", 0.0, prompts[0]), ("b", 30.0, prompts[1]))
+    ]
+    second = {}
+    for zero_after in (None, 5.0):
+        scaling = ScalingShape(1 if zero_after is None else 0, 1, 0, AutoscaleConfig(), zero_after, 3.0)
+        sim = simulator(made_up_profile(), FleetShape(replica=ReplicaShape(16, 2048, 0.0), scaling=scaling))
+        second[zero_after] = first_tokens(sim.run(reqs))[1][1]
+    assert second[5.0] - 3.0 == pytest.approx(second[None] + 512 * 0.0002, rel=0.05)
+
+
 def test_the_fast_simulator_scales_a_pool_as_the_exact_one_does():
     """The same burst through both simulators' autoscaled pools: the same decisions at about the
     same times, and latencies and replica-seconds that agree."""

@@ -177,6 +177,8 @@ class FastFleet:
                 now, next_tick = next_tick, next_tick + TICK_S
                 active = pool.active
                 pool.tick(now, self._load(now, last_arrival, len(gateway), out.first_tokens))
+                for i in pool.take_stopped():
+                    self.replicas[i].drop_cache()
                 if pool.active != active:
                     front.serve(pool.active)
                 for _ in range(len(gateway)):

@@ -122,6 +122,13 @@ class FastReplica:
             self.idle_cached -= self.prefixes.pop(pid)
             self.holders[pid].pop(self.index, None)
 
+    def drop_cache(self) -> None:
+        """It went down (idle): if it comes back, it holds no cached prefix."""
+        for pid in self.prefixes:
+            self.holders[pid].pop(self.index, None)
+        self.prefixes.clear()
+        self.idle_cached = 0
+
     def _prefix_tokens(self, f: Flow) -> int:
         # Whole blocks only, and never the whole prompt: its last token is always computed.
         return min(f.prefix_len, f.prompt_len - 1) // self.block_size * self.block_size

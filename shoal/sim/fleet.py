@@ -125,6 +125,14 @@ class FleetSim:
             self.index.routed(view.name, hashes)
         return self.by_name[view.name], cached
 
+    def _stopped(self, i: int) -> None:
+        """Replica i went down (idle): it comes back, if it does, with an empty cache."""
+        old = self.replicas[i]
+        fresh = SimReplica(old.name, self.profile, self.shape.replica, old.pool.enable_events)
+        fresh.steps, fresh.shapes = old.steps, old.shapes
+        self.replicas[i] = self.by_name[old.name] = fresh
+        self.index.reset(old.name)
+
     def _prefilled_remotely(self, hashes: list[int], cached: int) -> bool:
         """The gateway's rule (proxy/disagg.py): enough of the prompt is not cached where it decodes."""
         bs = self.profile.block_size
@@ -226,6 +234,8 @@ class FleetSim:
             if next_tick <= min(next_arrival, next_handoff, next_step):
                 now, next_tick = next_tick, next_tick + TICK_S
                 pool.tick(now, self._load(records, now, first, last_arrival, len(gateway)))
+                for i in pool.take_stopped():
+                    self._stopped(i)
                 for _ in range(len(gateway)):
                     req, rec, sent = gateway.popleft()
                     send(req, now, rec, sent)

@@ -67,6 +67,7 @@ class SimPool:
         self.up_total = 0.0
         self.desired = shape.min_replicas
         self.decisions: list[tuple[float, int, str]] = []  # (when, desired, why)
+        self.stopped: list[int] = []  # replicas that went down since the fleet last took them
 
     def with_state(self, *states: str) -> list[int]:
         return [i for i, s in enumerate(self.state) if s in states]
@@ -90,6 +91,13 @@ class SimPool:
     def _down(self, i: int, now: float) -> None:
         self.state[i] = OFF
         self.up_total += now - self.up_since.pop(i)
+        self.stopped.append(i)
+
+    def take_stopped(self) -> list[int]:
+        """The replicas that went down since the last call: one started again in a slot holds
+        nothing of its cache, as a new process would not."""
+        stopped, self.stopped = self.stopped, []
+        return stopped
 
     def replica_seconds(self, now: float) -> float:
         return self.up_total + sum(now - t for t in self.up_since.values())
