@@ -12,6 +12,7 @@ import json
 import shutil
 import time
 
+import numpy as np
 import openai
 import pytest
 from fastapi import FastAPI
@@ -410,6 +411,8 @@ api_key_sha256 = "{bob}"
 
 
 def test_a_batch_survives_kill_9_of_the_gateway_with_each_result_once(tmp_path):
+    """A chat batch cut by kill -9 of its gateway finishes after a restart, each line once; then,
+    on the same fleet, a batch of embeddings."""
     from tests.fleet_helpers import auth, spawn, start_fleet, wait_replicas_ready
 
     cfg = tmp_path / "fleet.toml"
@@ -462,5 +465,31 @@ def test_a_batch_survives_kill_9_of_the_gateway_with_each_result_once(tmp_path):
         with pytest.raises(openai.NotFoundError):
             bob.batches.retrieve(b.id)
         assert gw.get(f"/v1/batches/{b.id}", headers=auth("bob-key")).status_code == 404
+        _embeddings_batch_answers_as_the_endpoint(alice)
     finally:
         gw.stop()
+
+
+def _embeddings_batch_answers_as_the_endpoint(client: OpenAI) -> None:
+    """A batch of /v1/embeddings requests: each line's vector is the one the endpoint gives the
+    same input interactively."""
+    texts = ["a shoal of fish", "the capital of France", "batch lanes run when it is quiet"]
+    rows = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": MODEL, "input": text},
+        }
+        for i, text in enumerate(texts)
+    ]
+    f = client.files.create(file=("emb.jsonl", jsonl(rows)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    done = wait_status(client, b.id, {"completed", "failed", "expired", "cancelled"}, timeout=120)
+    assert done.status == "completed" and done.request_counts.completed == len(texts), done
+    out = {o["custom_id"]: o["response"] for o in lines_of(client, done.output_file_id)}
+    for r, text in zip(rows, texts, strict=True):
+        assert out[r["custom_id"]]["status_code"] == 200
+        vector = out[r["custom_id"]]["body"]["data"][0]["embedding"]
+        live = client.embeddings.create(model=MODEL, input=text).data[0].embedding
+        assert np.allclose(vector, live, atol=1e-5)

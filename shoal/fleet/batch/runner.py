@@ -22,7 +22,7 @@ from shoal.protocol.errors import APIError, error_body
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_LINES = 50_000
 MAX_ERRORS = 100  # validation errors reported per batch
 MAX_WINDOW_S = 30 * 24 * 3600
