@@ -370,10 +370,15 @@ def test_non_streamed_requests_go_on_elsewhere_when_their_replica_is_killed(flee
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)
             os.kill(busy["pid"], signal.SIGKILL)
-            return await asyncio.gather(*tasks)
+            return busy["name"], await asyncio.gather(*tasks)
 
-    for i, r in enumerate(asyncio.run(run())):
+    killed, answers = asyncio.run(run())
+    for i, r in enumerate(answers):
         assert r.status_code == 200, r.text
         assert r.json()["choices"] == expected[i]
     assert metric(fleet.url, "shoal:gateway_failovers_total") > failovers  # continued, not run again
+    # x-replica names every replica whose tokens an answer holds, in order: the killed one first.
+    names = [r.headers["x-replica"].split(", ") for r in answers]
+    assert any(len(n) == 2 and n[0] == killed for n in names), names
+    assert all(n[-1] != killed and len(set(n)) == len(n) for n in names), names
     wait_replicas_ready(fleet, 3, api_key=KEY)

@@ -53,6 +53,7 @@ class StreamRelay:
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=64)
         self.pumps: dict[Upstream, asyncio.Task] = {}
         self.upstreams: list[Upstream] = []
+        self.answered_by: list[str] = []  # the replicas whose tokens the answer holds, in order
         self.ids_complete = True  # every upstream so far gave token ids
         self.first_event = True
         self.cleaned = False
@@ -91,7 +92,10 @@ class StreamRelay:
             return APIError(504, message, code="timeout").response()
         finally:
             self.cleanup()
-        return JSONResponse(fold.answer(self.state.prompt_ids_for), headers=response_headers(up))
+        headers = response_headers(up)
+        if self.answered_by:  # a stream sends its headers first; one answer can name every replica
+            headers["x-replica"] = ", ".join(self.answered_by)
+        return JSONResponse(fold.answer(self.state.prompt_ids_for), headers=headers)
 
     async def _open_original(self) -> Upstream | Response:
         try:
@@ -245,6 +249,8 @@ class StreamRelay:
                 if obj is not None:
                     out, tokens = state.relay(up.tag, obj)
                     if tokens:
+                        if up.replica.name not in self.answered_by:
+                            self.answered_by.append(up.replica.name)
                         now = time.monotonic()
                         up.attempt.took_tokens(tokens, now, up.tag is ORIGINAL)
                         if self.last_token_at is not None and not self.folded:
