@@ -1,10 +1,10 @@
 """shoal/sim: the simulated replica steps as the engine schedules, the profile's fit, the gateway's
-routing inside the simulator, the planner's search, a real server predicted within 20 %, and a
-gateway trace replayed."""
+routing, P/D split and autoscaled pools inside the simulator, a server's front end and its
+clients, and a gateway trace replayed. The profile's calibration against a real server, and the
+simulator's accuracy against one: test_sim_calibration.py."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import random
@@ -15,7 +15,6 @@ import httpx
 import numpy as np
 import pytest
 
-from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.engine.sampling_params import SamplingParams
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.llm import LLM
@@ -29,12 +28,11 @@ from shoal.sim.profile import (
     StepShape,
     made_up_profile,
 )
-from shoal.sim.profiler import ProfileConfig, StepRecorder, fold_serving, measure
+from shoal.sim.profiler import StepRecorder
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
 from shoal.sim.workload import Burst, Lengths, SimRequest, WorkloadSpec, load_trace, tokens
 from tests.fleet_helpers import start_gateway
-from tests.server_helpers import start_server
 
 
 def synthetic_profile(num_blocks: int = 4096, max_len: int = 2048, block_size: int = 16) -> NodeProfile:
@@ -252,38 +250,6 @@ def first_tokens(result) -> list[tuple[float, float]]:
     return sorted(zip(result.out.start, result.out.ttft, strict=True))
 
 
-@pytest.mark.parametrize("knots", [[], [1, 4, 16]], ids=["line", "knots"])
-def test_the_serving_calibration_finds_what_serving_adds_to_each_step(knots):
-    """Runs simulated from a profile whose steps cost 2 ms more, and 0.5 ms more a row, stand in for
-    a server's runs (a known answer): folded into the bare profile, they give those costs back. The
-    gaps a new prompt's prefill puts between the others' tokens are in the bare runs too, so they
-    are not taken for serving (priced against bare decode steps instead, both costs came out 5-6 %
-    high on these made-up costs, more where a prompt costs more against a decode step)."""
-    bare = made_up_profile()
-    if knots:
-        step, row, context = bare.decode.coef
-        bare.decode = StepCost(DECODE_FEATURES, [*(step + row * k for k in knots), context], knots=knots)
-    served = copy.deepcopy(bare)
-    added_step, added_row = 0.002, 0.0005
-    coef = bare.decode.coef
-    if knots:
-        served.decode.coef = [*(c + added_step + added_row * k for c, k in zip(coef, knots)), coef[-1]]
-    else:
-        served.decode.coef = [coef[0] + added_step, coef[1] + added_row, coef[2]]
-    served.mixed.coef[0] += added_step
-    served.mixed.coef[1] += added_row
-    runs = []
-    for b in (1, 4, 16):
-        spec = WorkloadSpec(2 * b, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
-        shape = FleetShape(1, replica=ReplicaShape(16, 2048, 0.0), max_concurrency=b)
-        runs.append((b, FleetSim(served, shape).run(spec.requests()).summary()))
-    fold_serving(bare, runs, 128, 48)
-    assert bare.serving["per_step_s"] == pytest.approx(added_step, rel=0.01)
-    assert bare.serving["per_row_s"] == pytest.approx(added_row, rel=0.01)
-    assert bare.decode.coef == pytest.approx(served.decode.coef, rel=0.01)
-    assert bare.mixed.coef == pytest.approx(served.mixed.coef, rel=0.01)
-
-
 @pytest.mark.parametrize("simulator", [FleetSim, FastFleet])
 def test_a_burst_to_an_idle_server_starts_with_its_first_request_alone(simulator):
     """Eight requests sent at once: a server's front end hands them to the idle engine one at a
@@ -421,82 +387,6 @@ def test_the_fast_simulator_scales_a_pool_as_the_exact_one_does():
             e, f = exact[key][q], fast[key][q]
             assert abs(f - e) <= within * e, (key, q, e, f)
     assert abs(fast["replica_seconds"] - exact["replica_seconds"]) <= 0.1 * exact["replica_seconds"]
-
-
-ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)
-SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16"]
-
-
-@pytest.fixture(scope="module")
-def node_profile(tmp_path_factory):
-    """This machine's profile of the bundled model as the server below runs it (a quick one)."""
-    profile = _node_profile()
-    path = tmp_path_factory.mktemp("profile") / "profile.json"
-    profile.save(path)
-    return NodeProfile.load(path)
-
-
-def test_the_profile_times_kv_handoffs_by_their_size(node_profile, hf_bundled):
-    """The profile pulled real K/V handoffs from a prefill worker: their size per token is the
-    model's K and V of every layer (fp32 on this CPU, from HF's config of the same checkpoint),
-    and the handoff's time grows with its size, over both transports."""
-    c = hf_bundled.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    t = node_profile.kv_transfer
-    assert t["bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
-    for way in ("shm", "tcp"):
-        assert t[f"{way}_s"] >= 0 and t[f"{way}_s_per_mib"] >= 0
-        assert node_profile.kv_transfer_seconds(1024, way) >= node_profile.kv_transfer_seconds(64, way) > 0
-    assert "KV transfer : 46080 B a token" in node_profile.describe()
-
-
-def _node_profile() -> NodeProfile:
-    cfg = ProfileConfig(ENGINE, decode_batches=(1, 4, 8, 16), contexts=(64, 384), prompt_lengths=(64, 256))
-    cfg.repeats, cfg.startup, cfg.serve_flags = 1, False, SERVE_FLAGS
-    return measure(cfg)
-
-
-def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
-    """The real server's figures and the simulator's from `profile`: (measured, predicted, error)."""
-    server = start_server(*SERVE_FLAGS)
-    try:
-        measured = run_serve_bench(
-            ServeBenchConfig(
-                base_url=server.url, num_requests=32, input_len=128, output_len=48, max_concurrency=8
-            )
-        )
-    finally:
-        server.stop()
-    spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
-    shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
-    predicted = FleetSim(profile, shape).run(spec.requests()).summary()
-    # The mean inter-token time, not the median: the simulator prices each step at its average (see
-    # calibrate_to_server), and stalls on a loaded machine put the median well under the mean.
-    pairs = {
-        "throughput": (measured["output_token_throughput"], predicted["output_token_throughput"]),
-        "TTFT p50": (measured["ttft_s"]["p50"], predicted["ttft_s"]["p50"]),
-        "ITL mean": (measured["itl_s"]["mean"], predicted["itl_s"]["mean"]),
-    }
-    return {k: (m, p, (p - m) / m) for k, (m, p) in pairs.items()}
-
-
-def _misses(errors: dict[str, float]) -> dict[str, str]:
-    return {k: f"{100 * e:+.0f} %" for k, e in errors.items() if abs(e) > 0.2}
-
-
-def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
-    """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
-    the same workload simulated from the node's profile. This machine is shared, and its speed
-    moves by 10-20 % between a profile and a run half a minute later, either way (seen here in
-    rounds run back to back: throughput +8 %, -18 %, -5 %; TTFT p50 -1 %, +21 %, -3 %). So a round
-    that misses is followed by two more, each from a fresh profile taken right before, and each
-    figure's median error over the three is what must hold: noise moves it both ways, a simulator
-    that is off by itself moves it the same way every round."""
-    rounds = [_errors(node_profile)]
-    if _misses({k: e for k, (_, _, e) in rounds[0].items()}):
-        rounds += [_errors(_node_profile()) for _ in range(2)]
-    median = {k: float(np.median([r[k][2] for r in rounds])) for k in rounds[0]}
-    assert not _misses(median), rounds
 
 
 MODEL = "SmolLM2-135M-Instruct"
