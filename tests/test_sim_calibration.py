@@ -97,7 +97,7 @@ def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
     predicted = FleetSim(profile, shape).run(spec.requests()).summary()
     # The mean inter-token time, not the median: the simulator prices each step at its average (see
-    # calibrate_to_server), and stalls on a loaded machine put the median well under the mean.
+    # fold_serving), and stalls on a loaded machine put the median well under the mean.
     pairs = {
         "throughput": (measured["output_token_throughput"], predicted["output_token_throughput"]),
         "TTFT p50": (measured["ttft_s"]["p50"], predicted["ttft_s"]["p50"]),

@@ -85,7 +85,7 @@ class FastReplica:
         # growth, growth of each step's cost over the last).
         self.segment: tuple[float, int, int, float, float] | None = None
         self.steps = 0
-        self.waking = False  # given work while idle: its next event plans a step, ends none
+        self.waking = False  # offline, given work while idle: its next event plans a step, ends none
         self.handed: list[Flow] = []  # prefill parts whose prompt is done: their K/V leaves now
         self._seq = 0
 

@@ -168,10 +168,12 @@ class FleetSim:
         cap = self.shape.max_concurrency or math.inf
         in_flight = 0
         held: deque[SimRequest] = deque()  # arrived, waiting for the clients' cap
-        # When a client that finished a request may send its next: it sees the end one request's
-        # overhead after the engine does, and its next request spends that long reaching a replica.
+        # When a client that finished a request may send its next, which reaches the engine then:
+        # the end's way out and the next request's way in are one request's overhead together
+        # (the overhead is counted once in each request's latencies, at its end).
         releases: list[float] = []
-        waking: set[int] = set()  # idle replicas given work: their step starts at an event of its own
+        # Offline: idle replicas given work, whose step starts at an event of its own.
+        waking: set[int] = set()
         now = 0.0
         first = pending[0].arrival if pending else 0.0
         disaggregated = bool(self.shape.prefill)

@@ -207,10 +207,10 @@ def _save(profile: NodeProfile, cfg: ProfileConfig) -> None:
 
 def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
     """Streams batches of requests through a real `shoal serve` of the same engine (or a gateway
-    in front of one) and compares their inter-token times with the engine's decode steps: the
-    difference, per step and per row, is what serving adds (streaming each token to its client,
-    the HTTP front); the time to a single request's first token beyond its prefill step is what
-    each request adds."""
+    in front of one) and compares their inter-token times with the same runs simulated from the
+    bare profile (fold_serving): the difference, per step and per row, is what serving adds
+    (streaming each token to its client, the HTTP front); the time to a single request's first
+    token beyond its prefill step is what each request adds."""
     from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 
     if cfg.through_gateway:
