@@ -305,7 +305,7 @@ def test_the_sdk_runs_a_batch_retries_transient_errors_and_tenants_see_only_thei
         assert failed.status == "failed" and failed.failed_at
         assert [(e.line, e.code) for e in failed.errors.data] == [(2, "mismatched_url")]
         with pytest.raises(openai.BadRequestError):
-            alice.batches.create(input_file_id=bad.id, endpoint="/v1/embeddings", completion_window="24h")
+            alice.batches.create(input_file_id=bad.id, endpoint="/v1/moderations", completion_window="24h")
         with pytest.raises(openai.ConflictError):
             alice.batches.cancel(failed.id)
 
