@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from shoal.models.loader import bundled_model_path, load_model
 from tests.fleet_helpers import FLEET_KEY, POISON_MARKER, start_fleet
 from tests.helpers import PROMPTS, hf_greedy
-from tests.server_helpers import start_server
+from tests.server_helpers import ServerProcess, start_server
 
 REF_TOKENS = 24
 SHARED_REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
@@ -41,6 +42,23 @@ def _shared(request, proc):
     """Registers a session fixture's process to be stopped after its last user."""
     request.config.stash.setdefault(_STARTED, {})[request.fixturename] = proc
     return proc
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tail of the log of each server or gateway it used: CI
+    keeps only the report, and a gateway's traceback says what the client's error cannot."""
+    report = yield
+    if report.failed and call.when == "call":
+        for name, value in getattr(item, "funcargs", {}).items():
+            values = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else [value]
+            )
+            for server in (v for v in values if isinstance(v, ServerProcess)):
+                with contextlib.suppress(OSError):
+                    tail = "\n".join(server.log().splitlines()[-40:])
+                    report.sections.append((f"log of {name} ({server.url})", tail))
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fleet_helpers import FLEET_KEY, replicas
+from tests.fleet_helpers import FLEET_KEY, replicas, wait_replicas_ready
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RULES = DEPLOY / "prometheus" / "shoal-alerts.yml"
@@ -62,6 +62,7 @@ def named_in_rules_and_dashboard() -> tuple[set[str], set[str]]:
 def test_every_metric_the_rules_and_the_dashboard_name_is_exported_by_a_running_fleet(shared_fleet):
     named, recorded = named_in_rules_and_dashboard()
     assert len(named) > 25 and recorded  # the parse found them
+    wait_replicas_ready(shared_fleet, 3, api_key=FLEET_KEY)  # one a test before killed may be restarting
     pages = [httpx.get(shared_fleet.url + "/metrics", timeout=10).text]
     for r in replicas(shared_fleet, FLEET_KEY).values():
         pages.append(httpx.get(r["url"] + "/metrics", timeout=10).text)

@@ -29,6 +29,31 @@ class NoReplicaError(Exception):
     """No replica can take the request now (none ready, or all full past the queue bound)."""
 
 
+class ReplicaLease:
+    """A replica held for one try of one request: given back once, with the verdict its holder
+    reached (see Dispatcher.release). Should the holder be cut short before it has one (its client
+    left and the stream was cancelled, or the gateway's own error), `held_until_given_back` gives
+    it back with none, so that no slot stays taken."""
+
+    def __init__(self, dispatch: Dispatcher, replica: Replica):
+        self.dispatch = dispatch
+        self.replica = replica
+        self.held = True
+
+    def give_back(self, ok: bool | None, reason: str = "", failed: bool = False) -> None:
+        if self.held:
+            self.held = False
+            self.dispatch.release(self.replica, ok, reason, failed)
+
+    @contextlib.contextmanager
+    def held_until_given_back(self):
+        try:
+            yield self
+        except BaseException:
+            self.give_back(None)
+            raise
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -56,6 +81,10 @@ class Dispatcher:
         self.cold_start = cold_start  # whether a model with no replica up gets one if we wait
         self.adapters = adapters  # which replicas a request for an adapter may go to
         self._waiters = 0
+
+    async def lease(self, req: RouteRequest, exclude: set[str], **kw) -> ReplicaLease:
+        """`acquire`, held as a ReplicaLease."""
+        return ReplicaLease(self, await self.acquire(req, exclude, **kw))
 
     async def acquire(
         self,
@@ -175,15 +204,11 @@ class Dispatcher:
             self.index.routed(replica.name, req.hashes)
         return replica
 
-    async def release(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
+    def release(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
         """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
         neither (a timeout on a replica that still passes probes). `failed`: the request failed
-        there all the same (a 503, a 500 of its own, a timeout), which a rolling update counts."""
-        self.release_nowait(r, ok, reason, failed)
-
-    def release_nowait(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
-        """`release` for cleanup that must not await (a cancelled stream's, which anyio would
-        cancel again at each await)."""
+        there all the same (a 503, a 500 of its own, a timeout), which a rolling update counts.
+        Never awaits: a cancelled stream's cleanup calls it, and anyio would cancel each await."""
         r.inflight -= 1
         r.failed_total += int(failed or ok is False)
         self.metrics.inflight.labels(r.name).set(r.inflight)

@@ -18,7 +18,7 @@ import time
 import httpx
 from prometheus_client import Counter, Histogram
 
-from shoal.fleet.admission.dispatch import Dispatcher, NoReplicaError
+from shoal.fleet.admission.dispatch import Dispatcher, NoReplicaError, ReplicaLease
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.metrics import GatewayMetrics
 from shoal.fleet.proxy.failure import FailureJudge
@@ -111,12 +111,8 @@ class Disaggregator:
     ) -> tuple[dict, dict]:
         """The body and headers of the request to `replica`, after a remote prefill where one pays
         (decided once per request; a retry pulls the same K/V, or prefills itself if it is gone)."""
-        if fwd.kv is None:
-            try:
-                fwd.kv = await self.prefill(fwd, replica, seen) or {}
-            except BaseException:
-                await self.dispatch.release(replica, None)
-                raise
+        if fwd.kv is None:  # should this raise, the caller gives `replica` back
+            fwd.kv = await self.prefill(fwd, replica, seen) or {}
         if not fwd.kv:
             return body, headers
         return {**body, "kv_transfer_params": fwd.kv}, self.headers(headers)
@@ -164,16 +160,20 @@ class Disaggregator:
         if reason is not None:
             return self._local(reason) or self.peer_fetch(fwd, decode)
         try:
-            replica = await self.dispatch.acquire(
-                fwd.route, set(), PREFILL_ROLES, timeout=self.config.prefill_timeout_s, only_roles=True
+            lease = await self.dispatch.lease(
+                fwd.route, set(), roles=PREFILL_ROLES, timeout=self.config.prefill_timeout_s, only_roles=True
             )
         except NoReplicaError:
             return self._local("no_prefill_worker")
         t0 = time.monotonic()
+        replica = lease.replica
         attempt = Attempt(replica)
         try:
-            with tracing.child("gateway.prefill", fwd.route.span, **{"shoal.replica": replica.name}) as span:
-                params = await self._run(fwd, attempt, seen)
+            with (
+                lease.held_until_given_back(),
+                tracing.child("gateway.prefill", fwd.route.span, **{"shoal.replica": replica.name}) as span,
+            ):
+                params = await self._run(fwd, attempt, lease, seen)
                 span.set_attribute("shoal.prefilled", params is not None)
         finally:
             attempt.done()
@@ -205,7 +205,7 @@ class Disaggregator:
         self.decisions.labels(f"local_{reason}").inc()
         return None
 
-    async def _run(self, fwd: Forward, attempt: Attempt, seen: dict) -> dict | None:
+    async def _run(self, fwd: Forward, attempt: Attempt, lease: ReplicaLease, seen: dict) -> dict | None:
         replica = attempt.replica
         content = json.dumps(prefill_body(fwd.body), ensure_ascii=False).encode()
         # The prefill worker's spans go under this one (the current span: gateway.prefill).
@@ -215,13 +215,13 @@ class Disaggregator:
         except (httpx.HTTPError, TimeoutError) as exc:
             outcome = attempt.outcome(exc)
             timeout = outcome.kind == "timeout"
-            await self.dispatch.release(replica, None if timeout else False, f"prefill: {outcome.message}")
+            lease.give_back(None if timeout else False, f"prefill: {outcome.message}")
             log.warning("prefill on %s failed (%s); prefilling on decode", replica.name, outcome.message)
             if outcome.is_death and await self.judge.judge_death(fwd, attempt, outcome, seen) == "poison":
                 message = f"this request took replica {replica.name} down"
                 raise APIError(500, message, code="poison_request") from None
             return None
-        await self.dispatch.release(replica, resp.status_code < 500, f"prefill: HTTP {resp.status_code}")
+        lease.give_back(resp.status_code < 500, f"prefill: HTTP {resp.status_code}")
         if resp.status_code != 200:
             log.warning("prefill on %s answered %d; prefilling on decode", replica.name, resp.status_code)
             return None

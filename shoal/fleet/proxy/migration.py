@@ -59,11 +59,11 @@ async def copy_to_another(
     """Chooses where a stream moves (by `route`, neither `source` nor `exclude`) and copies its
     choices' `contexts` there: the outcome (see CopyResult, or "no_target") and the replica."""
     try:
-        target = await parts.dispatch.acquire(route, exclude | {source.name}, timeout=0)
+        lease = await parts.dispatch.lease(route, exclude | {source.name}, timeout=0)
     except NoReplicaError:
         return "no_target", None
-    result = CopyResult("target_failed", None)  # should the copy itself be cancelled
-    try:
+    target = lease.replica
+    with lease.held_until_given_back():  # should the copy itself be cancelled
         result = await copy_contexts(
             parts.client,
             parts.prefill.headers(fwd.headers),
@@ -73,9 +73,7 @@ async def copy_to_another(
             contexts,
             parts.config.first_byte_timeout_s,
         )
-    finally:
-        failed = result.outcome == "target_failed"
-        parts.dispatch.release_nowait(target, result.ok, "a stream's context copy failed", failed)
+    lease.give_back(result.ok, "a stream's context copy failed", result.outcome == "target_failed")
     return result.outcome, target
 
 

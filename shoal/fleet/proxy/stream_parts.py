@@ -1,5 +1,5 @@
 """The pieces of a relayed stream (stream_relay.py): an upstream it reads, the error that ends
-it, the response that cleans up after it."""
+it, the response that cleans up after it, a prompt's ids for its continuation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import asyncio
 import httpx
 from fastapi.responses import StreamingResponse
 
+from shoal.fleet.admission.dispatch import ReplicaLease
+from shoal.fleet.proxy.forward import Forward
+from shoal.fleet.proxy.parts import RelayParts
 from shoal.fleet.proxy.stream_state import Tag
 from shoal.fleet.proxy.upstream import Attempt
+from shoal.fleet.replicas.replica import Health
 from shoal.protocol.errors import error_body
 from shoal.protocol.sse import sse
 
@@ -60,13 +64,32 @@ class StopRelay(Exception):
 
 
 class Upstream:
-    def __init__(self, attempt: Attempt, resp: httpx.Response, tag: Tag, with_ids: bool):
+    def __init__(self, attempt: Attempt, resp: httpx.Response, tag: Tag, with_ids: bool, lease: ReplicaLease):
         self.attempt = attempt
         self.resp = resp
         self.tag = tag
         self.with_ids = with_ids  # asked for token ids: its output can be continued exactly
-        self.released = False
+        self.lease = lease  # its replica, held until the stream ends there
 
     @property
     def replica(self):
         return self.attempt.replica
+
+
+async def prompt_ids_from_a_replica(
+    parts: RelayParts, fwd: Forward, text: str, exclude: set[str]
+) -> list[int] | None:
+    """`text` tokenized by the first ready replica not in `exclude` that answers."""
+    for r in parts.table.replicas.values():
+        if r.state == Health.READY and r.name not in exclude:
+            try:
+                resp = await parts.client.http.post(
+                    r.url + "/tokenize",
+                    json={"model": fwd.body.get("model"), "prompt": text},
+                    timeout=parts.config.first_byte_timeout_s,
+                )
+                if resp.status_code == 200:
+                    return resp.json()["tokens"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+    return None

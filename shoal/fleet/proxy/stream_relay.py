@@ -13,7 +13,7 @@ import time
 import httpx
 from fastapi.responses import JSONResponse, Response
 
-from shoal.fleet.admission.dispatch import NoReplicaError
+from shoal.fleet.admission.dispatch import NoReplicaError, ReplicaLease
 from shoal.fleet.proxy.disagg import peer_params
 from shoal.fleet.proxy.fold import StreamFold, streamed
 from shoal.fleet.proxy.forward import Forward, json_or_none, passthrough, unavailable
@@ -24,12 +24,12 @@ from shoal.fleet.proxy.stream_parts import (
     StopRelay,
     Upstream,
     keep,
+    prompt_ids_from_a_replica,
     response_headers,
     with_usage,
 )
 from shoal.fleet.proxy.stream_state import ORIGINAL, StreamState, Tag
 from shoal.fleet.proxy.upstream import Attempt, Outcome, error_outcome, sse_events
-from shoal.fleet.replicas.replica import Health
 from shoal.fleet.routing.policies import RouteRequest
 from shoal.protocol import tracing
 from shoal.protocol.errors import APIError
@@ -90,6 +90,8 @@ class StreamRelay:
         except TimeoutError:
             message = f"the request did not finish within {self.cfg.request_timeout_s:.0f} s"
             return APIError(504, message, code="timeout").response()
+        except Exception:
+            return self._own_failure().response()
         finally:
             self.cleanup()
         headers = response_headers(up)
@@ -115,97 +117,112 @@ class StreamRelay:
         """A replica's stream for `body`, trying others while it provably did not run there (or
         the replica said so). `budget`: retries draw on the retry budget (before the first byte).
         `prefer`: the replica to try first, if it takes the request now."""
-        cfg, p = self.cfg, self.p
         last: Response | None = None
-        for attempt_no in range(cfg.max_retries + 1):
+        for attempt_no in range(self.cfg.max_retries + 1):
             try:
-                replica = await self._acquire(route, prefer if attempt_no == 0 else None)
+                lease = await self._lease(route, prefer if attempt_no == 0 else None)
             except NoReplicaError as exc:
                 if last is None:
                     self.metrics.rejections.inc()
                     last = unavailable(str(exc))
                 break
-            # A shoal replica can return token ids: its output can be continued exactly.
-            with_ids = bool(body.get("return_token_ids")) or replica.kv_events
-            out = {**body, "return_token_ids": True} if with_ids else body
-            sent_headers = headers or self.fwd.headers
-            if tag is ORIGINAL:
-                out, sent_headers = await p.prefill.with_prefill(
-                    self.fwd, replica, out, sent_headers, self.seen
-                )
-            content = await p.client.encode(out, self.fwd.size)
-            attempt = Attempt(replica, route.priority)
-            try:
-                async with attempt.deadline(cfg.first_byte_timeout_s):
-                    resp = await p.client.send(replica, self.fwd.path, content, sent_headers)
-                    if resp.status_code != 200:
-                        try:
-                            data = await resp.aread()
-                        finally:
-                            await resp.aclose()
-            except (httpx.HTTPError, TimeoutError) as exc:
-                outcome = attempt.outcome(exc)
-                timeout = outcome.kind == "timeout"  # aborted by closing it: it runs nowhere now
-                await self.dispatch.release(replica, None if timeout else False, outcome.message, failed=True)
-                self.failed.add(replica.name)
-                last = unavailable(f"replica {replica.name} failed: {outcome.message}")
-                if outcome.is_death:
-                    # Sent but no answer: it may have run, and its replica may have died of it.
-                    verdict = await p.judge.judge_death(self.fwd, attempt, outcome, self.seen)
-                    attempt.done()
-                    if verdict == "poison":
-                        message = f"this request took replica {replica.name} down"
-                        raise StopRelay(500, message, "poison_request") from None
-                    if attempt_no < cfg.max_retries:
-                        self.metrics.retries.labels(outcome.kind).inc()
-                        continue
-                    break
-                attempt.done()
-                reason = "connect" if outcome.kind == "not_sent" else outcome.kind
-                if attempt_no < cfg.max_retries and (not budget or p.retries.may_retry(reason)):
-                    continue
+            with lease.held_until_given_back():
+                tried = await self._try(tag, lease, body, headers, budget, attempt_no < self.cfg.max_retries)
+            if not isinstance(tried, tuple):
+                return tried
+            again, last = tried
+            if not again:
                 break
-            if resp.status_code != 200:
-                attempt.done()
-                if resp.status_code < 500:  # the client's doing (or a resume the replica refused)
-                    await self.dispatch.release(replica, True)
-                    out_resp = passthrough(resp, data)
-                    out_resp.headers["x-replica"] = replica.name
-                    return out_resp
-                if error_outcome(json_or_none(data)).kind == "draining":  # not a failure
-                    await self.dispatch.release(replica, True)
-                    p.table.saw_draining(replica.name)
-                    last = passthrough(resp, data)
-                    if attempt_no < cfg.max_retries:
-                        self.metrics.retries.labels("draining").inc()
-                        continue
-                    break
-                # Refused before the stream began, so it did not run: any 5xx may go elsewhere.
-                busy = resp.status_code == 503
-                await self.dispatch.release(replica, busy, f"HTTP {resp.status_code}", failed=True)
-                self.failed.add(replica.name)
-                last = passthrough(resp, data)
-                reason = f"http_{resp.status_code}"
-                if attempt_no < cfg.max_retries and (not budget or p.retries.may_retry(reason)):
-                    continue
-                break
-            self.ids_complete &= with_ids
-            # It can move (fleet/replicas/table.py move_streams): its tokens are known exactly.
-            attempt.movable = self.ids_complete and bool(self.cfg.kv_transfer_key)
-            up = Upstream(attempt, resp, tag, with_ids)
-            attempt.on_move = lambda up=up: self.request_move(up)
-            self.upstreams.append(up)
-            return up
         return last or unavailable("no replica could serve the request")
 
-    async def _acquire(self, route: RouteRequest, prefer: str | None):
+    async def _try(
+        self, tag: Tag, lease: ReplicaLease, body: dict, headers: dict | None, budget: bool, may_retry: bool
+    ) -> Upstream | Response | tuple[bool, Response]:
+        """One replica's try: its stream (the lease goes with it), the client's answer, or (whether
+        to try another, the answer so far)."""
+        cfg, p, replica = self.cfg, self.p, lease.replica
+        # A shoal replica can return token ids: its output can be continued exactly.
+        with_ids = bool(body.get("return_token_ids")) or replica.kv_events
+        out = {**body, "return_token_ids": True} if with_ids else body
+        sent_headers = headers or self.fwd.headers
+        if tag is ORIGINAL:
+            out, sent_headers = await p.prefill.with_prefill(self.fwd, replica, out, sent_headers, self.seen)
+        content = await p.client.encode(out, self.fwd.size)
+        attempt = Attempt(replica, self.fwd.route.priority)
+        try:
+            async with attempt.deadline(cfg.first_byte_timeout_s):
+                resp = await p.client.send(replica, self.fwd.path, content, sent_headers)
+                if resp.status_code != 200:
+                    try:
+                        data = await resp.aread()
+                    finally:
+                        await resp.aclose()
+        except (httpx.HTTPError, TimeoutError) as exc:
+            outcome = attempt.outcome(exc)
+            timeout = outcome.kind == "timeout"  # aborted by closing it: it runs nowhere now
+            lease.give_back(None if timeout else False, outcome.message, failed=True)
+            self.failed.add(replica.name)
+            last = unavailable(f"replica {replica.name} failed: {outcome.message}")
+            if outcome.is_death:
+                # Sent but no answer: it may have run, and its replica may have died of it.
+                try:
+                    verdict = await p.judge.judge_death(self.fwd, attempt, outcome, self.seen)
+                finally:
+                    attempt.done()
+                if verdict == "poison":
+                    raise StopRelay(
+                        500, f"this request took replica {replica.name} down", "poison_request"
+                    ) from None
+                if may_retry:
+                    self.metrics.retries.labels(outcome.kind).inc()
+                return may_retry, last
+            attempt.done()
+            reason = "connect" if outcome.kind == "not_sent" else outcome.kind
+            return may_retry and (not budget or p.retries.may_retry(reason)), last
+        except BaseException:
+            attempt.done()  # cut short (its client left): the lease is given back above us
+            raise
+        if resp.status_code != 200:
+            attempt.done()
+            return self._refused(lease, resp, data, budget, may_retry)
+        self.ids_complete &= with_ids
+        # It can move (fleet/replicas/table.py move_streams): its tokens are known exactly.
+        attempt.movable = self.ids_complete and bool(self.cfg.kv_transfer_key)
+        up = Upstream(attempt, resp, tag, with_ids, lease)
+        attempt.on_move = lambda up=up: self.request_move(up)
+        self.upstreams.append(up)
+        return up
+
+    def _refused(
+        self, lease: ReplicaLease, resp: httpx.Response, data: bytes, budget: bool, may_retry: bool
+    ) -> Response | tuple[bool, Response]:
+        """A replica's answer other than 200, before its stream began."""
+        replica = lease.replica
+        if resp.status_code < 500:  # the client's doing (or a resume the replica refused)
+            lease.give_back(True)
+            out_resp = passthrough(resp, data)
+            out_resp.headers["x-replica"] = replica.name
+            return out_resp
+        if error_outcome(json_or_none(data)).kind == "draining":  # not a failure
+            lease.give_back(True)
+            self.p.table.saw_draining(replica.name)
+            if may_retry:
+                self.metrics.retries.labels("draining").inc()
+            return may_retry, passthrough(resp, data)
+        # Refused before the stream began, so it did not run: any 5xx may go elsewhere.
+        lease.give_back(resp.status_code == 503, f"HTTP {resp.status_code}", failed=True)
+        self.failed.add(replica.name)
+        reason = f"http_{resp.status_code}"
+        return may_retry and (not budget or self.p.retries.may_retry(reason)), passthrough(resp, data)
+
+    async def _lease(self, route: RouteRequest, prefer: str | None) -> ReplicaLease:
         if prefer is not None:
             others = set(self.p.table.replicas) - {prefer}
             try:
-                return await self.dispatch.acquire(route, others | self.failed, timeout=0)
+                return await self.dispatch.lease(route, others | self.failed, timeout=0)
             except NoReplicaError:
                 pass  # it does not take requests now: wherever the policy says
-        return await self.dispatch.acquire(route, self.failed)
+        return await self.dispatch.lease(route, self.failed)
 
     # --- relaying ------------------------------------------------------------------------
 
@@ -226,10 +243,8 @@ class StreamRelay:
             await up.resp.aclose()
         await self.queue.put((up, None, outcome))
 
-    async def finish(self, up: Upstream, ok: bool | None, reason: str = "", failed: bool = False) -> None:
-        if not up.released:
-            up.released = True
-            await self.dispatch.release(up.replica, ok, reason, failed)
+    def finish(self, up: Upstream, ok: bool | None, reason: str = "", failed: bool = False) -> None:
+        up.lease.give_back(ok, reason, failed)
 
     async def run(self):
         """The client's stream."""
@@ -238,7 +253,15 @@ class StreamRelay:
                 yield sse(obj)
         except StopRelay as stop:
             yield stop.event
+        except Exception:  # the client is told, not cut off mid-stream
+            yield sse(self._own_failure().body())
         yield SSE_DONE
+
+    def _own_failure(self) -> APIError:
+        """The gateway's own error while relaying (logged with its traceback): the answer ends with
+        a 500, and every replica it held is given back by the cleanup."""
+        log.exception("request %s: the relay failed", self.fwd.headers.get("x-request-id"))
+        return APIError(500, "the gateway failed while relaying the answer", code="gateway_error")
 
     async def events(self):
         """What the client is sent, as objects, until the stream ends or a StopRelay ends it."""
@@ -269,7 +292,7 @@ class StreamRelay:
                     continue
                 self.pumps.pop(up, None)
                 if outcome is None:
-                    await self.finish(up, True)
+                    self.finish(up, True)
                     up.attempt.done()
                     continue
                 await self.recover(up, outcome)
@@ -288,9 +311,7 @@ class StreamRelay:
             return
         self.cleaned = True
         for up in self.upstreams:
-            if not up.released:
-                up.released = True
-                self.dispatch.release_nowait(up.replica, None)
+            up.lease.give_back(None)
             up.attempt.done()
             if up not in self.pumps:
                 keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
@@ -323,17 +344,15 @@ class StreamRelay:
         self.failed.add(r.name)
         served = state.unfinished if up.tag is ORIGINAL else [up.tag.resume_of]
         if not any(i in state.unfinished for i in served):  # it died after its last token
-            await self.finish(up, None)
+            self.finish(up, None)
             up.attempt.done()
             return
         if outcome.kind == "internal_error":
             # The engine failed this request alone and went on: it would fail anywhere.
-            await self.finish(up, True, failed=True)
+            self.finish(up, True, failed=True)
             await self.p.judge.strike(self.fwd)
             raise StopRelay(500, f"the request failed in the engine: {outcome.message}", "internal_error")
-        await self.finish(
-            up, None if outcome.kind == "timeout" else False, f"mid-stream: {outcome.message}", True
-        )
+        self.finish(up, None if outcome.kind == "timeout" else False, f"mid-stream: {outcome.message}", True)
         if outcome.is_death:
             verdict = await self.p.judge.judge_death(self.fwd, up.attempt, outcome, self.seen)
             if verdict == "poison":
@@ -404,7 +423,7 @@ class StreamRelay:
         """`up` was ended to move its stream: each unfinished choice it served goes on elsewhere
         from where it stopped: where its context was copied, or fetching it from `up`'s replica."""
         state, r = self.state, up.replica
-        await self.finish(up, True)  # not the replica's failure
+        self.finish(up, True)  # not the replica's failure
         up.attempt.done()
         served = self._served(up)
         target, self.move_to = self.move_to, None
@@ -473,20 +492,6 @@ class StreamRelay:
         self.launch(up)
 
     async def _tokenize(self, index: int) -> list[int] | None:
-        """The prompt's ids from a live replica, for a choice that failed before it said them."""
+        """The prompt's ids, for a choice that failed before it said them."""
         text = self.state.prompt_text_for(index)
-        if text is None:
-            return None
-        for r in self.p.table.replicas.values():
-            if r.state == Health.READY and r.name not in self.failed:
-                try:
-                    resp = await self.p.client.http.post(
-                        r.url + "/tokenize",
-                        json={"model": self.fwd.body.get("model"), "prompt": text},
-                        timeout=self.cfg.first_byte_timeout_s,
-                    )
-                    if resp.status_code == 200:
-                        return resp.json()["tokens"]
-                except (httpx.HTTPError, ValueError, KeyError):
-                    continue
-        return None
+        return None if text is None else await prompt_ids_from_a_replica(self.p, self.fwd, text, self.failed)

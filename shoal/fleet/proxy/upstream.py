@@ -164,12 +164,41 @@ async def sse_events(
             obj = json.loads(data)
         except ValueError:
             raise httpx.RemoteProtocolError(f"a malformed event: {data[:80]!r}") from None
-        if not isinstance(obj, dict):
-            raise httpx.RemoteProtocolError(f"a malformed event: {data[:80]!r}")
-        if "error" in obj:
+        if isinstance(obj, dict) and "error" in obj:
             raise InBandError(error_outcome(obj))
+        if not isinstance(obj, dict) or not readable(obj):
+            raise httpx.RemoteProtocolError(f"a malformed event: {data[:80]!r}")
         timeout = idle_timeout
         yield obj
+
+
+def _ids(value: object) -> bool:
+    return value is None or (isinstance(value, list) and all(isinstance(t, int) for t in value))
+
+
+def _choice_readable(ch: object) -> bool:
+    if not isinstance(ch, dict):
+        return False
+    delta = ch.get("delta")
+    return (
+        isinstance(ch.get("index", 0), int)
+        and _ids(ch.get("token_ids"))
+        and _ids(ch.get("prompt_token_ids"))
+        and isinstance(ch.get("text"), str | None)
+        and (delta is None or (isinstance(delta, dict) and isinstance(delta.get("content"), str | None)))
+    )
+
+
+def readable(obj: dict) -> bool:
+    """Whether a streamed chunk has the shape the relay reads (its choices, their token ids and
+    text, its usage): a replica that sends anything else broke its stream, as one cut off would."""
+    choices, usage = obj.get("choices"), obj.get("usage")
+    if choices is not None and not (isinstance(choices, list) and all(map(_choice_readable, choices))):
+        return False
+    if usage is not None and not isinstance(usage, dict):
+        return False
+    details = (usage or {}).get("prompt_tokens_details")
+    return _ids(obj.get("prompt_token_ids")) and isinstance(details, dict | None)
 
 
 class UpstreamClient:
