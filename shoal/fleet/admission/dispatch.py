@@ -33,7 +33,7 @@ class ReplicaLease:
     """A replica held for one try of one request: given back once, with the verdict its holder
     reached (see Dispatcher.release). Should the holder be cut short before it has one (its client
     left and the stream was cancelled, or the gateway's own error), `held_until_given_back` gives
-    it back with none, so that no slot stays taken."""
+    it back as abandoned, so that no slot stays taken and the try counts neither way."""
 
     def __init__(self, dispatch: Dispatcher, replica: Replica):
         self.dispatch = dispatch
@@ -50,7 +50,9 @@ class ReplicaLease:
         try:
             yield self
         except BaseException:
-            self.give_back(None)
+            if self.held:
+                self.held = False
+                self.dispatch.release(self.replica, None, abandoned=True)
             raise
 
 
@@ -204,13 +206,18 @@ class Dispatcher:
             self.index.routed(replica.name, req.hashes)
         return replica
 
-    def release(self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False) -> None:
+    def release(
+        self, r: Replica, ok: bool | None, reason: str = "", failed: bool = False, abandoned: bool = False
+    ) -> None:
         """Ends a request on `r`: ok counts for it, False against it (the circuit breaker), None
         neither (a timeout on a replica that still passes probes). `failed`: the request failed
         there all the same (a 503, a 500 of its own, a timeout), which a rolling update counts.
+        `abandoned`: the gateway stopped it before the replica said how it went, so a rolling
+        update counts it neither as finished nor as failed there.
         Never awaits: a cancelled stream's cleanup calls it, and anyio would cancel each await."""
         r.inflight -= 1
         r.failed_total += int(failed or ok is False)
+        r.abandoned_total += int(abandoned)
         self.metrics.inflight.labels(r.name).set(r.inflight)
         if ok:
             r.on_success()

@@ -100,8 +100,9 @@ class Tally:
 
 
 def counts(replica) -> tuple[int, int]:
-    """(finished, failed) requests of a table Replica over its life."""
-    return replica.requests_total - replica.inflight, replica.failed_total
+    """(finished, failed) requests of a table Replica over its life (one the gateway abandoned
+    before it had an outcome there is neither)."""
+    return replica.requests_total - replica.inflight - replica.abandoned_total, replica.failed_total
 
 
 def tally(replicas, since_counts: dict[str, tuple[int, int]] | None = None, start: float = 0.0) -> Tally:

@@ -66,6 +66,7 @@ class Replica:
     requests_total: int = 0
     # Of those, failed here (a 5xx, a broken stream, no answer): see control/canary_judge.py.
     failed_total: int = 0
+    abandoned_total: int = 0  # and stopped by the gateway before they had an outcome here
     pid: int | None = None
     kv_events: bool = False  # it answers /kv_events: the index is exact
     kv_instance: str | None = None
@@ -148,6 +149,7 @@ class Replica:
             "load": self.load,
             "requests_total": self.requests_total,
             "failed_total": self.failed_total,
+            "abandoned_total": self.abandoned_total,
             "consecutive_failures": self.consecutive_failures,
             "recent_errors": [{"time": t, "error": e} for t, e in self.recent_errors],
             "pid": self.pid,
