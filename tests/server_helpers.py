@@ -1,4 +1,5 @@
-"""Real `shoal serve` processes on 127.0.0.1 for the server tests."""
+"""Real `shoal serve` processes on 127.0.0.1 for the server tests, and stand-in replicas (small
+HTTP servers of the test's own) for the gateway tests that need a replica to misbehave on cue."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import uvicorn
+from fastapi import FastAPI
 
 from shoal.fleet.control.launchers.local import free_port
 
@@ -110,3 +114,36 @@ def sse_objects(resp: httpx.Response) -> Iterator[dict]:
     for line in resp.iter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[6:])
+
+
+def stand_in_app() -> FastAPI:
+    """A stand-in replica's app: healthy and ready; the test adds the routes that misbehave."""
+    app = FastAPI()
+
+    @app.get("/health")
+    @app.get("/ready")
+    async def fine():
+        return {"status": "ok"}
+
+    return app
+
+
+class StandIn:
+    """`app` served by uvicorn on 127.0.0.1, in a thread of the test process."""
+
+    def __init__(self, app: FastAPI):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+    def __enter__(self) -> StandIn:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -7,20 +7,17 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 from collections import Counter
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from tests.fleet_helpers import FLEET_KEY as KEY
 from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
-from tests.server_helpers import free_port
+from tests.server_helpers import StandIn, stand_in_app
 
 LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in range(14))
 
@@ -221,39 +218,30 @@ def test_gateway_backpressure_gives_503_with_retry_after(urls, tmp_path):
 
 
 def test_a_replica_answering_500_is_ejected_by_passive_checks(urls):
-    bad = FastAPI()
-
-    @bad.get("/health")
-    @bad.get("/ready")
-    async def fine():
-        return {"status": "ok"}
+    bad = stand_in_app()
 
     @bad.post("/v1/completions")
     async def broken():
         return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(bad, port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    good = next(iter(urls.values()))
-    gw = start_gateway([f"http://127.0.0.1:{port}", good], "--policy", "round_robin", api_key=KEY)
-    try:
-        for i in range(8):  # every request is answered: failures on the bad one are retried on the good one
-            post(gw, {"prompt": f"p{i}", "max_tokens": 1})
-        reps = replicas(gw, KEY)
-        assert reps["backend-0"]["state"] in ("ejected", "half_open")
-        assert (
-            reps["backend-0"]["recent_errors"]
-            and "HTTP 500" in reps["backend-0"]["recent_errors"][-1]["error"]
-        )
-        sent_to_bad = reps["backend-0"]["requests_total"]
-        assert sent_to_bad == 3  # ejected after three consecutive failures, then left alone
-        assert metric(gw.url, "shoal:gateway_ejections_total") >= 1
-    finally:
-        gw.stop()
-        server.should_exit = True
-        thread.join(5)
+    with StandIn(bad) as bad_server:
+        good = next(iter(urls.values()))
+        gw = start_gateway([bad_server.url, good], "--policy", "round_robin", api_key=KEY)
+        try:
+            # Every request is answered: failures on the bad one are retried on the good one.
+            for i in range(8):
+                post(gw, {"prompt": f"p{i}", "max_tokens": 1})
+            reps = replicas(gw, KEY)
+            assert reps["backend-0"]["state"] in ("ejected", "half_open")
+            assert (
+                reps["backend-0"]["recent_errors"]
+                and "HTTP 500" in reps["backend-0"]["recent_errors"][-1]["error"]
+            )
+            sent_to_bad = reps["backend-0"]["requests_total"]
+            assert sent_to_bad == 3  # ejected after three consecutive failures, then left alone
+            assert metric(gw.url, "shoal:gateway_ejections_total") >= 1
+        finally:
+            gw.stop()
 
 
 def test_kill_9_mid_stream_loses_nothing(fleet, gateways):

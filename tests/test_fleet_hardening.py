@@ -9,19 +9,17 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 from collections import Counter
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Request
 
 from shoal.protocol.block_hash import hash_blocks, root_hash
 from tests.fleet_helpers import FLEET_KEY as KEY
 from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
-from tests.server_helpers import free_port, stream_gaps
+from tests.server_helpers import StandIn, stand_in_app, stream_gaps
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -154,30 +152,18 @@ class RecordingBackend:
 
     def __init__(self):
         self.bodies: list[dict] = []
-        app = FastAPI()
-
-        @app.get("/health")
-        @app.get("/ready")
-        async def fine():
-            return {"status": "ok"}
+        app = stand_in_app()
 
         @app.post("/v1/completions")
         async def completions(raw: Request):
             self.bodies.append(await raw.json())
             return {"id": "x", "object": "text_completion", "choices": [], "usage": None}
 
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        self.server = StandIn(app)
+        self.url = self.server.url
 
     def close(self):
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.server.close()
 
 
 @pytest.mark.parametrize("trust", [False, True])

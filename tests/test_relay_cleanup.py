@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from tests.fleet_helpers import auth, replicas, start_gateway
-from tests.server_helpers import free_port
+from tests.server_helpers import StandIn, stand_in_app
 
 KEY = "sk-relay-test"
 PROMPT_IDS = [100, 101, 102]
@@ -40,12 +38,7 @@ def chunk(text: str, ids: list[int], finish: str | None = None, prompt: bool = F
 
 
 def stand_in(seen: list) -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/health")
-    @app.get("/ready")
-    async def fine():
-        return {"status": "ok"}
+    app = stand_in_app()
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -77,19 +70,8 @@ def stand_in(seen: list) -> FastAPI:
 def stand_ins():
     """(their URLs, the bodies they were sent)."""
     seen: list = []
-    servers, threads, urls = [], [], []
-    for _ in range(2):
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(stand_in(seen), port=port, log_level="error"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append(server)
-        threads.append(thread)
-        urls.append(f"http://127.0.0.1:{port}")
-    yield urls, seen
-    for server, thread in zip(servers, threads):
-        server.should_exit = True
-        thread.join(5)
+    with StandIn(stand_in(seen)) as one, StandIn(stand_in(seen)) as other:
+        yield [one.url, other.url], seen
 
 
 @pytest.fixture
