@@ -45,14 +45,18 @@ class ReplicaLease:
             self.held = False
             self.dispatch.release(self.replica, ok, reason, failed)
 
+    def abandon(self) -> None:
+        """Gives it back with no outcome (see Dispatcher.release's `abandoned`)."""
+        if self.held:
+            self.held = False
+            self.dispatch.release(self.replica, None, abandoned=True)
+
     @contextlib.contextmanager
     def held_until_given_back(self):
         try:
             yield self
         except BaseException:
-            if self.held:
-                self.held = False
-                self.dispatch.release(self.replica, None, abandoned=True)
+            self.abandon()
             raise
 
 

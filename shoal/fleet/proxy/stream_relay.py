@@ -90,6 +90,8 @@ class StreamRelay:
         except TimeoutError:
             message = f"the request did not finish within {self.cfg.request_timeout_s:.0f} s"
             return APIError(504, message, code="timeout").response()
+        except APIError as err:  # a remote prefill's poison verdict
+            return err.response()
         except Exception:
             return self._own_failure().response()
         finally:
@@ -253,6 +255,8 @@ class StreamRelay:
                 yield sse(obj)
         except StopRelay as stop:
             yield stop.event
+        except APIError as err:
+            yield sse(err.body())
         except Exception:  # the client is told, not cut off mid-stream
             yield sse(self._own_failure().body())
         yield SSE_DONE
@@ -303,15 +307,14 @@ class StreamRelay:
             self.cleanup()
 
     def cleanup(self) -> None:
-        """Once, when the stream ends or is dropped (also one the server never started to send:
-        its generator's own `finally` would not run). Without awaiting: a client that went away
-        cancels the generator, and anyio's cancel scope would cancel every await here again. The
-        pumps close their own responses."""
+        """Once, when the stream ends or is dropped (also one never sent: its generator's own
+        `finally` would not run). Without awaiting: a client that went away cancels the generator,
+        and anyio would cancel every await here again. The pumps close their own responses."""
         if self.cleaned:
             return
         self.cleaned = True
         for up in self.upstreams:
-            up.lease.give_back(None)
+            up.lease.abandon()  # still running there: the stream ended without its outcome
             up.attempt.done()
             if up not in self.pumps:
                 keep(asyncio.get_running_loop().create_task(up.resp.aclose()))
