@@ -40,16 +40,16 @@ class ReplicaLease:
         self.replica = replica
         self.held = True
 
-    def give_back(self, ok: bool | None, reason: str = "", failed: bool = False) -> None:
+    def give_back(
+        self, ok: bool | None, reason: str = "", failed: bool = False, abandoned: bool = False
+    ) -> None:
         if self.held:
             self.held = False
-            self.dispatch.release(self.replica, ok, reason, failed)
+            self.dispatch.release(self.replica, ok, reason, failed, abandoned)
 
     def abandon(self) -> None:
         """Gives it back with no outcome (see Dispatcher.release's `abandoned`)."""
-        if self.held:
-            self.held = False
-            self.dispatch.release(self.replica, None, abandoned=True)
+        self.give_back(None, abandoned=True)
 
     @contextlib.contextmanager
     def held_until_given_back(self):
