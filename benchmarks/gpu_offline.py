@@ -7,9 +7,10 @@ about 1B parameters instead (Llama-3.2-1B's layers over the bundled vocabulary),
 long enough to read that a step can be bound by memory rather than by its host work.
 
 For each dtype and batch cap it prints output tok/s, ms per engine step (and its split into the
-forward and the engine's host work), and the step time that reading the weights and KV once per step
-would take at the device's copy bandwidth (measured in the same run): the roofline a decode step
-cannot beat.
+forward and the engine's host work), the share of steps whose forward was queued by the step
+before (engine.decode_ahead: `--decode-ahead auto,off` runs with and without), and the step time
+that reading the weights and KV once per step would take at the device's copy bandwidth (measured
+in the same run): the roofline a decode step cannot beat.
 
     python benchmarks/gpu_offline.py prepare bench-results/gpu-ckpt       # here (needs the GGUF)
     python benchmarks/gpu_offline.py prepare bench-results/gpu-1b --size 1b
@@ -64,16 +65,18 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 10 / (time.perf_counter() - t0)
 
 
-def run(ckpt: Path, batches: list[int], dtypes: list[str], modes: tuple[bool, ...]) -> None:
+def run(
+    ckpt: Path, batches: list[int], dtypes: list[str], modes: tuple[bool, ...], aheads: list[str]
+) -> None:
     fill_random_weights(ckpt, dtype=torch.bfloat16)
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     cfg = OfflineBenchConfig(num_requests=0, input_len=32, output_len=128)
     print(
-        "\n| dtype | decode | max seqs | requests | output tok/s | ms / step | forward ms | host ms "
-        "| roofline ms / step | of roof |"
+        "\n| dtype | decode | ahead | max seqs | requests | output tok/s | ms / step | forward ms | host ms "
+        "| steps queued ahead | roofline ms / step | of roof |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for dtype in dtypes:
         loaded = load_model(str(ckpt), dtype=getattr(torch, dtype), device="cuda", quantization="none")
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -86,7 +89,7 @@ def run(ckpt: Path, batches: list[int], dtypes: list[str], modes: tuple[bool, ..
             * torch.finfo(getattr(torch, dtype)).bits
             // 8
         )
-        for batch, eager in [(b, e) for b in batches for e in modes]:
+        for batch, eager, ahead in [(b, e, a) for b in batches for e in modes for a in aheads]:
             cfg.num_requests = max(2 * batch, 8)
             work = make_workload(cfg, mcfg.vocab_size)
             llm = LLM(
@@ -96,11 +99,14 @@ def run(ckpt: Path, batches: list[int], dtypes: list[str], modes: tuple[bool, ..
                 max_num_seqs=batch,
                 num_blocks=4096,
                 enforce_eager=eager,
+                decode_ahead=ahead,
             )
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
             llm.generate(work.prompts[:batch], params[:batch])  # warm-up: allocator, kernels
             core = llm.engine.core
+            queue = core.executor.runner.ahead
             steps0, fwd0, host0 = core.num_steps, core.forward_seconds, core.host_seconds
+            taken0 = queue.taken if queue is not None else 0
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             llm.generate(work.prompts, params)
@@ -115,9 +121,12 @@ def run(ckpt: Path, batches: list[int], dtypes: list[str], modes: tuple[bool, ..
             roof_ms = 1000 * (weight_bytes + batch * mean_ctx * kv_per_token) / bw
             step_ms = 1000 * elapsed / steps
             mode = "eager" if eager else "graphs"
+            queued = f"{(queue.taken - taken0) / steps:.0%}" if queue is not None else "-"
             print(
-                f"| {dtype} | {mode} | {batch} | {cfg.num_requests} | {work.total_output / elapsed:.0f} | "
-                f"{step_ms:.2f} | {fwd_ms:.2f} | {host_ms:.2f} | {roof_ms:.3f} | {roof_ms / step_ms:.1%} |"
+                f"| {dtype} | {mode} | {ahead} | {batch} | {cfg.num_requests} | "
+                f"{work.total_output / elapsed:.0f} | {step_ms:.2f} | {fwd_ms:.2f} | {host_ms:.2f} | "
+                f"{queued} | "
+                f"{roof_ms:.3f} | {roof_ms / step_ms:.1%} |"
             )
             del llm
 
@@ -130,12 +139,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager runs")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--decode-ahead", default="auto", help="comma-separated: auto, on, off (each a run)")
     args = ap.parse_args()
     if args.action == "prepare":
         prepare(args.checkpoint, args.size)
     else:
         modes = (False,) if args.graphs_only else (True, False)
-        run(args.checkpoint, [int(b) for b in args.batches.split(",")], args.dtypes.split(","), modes)
+        batches = [int(b) for b in args.batches.split(",")]
+        run(args.checkpoint, batches, args.dtypes.split(","), modes, args.decode_ahead.split(","))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,12 @@ def engine_flag_sets() -> tuple[FlagSet, ...]:
             Flag("num_threads", names=("--threads",), help="torch intra-op threads"),
             Flag("enforce_eager", help="CUDA: no CUDA graphs for decode steps (slower)"),
             Flag(
+                "decode_ahead",
+                choices=("auto", "on", "off"),
+                help="queue each greedy decode step's successor before reading its tokens, so host "
+                "work overlaps the device's; auto: with CUDA graphs",
+            ),
+            Flag(
                 "quantization",
                 names=("--quantization", "-q"),
                 choices=QUANTIZATIONS,

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from shoal.engine.cpu_decode_gate import Refusal, fused_refusal
-from shoal.engine.model_runner import ModelRunner, ScheduledChunk
+from shoal.engine.model_runner import ModelRunner
 from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from shoal.engine.step_inputs import ScheduledChunk
 from shoal.kernels.cpu import cpu_kernels
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
@@ -52,7 +53,7 @@ def chunk(rid: int, tokens: list[int], start: int, blocks: list[int]) -> Chunk:
 def prepare(runner: ModelRunner, chunks: list[Chunk]):
     for c in chunks:
         runner.tables.put(c.chunk.request_id, c.blocks)
-    return runner._prepare([c.chunk for c in chunks])
+    return runner._prepare([c.chunk for c in chunks], reference_too=True)
 
 
 FUSED_CASES = [

@@ -155,3 +155,83 @@ def test_fused_layer_ops_give_the_torch_paths_tokens(tmp_path, monkeypatch):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert abs(x.logprob - y.logprob) < 1e-4
+
+
+def _attention_by_hand(q, k_cache, v_cache, tables, lens, block_size, window, scale):
+    """Softmax attention of each row's query heads over its context, gathered slot by slot."""
+    rows, hq, _ = q.shape
+    group = hq // k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(rows):
+        n = int(lens[b])
+        pos = torch.arange(max(n - window, 0) if window else 0, n, device=q.device)
+        slots = tables[b, pos // block_size].long() * block_size + pos % block_size
+        k, v = k_cache[slots].float(), v_cache[slots].float()
+        for h in range(hq):
+            weights = torch.softmax((k[:, h // group] @ q[b, h].float()) * scale, dim=0)
+            out[b, h] = weights @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize(
+    "hq, hk, dim, block_size, window, dtype, kv_dtype",
+    [
+        (32, 8, 64, 16, None, torch.float32, torch.float32),  # tiles of 64 positions, 4 blocks each
+        (9, 3, 64, 16, 8, torch.float32, torch.float32),  # a group of 3, a window inside a tile
+        (4, 2, 80, 8, None, torch.float32, torch.float16),  # a head size that is no power of two
+        (4, 2, 80, 8, 20, torch.bfloat16, torch.bfloat16),
+        (8, 8, 128, 32, 100, torch.bfloat16, torch.bfloat16),  # tiles of 128, a window across them
+    ],
+)
+@pytest.mark.parametrize("writes_new", [False, True])
+def test_paged_decode_kernel_matches_attention_by_hand(
+    hq, hk, dim, block_size, window, dtype, kv_dtype, writes_new
+):
+    """The Triton decode kernel over scattered blocks (contexts of 1 to 300 positions, tiles that
+    span several blocks), reading every position from the cache or writing the step's own K/V
+    there first (from strided views of one q/k/v buffer) and taking them from registers."""
+    from shoal.kernels.triton_attention import paged_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = torch.tensor([1, 3, 16, 17, 70, 300], dtype=torch.int64, device="cuda")
+    rows, width = len(lens), -(-300 // block_size)
+    tables = torch.randperm(rows * width + 1, generator=g, device="cuda")[: rows * width].view(rows, width)
+    slots_total = (rows * width + 1) * block_size
+
+    def randn(*shape, dt):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    k_cache, v_cache = randn(slots_total, hk, dim, dt=kv_dtype), randn(slots_total, hk, dim, dt=kv_dtype)
+    qkv = randn(rows, hq + 2 * hk, dim, dt=dtype)
+    q, k_new, v_new = qkv.split([hq, hk, hk], dim=1)
+    pos = lens - 1
+    slots = tables[torch.arange(rows, device="cuda"), pos // block_size] * block_size + pos % block_size
+    scale = dim**-0.5
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    if writes_new:
+        expect_k[slots], expect_v[slots] = k_new.to(kv_dtype), v_new.to(kv_dtype)
+    expect = _attention_by_hand(q, expect_k, expect_v, tables, lens, block_size, window, scale)
+    new_kv = (k_new, v_new, slots) if writes_new else None
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, window, scale, new_kv=new_kv)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    close = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), expect, **close)
+
+
+def test_greedy_steps_decided_ahead_on_cuda_match_eager_steps(tmp_path):
+    """Graph replays with each greedy step's successor queued before its tokens are read (rows of
+    different lengths ending apart, more requests than the batch holds so others join) give the
+    tokens of eager steps, which decide nothing ahead; most queued steps are used."""
+    make_random_checkpoint("llama", tmp_path)
+    prompts = _prompts((3, 5, 17, 40, 70))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 33, 47, 21, 36)]
+    runs = []
+    for eager in (True, False):
+        loaded = load_model(str(tmp_path), device="cuda", quantization="none")
+        llm = LLM(loaded=loaded, device="cuda", num_blocks=128, enforce_eager=eager, max_num_seqs=3)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        ahead = llm.engine.core.executor.runner.ahead
+        assert (ahead is None) == eager
+        assert_pool_whole(llm.engine)
+    assert runs[0] == runs[1]
+    assert ahead.taken > 45 and ahead.taken > 4 * ahead.dropped, (ahead.taken, ahead.dropped)

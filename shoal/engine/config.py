@@ -126,9 +126,16 @@ class EngineConfig:
     seed: int = 0
     # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
+    # Queue each greedy decode step's successor before its tokens are read, so the host's work
+    # between steps overlaps the device's (engine.decode_ahead): "auto" where CUDA graphs run.
+    decode_ahead: str = "auto"
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.decode_ahead not in ("auto", "on", "off"):
+            raise ValueError(f"decode_ahead is auto, on or off, not {self.decode_ahead!r}")

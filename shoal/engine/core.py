@@ -134,8 +134,8 @@ class EngineCore:
         self.num_steps = 0
         self.last_step: SchedulerOutput | None = None  # what the last step ran (shoal profile reads it)
         # Where the steps' time went: the model's forward and sampling, and the rest (host work).
-        self.forward_seconds = 0.0
-        self.host_seconds = 0.0
+        self.forward_seconds = self.host_seconds = 0.0
+        self.steps_from_queue = self.queued_steps_dropped = 0  # engine.decode_ahead
         # (slots holding K/V, slots allocated) after the last step; kept only when asked, as it
         # walks every running request (the offline benchmark's waste figure).
         self.measure_occupancy = False
@@ -355,6 +355,8 @@ class EngineCore:
         changed = self.scheduler.update_from_output(so, result)
         outputs = self._core_outputs(changed + failed, result)
         elapsed = time.perf_counter() - t0
+        self.steps_from_queue += result.from_queue
+        self.queued_steps_dropped += result.queue_dropped
         self.forward_seconds += min(result.forward_s, elapsed)
         self.host_seconds += max(0.0, elapsed - result.forward_s)
         return outputs
@@ -469,6 +471,8 @@ class EngineCore:
             num_steps=self.num_steps,
             forward_seconds=self.forward_seconds,
             host_seconds=self.host_seconds,
+            steps_from_queue=self.steps_from_queue,
+            queued_steps_dropped=self.queued_steps_dropped,
             lora=self.lora.stats() if self.lora is not None else None,
             kv_offload_saved=dict(tiers.saved) if (tiers := self.kv.tiers) is not None else None,
             kv_offload_loaded=dict(tiers.loaded) if tiers is not None else None,

@@ -52,13 +52,14 @@ class CudaGraphDecoder:
         self.scale = cfg.head_dim**-0.5
         self.pad_slot = pad_slot
         dev = kv_caches[0][0].device
-        self.ids = torch.zeros(max_rows, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_rows, dtype=torch.long, device=dev)
-        self.slots = torch.full((max_rows,), pad_slot, dtype=torch.long, device=dev)
-        self.tables = torch.full(
-            (max_rows, max_blocks), pad_slot // block_size, dtype=torch.int32, device=dev
-        )
-        self.lens = torch.ones(max_rows, dtype=torch.int32, device=dev)
+        self.max_blocks = max_blocks
+        # A step's inputs go in one copy: for a padded size s, [ids | positions | slots | lens] of
+        # s each, then the s rows of block tables, written here in pinned host memory and sent to
+        # the same layout on the device, which each size's graph reads through its own views.
+        span = max_rows * (4 + max_blocks)
+        self.staged = torch.zeros(span, dtype=torch.long, pin_memory=True)
+        self.inputs = torch.zeros(span, dtype=torch.long, device=dev)
+        self.sent = torch.cuda.Event()  # the last copy out of `staged` has been read
         self.sizes = capture_sizes(max_rows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
@@ -73,28 +74,43 @@ class CudaGraphDecoder:
             time.perf_counter() - t0,
         )
 
-    def _attend(self, rows: int):
+    def _views(self, buf: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        """ids, positions, slots, context lengths [size] and block tables [size, max_blocks]."""
+        ids, positions, slots, lens = buf[: 4 * size].view(4, size)
+        return ids, positions, slots, lens, buf[4 * size : size * (4 + self.max_blocks)].view(size, -1)
+
+    def _pad(self, views: tuple[torch.Tensor, ...], start: int) -> None:
+        """Rows from `start` on: padding, each with its own slot and a context of one. (Every field
+        is set: the buffers hold other sizes' layouts from earlier steps.)"""
+        ids, positions, slots, lens, tables = views
+        ids[start:].fill_(0)
+        positions[start:].fill_(0)
+        slots[start:].fill_(self.pad_slot)
+        lens[start:].fill_(1)
+        tables[start:, 0].fill_(self.pad_slot // self.block_size)
+
+    def _attend(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor):
         def attend(layer: int, q, k, v):
             k_cache, v_cache = self.kv_caches[layer]
-            slots = self.slots[:rows]
-            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
             return paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
-                self.tables[:rows],
-                self.lens[:rows],
+                tables,
+                lens,
                 self.block_size,
                 self.window,
                 self.scale,
+                new_kv=(k, v, slots),
             )
 
         return attend
 
     @torch.inference_mode()
     def _capture(self, rows: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        run = lambda: self.model(self.ids[:rows], self.positions[:rows], self._attend(rows))  # noqa: E731
+        ids, positions, slots, lens, tables = views = self._views(self.inputs, rows)
+        self._pad(views, 0)
+        run = lambda: self.model(ids, positions, self._attend(slots, tables, lens))  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -114,21 +130,31 @@ class CudaGraphDecoder:
         return md.token_batch is not None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+        self, input_ids: torch.Tensor, positions_in: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
+        """One decode step from its inputs on the host (the runner leaves them there for a fast
+        path): they are staged and sent in one copy, then the step's size of graph replays. The
+        input ids may instead be on the device (the tokens of the step queued before this one)."""
         batch = md.token_batch
         rows = batch.rows
         size = next(s for s in self.sizes if s >= rows)
         width = batch.block_tables.shape[1]
-        self.ids[:rows].copy_(input_ids, non_blocking=True)
-        self.positions[:rows].copy_(positions, non_blocking=True)
-        self.slots[:rows].copy_(md.slot_mapping, non_blocking=True)
-        self.tables[:rows, :width].copy_(batch.block_tables, non_blocking=True)
-        self.lens[:rows].copy_(batch.context_lens, non_blocking=True)
-        if size > rows:  # padded rows: their own slot, a context of one
-            self.slots[rows:size].fill_(self.pad_slot)
-            self.tables[rows:size, 0].fill_(self.pad_slot // self.block_size)
-            self.lens[rows:size].fill_(1)
+        self.sent.synchronize()
+        ids, positions, slots, lens, tables = views = self._views(self.staged, size)
+        on_device = input_ids.device.type == "cuda"  # the last step's tokens, not yet read
+        if not on_device:
+            ids[:rows] = input_ids
+        positions[:rows] = positions_in
+        slots[:rows] = md.slot_mapping
+        lens[:rows] = batch.context_lens
+        tables[:rows, :width] = batch.block_tables
+        if size > rows:
+            self._pad(views, rows)
+        span = size * (4 + self.max_blocks)
+        self.inputs[:span].copy_(self.staged[:span], non_blocking=True)
+        self.sent.record()
+        if on_device:
+            self.inputs[:rows].copy_(input_ids)
         graph, hidden = self.graphs[size]
         graph.replay()
         self.replays += 1

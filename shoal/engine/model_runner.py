@@ -6,22 +6,14 @@ from __future__ import annotations
 import math
 import mmap
 import time
-from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
 import torch
 
-from shoal.engine.attention import (
-    AttentionMetadata,
-    DecodeBatch,
-    DecodeGroup,
-    PrefillSpan,
-    decode_mask,
-    group_by_length,
-    prefill_mask,
-)
+from shoal.engine.attention import AttentionMetadata
 from shoal.engine.block_tables import BlockTables
+from shoal.engine.decode_ahead import DecodeAhead, TokensOnTheWay
 from shoal.engine.forward_paths import ForwardPath, GraphOptions, build_forward_paths
 from shoal.engine.kv_connector.worker_side import KVConnectorWorker
 from shoal.engine.kv_tier_store import KVTierStore
@@ -32,6 +24,7 @@ from shoal.engine.pooling import PromptPooler
 from shoal.engine.sampler import Sampler, SamplingState, token_logprobs
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import Proposer
+from shoal.engine.step_inputs import ScheduledChunk, StepInputs
 from shoal.engine.structured import GrammarBackend
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
@@ -39,23 +32,6 @@ from shoal.models.lora_layers import LoRASlots
 from shoal.models.moe import place_experts
 
 PROMPT_LOGPROBS_ROWS = 256
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """One request's rows in the flattened batch: its scheduled tokens, then any proposed tokens
-    (the last `num_spec` rows), all sampled from when `sample`. Its block table is the runner's
-    (`ModelRunner.tables`)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    sample: bool
-    num_spec: int = 0
-
-    @property
-    def num_sampled_rows(self) -> int:
-        return (self.num_spec + 1) if self.sample else 0
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -89,11 +65,13 @@ class ModelRunner:
         stage: StageLink | None = None,
         lora: LoRASlots | None = None,
         kv_tiers: TierSpec | None = None,
+        decode_ahead: bool | None = None,
     ):
         """`stage`: under pipeline parallelism, where this stage's input comes from and its output
         goes. Only the last stage computes logits and samples. `lora`: the model's adapter slots
         (its projections wrapped to add each row's adapter). `kv_tiers`: the KV offload tiers this
-        runner keeps the bytes of."""
+        runner keeps the bytes of. `decode_ahead`: queue each greedy decode step's successor
+        before reading its tokens (engine.decode_ahead); None: where CUDA graphs run."""
         self.lora = lora
         self.lora_slot_of: dict[str, int] = {}  # requests that run with an adapter
         self.model = model
@@ -129,9 +107,20 @@ class ModelRunner:
             model, self.kv_caches, block_size, self.device, graphs if use_graphs else None, num_blocks
         )
         self.attention = self.forward_paths.attention
+        self.inputs = StepInputs(
+            block_size,
+            self.device,
+            self.cfg.sliding_window,
+            self.attention.decode_in_groups,
+            self.forward_paths.wants_token_batch,
+        )
         self.sampler = Sampler(eos_token_ids, self.cfg.vocab_size, grammars)
         self.states: dict[str, SamplingState] = {}
         self.tables = BlockTables()
+        if decode_ahead is None:
+            decode_ahead = use_graphs
+        alone = stage is None and model.shard.tp_size == 1 and lora is None  # one process, one model
+        self.ahead = DecodeAhead(self.tables, block_size) if decode_ahead and alone else None
         # Requests that ask for more than a token per step (their step's work is skipped for the
         # rest): prompt logprobs, a grammar.
         self.prompt_logprob_ids: set[str] = set()
@@ -250,12 +239,63 @@ class ModelRunner:
         if self.stage is not None and self.stage.prev_rank is not None:
             received = self.stage.recv(len(input_ids))
         t0 = time.perf_counter()
+        if self._decodes_greedily(chunks, md):
+            out = self._greedy_step(so, chunks, input_ids, positions, md)
+            out.forward_s = time.perf_counter() - t0
+            return out
+        dropped = self.ahead is not None and self.ahead.drop()
         hidden = self.forward_paths.pick(md).forward(input_ids, positions, md, received)
         if not self.samples:
             self.stage.send(hidden)
             return ModelRunnerOutput(forward_s=time.perf_counter() - t0)
         out = self._sample(chunks, hidden)
+        out.queue_dropped = dropped
         out.forward_s = time.perf_counter() - t0
+        return out
+
+    def _decodes_greedily(self, chunks: list[ScheduledChunk], md: AttentionMetadata) -> bool:
+        """Whether the step is greedy decoding alone (a fast path's single-token rows, each plain
+        greedy, no logprobs asked): its tokens are the argmax of its logits, read in one go."""
+        if self.ahead is None or md.token_batch is None or self.proposer is not None:
+            return False
+        for c in chunks:
+            if len(c.token_ids) != 1 or not c.sample or c.num_spec:
+                return False
+            state = self.states[c.request_id]
+            if not state.plain_greedy or state.params.logprobs is not None:
+                return False
+            if c.request_id in self.prompt_logprob_ids or c.request_id in self.pooler:
+                return False
+        return True
+
+    def _greedy_step(self, so: SchedulerOutput, chunks, input_ids, positions, md) -> ModelRunnerOutput:
+        """A greedy decode step: the one queued by the last step when it is this one, else run
+        now; then its successor is queued (unless it cannot be the next step) before the tokens
+        are read."""
+        ahead, ids = self.ahead, [c.request_id for c in chunks]
+        dropped_before = ahead.dropped
+        tokens = ahead.take(ids, input_ids, positions, md)
+        out = ModelRunnerOutput(from_queue=tokens is not None, queue_dropped=ahead.dropped > dropped_before)
+        if tokens is None:
+            hidden = self.forward_paths.pick(md).forward(input_ids, positions, md, None)
+            tokens = TokensOnTheWay(self.model.compute_logits(hidden).argmax(dim=-1))
+        states = [self.states[rid] for rid in ids]
+        # A row that ends by length with this token leaves the batch: its successor would differ.
+        ending = any(
+            s.params.max_tokens is not None and len(s.output_token_ids) + 1 >= s.params.max_tokens
+            for s in states
+        )
+        nxt = None if so.may_admit or ending else ahead.next_inputs(ids, positions)
+        if nxt is not None:
+            hidden = self.forward_paths.pick(nxt).forward(
+                tokens.tokens, nxt.token_batch.context_lens - 1, nxt, None
+            )
+            ahead.queue(ids, nxt, TokensOnTheWay(self.model.compute_logits(hidden).argmax(dim=-1)))
+        values = tokens.read()
+        ahead.fed(values)
+        for rid, state, tok in zip(ids, states, values):
+            state.advance([tok])
+            out.sampled[rid] = [tok]
         return out
 
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> ModelRunnerOutput:
@@ -348,52 +388,8 @@ class ModelRunner:
             )
         out.prompt_logprobs[c.request_id] = (c.start_pos + 1, found)
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
-        """The step's flattened input ids and positions, and its attention metadata, gathered from
-        the persistent block tables."""
-        bs, dev, tables = self.block_size, self.device, self.tables
-        lens = [len(c.token_ids) for c in chunks]
-        starts = [c.start_pos for c in chunks]
-        rows = tables.rows([c.request_id for c in chunks])
-        num_tokens = sum(lens)
-        if num_tokens == len(chunks):  # one token a row: a decode step
-            ids = [c.token_ids[0] for c in chunks]
-            pos = torch.tensor(starts, dtype=torch.int64)
-            token_rows = rows
-        else:
-            ids = [t for c in chunks for t in c.token_ids]
-            counts = torch.tensor(lens, dtype=torch.int64)
-            firsts = torch.tensor(list(accumulate(lens, initial=0))[:-1], dtype=torch.int64)
-            token_rows = rows.repeat_interleave(counts)
-            offset = torch.arange(num_tokens) - firsts.repeat_interleave(counts)
-            pos = torch.tensor(starts, dtype=torch.int64).repeat_interleave(counts) + offset
-        slots = tables.slots(token_rows, pos, bs)
-        window = self.cfg.sliding_window
-        num_decode = lens.count(1)  # they come first (see execute's sort)
-        ctx = [s + 1 for s in starts[:num_decode]]
-        groups, batch = [], None
-        if self.attention.decode_in_groups:
-            for start, end in group_by_length(ctx):
-                length = ctx[end - 1]
-                table = tables.padded(rows[start:end], length, bs).to(dev)
-                mask = decode_mask(ctx[start:end], length, window, dev)
-                groups.append(DecodeGroup(start, end, length, table, mask))
-        elif num_decode:
-            # Rows are sorted by context, so the last is the longest.
-            table = tables.padded(rows[:num_decode], ctx[-1], bs).to(dev)
-            batch = DecodeBatch(num_decode, table, torch.tensor(ctx, device=dev))
-        prefills, row = [], num_decode
-        for i in range(num_decode, len(chunks)):
-            n, start = lens[i], starts[i]
-            context = start + n
-            table = None if start == 0 else tables.padded(rows[i : i + 1], context, bs)[0].to(dev)
-            prefills.append(PrefillSpan(row, row + n, context, table, prefill_mask(n, context, window, dev)))
-            row += n
-        md = AttentionMetadata(slots.to(dev), groups, prefills, batch)
-        if self.forward_paths.wants_token_batch(num_tokens, bool(prefills)):
-            width = -(-max(s + n for s, n in zip(starts, lens)) // bs)
-            md.token_batch = DecodeBatch(num_tokens, tables.table[token_rows, :width], pos + 1)
-        return torch.tensor(ids, device=dev), pos.to(dev), md
+    def _prepare(self, chunks: list[ScheduledChunk], reference_too: bool = False):
+        return self.inputs.prepare(chunks, self.tables, reference_too)
 
     def time_bare_decode(self, batch: int, context: int, repeats: int) -> float:
         """Median seconds of the model's part of a decode step of `batch` rows at `context`

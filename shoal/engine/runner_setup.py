@@ -88,6 +88,7 @@ def build_runner(
         stage,
         lora,
         tier_spec(config, loaded.config) if config.cache.enable_prefix_caching else None,
+        {"auto": None, "on": True, "off": False}[config.decode_ahead],
     )
 
 

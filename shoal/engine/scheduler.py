@@ -315,6 +315,7 @@ class Scheduler:
         if self.experts is not None:
             out.expert_placement = self.experts.take_placement()
         self._finished_ids = []
+        out.may_admit = bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs
         self.in_flight.update(scheduled)
         new_blocks, self._new_blocks = self._new_blocks, {}
         for rid, n in scheduled.items():

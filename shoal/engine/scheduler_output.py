@@ -57,6 +57,9 @@ class SchedulerOutput:
     kv_tier_moves: list[Any] = field(default_factory=list)
     # A new placement of replicated experts (engine/expert_balance.py), taken before the step runs
     expert_placement: dict[int, dict[int, list[int]]] | None = None
+    # A request waits and the batch has room for it: the next step may take on a new row (so the
+    # runner does not queue a copy of this step one token on, engine.decode_ahead).
+    may_admit: bool = False
 
     @property
     def empty(self) -> bool:
@@ -78,8 +81,13 @@ class ModelRunnerOutput:
     embeddings: dict[str, list[float]] = field(default_factory=dict)
     # Seconds of the model's forward, logits and sampling in this step (the rest is host work).
     forward_s: float = 0.0
+    # The step was the one queued by the step before (engine.decode_ahead); a queued step was
+    # dropped in it (the scheduler asked for another).
+    from_queue: bool = False
+    queue_dropped: bool = False
 
     def merge(self, other: ModelRunnerOutput) -> None:
         for name in ("sampled", "logprobs", "prompt_logprobs", "embeddings", "proposed", "spec_results"):
             getattr(self, name).update(getattr(other, name))
         self.forward_s += other.forward_s
+        self.queue_dropped |= other.queue_dropped

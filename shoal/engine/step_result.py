@@ -31,6 +31,9 @@ class EngineStats:
     # Of the steps' time so far: the model's forward and sampling, and the engine's work around it.
     forward_seconds: float = 0.0
     host_seconds: float = 0.0
+    # Decode steps whose forward was queued by the step before, and queued steps dropped unused.
+    steps_from_queue: int = 0
+    queued_steps_dropped: int = 0
     lora: LoRAStats | None = None  # with adapters enabled
     # With KV offload tiers: blocks put in and taken back from each tier ("host", "disk").
     kv_offload_saved: dict[str, int] | None = None

@@ -61,6 +61,16 @@ class _EngineCollector:
             "bookkeeping of the step's results.",
             s.host_seconds,
         )
+        yield counter(
+            "shoal:engine_steps_decided_ahead",
+            "Greedy decode steps whose forward was queued by the step before, behind it on the device.",
+            s.steps_from_queue,
+        )
+        yield counter(
+            "shoal:engine_steps_decided_ahead_dropped",
+            "Steps queued ahead and dropped: the scheduler asked for another (a request ended or joined).",
+            s.queued_steps_dropped,
+        )
         if s.spec is not None:
             yield counter(
                 "shoal:spec_decode_num_drafts", "Verify passes of proposed tokens.", s.spec.num_drafts
