@@ -105,7 +105,7 @@ def run(
             llm.generate(work.prompts[:batch], params[:batch])  # warm-up: allocator, kernels
             core = llm.engine.core
             queue = core.executor.runner.ahead
-            steps0, fwd0, host0 = core.num_steps, core.forward_seconds, core.host_seconds
+            steps0, fwd0, host0 = core.num_steps, core.times.forward_seconds, core.times.host_seconds
             taken0 = queue.taken if queue is not None else 0
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -113,8 +113,8 @@ def run(
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
             steps = core.num_steps - steps0
-            fwd_ms = 1000 * (core.forward_seconds - fwd0) / steps
-            host_ms = 1000 * (core.host_seconds - host0) / steps
+            fwd_ms = 1000 * (core.times.forward_seconds - fwd0) / steps
+            host_ms = 1000 * (core.times.host_seconds - host0) / steps
             # A decode step at full batch reads every weight once and each sequence's KV (mean
             # context: prompt + half the output).
             mean_ctx = cfg.input_len + cfg.output_len / 2

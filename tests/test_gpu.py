@@ -181,6 +181,7 @@ def _attention_by_hand(q, k_cache, v_cache, tables, lens, block_size, window, sc
         (4, 2, 80, 8, None, torch.float32, torch.float16),  # a head size that is no power of two
         (4, 2, 80, 8, 20, torch.bfloat16, torch.bfloat16),
         (8, 8, 128, 32, 100, torch.bfloat16, torch.bfloat16),  # tiles of 128, a window across them
+        (4, 2, 64, 16, 1, torch.float32, torch.float32),  # a window of one: the cache adds nothing
     ],
 )
 @pytest.mark.parametrize("writes_new", [False, True])
@@ -188,14 +189,17 @@ def test_paged_decode_kernel_matches_attention_by_hand(
     hq, hk, dim, block_size, window, dtype, kv_dtype, writes_new
 ):
     """The Triton decode kernel over scattered blocks (contexts of 1 to 300 positions, tiles that
-    span several blocks), reading every position from the cache or writing the step's own K/V
-    there first (from strided views of one q/k/v buffer) and taking them from registers."""
+    span several blocks, tables that hold garbage past each row's blocks), reading every position
+    from the cache or writing the step's own K/V there first (from strided views of one q/k/v
+    buffer) and taking them from registers."""
     from shoal.kernels.triton_attention import paged_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = torch.tensor([1, 3, 16, 17, 70, 300], dtype=torch.int64, device="cuda")
     rows, width = len(lens), -(-300 // block_size)
     tables = torch.randperm(rows * width + 1, generator=g, device="cuda")[: rows * width].view(rows, width)
+    for b, n in enumerate(lens.tolist()):  # past a row's blocks: ids no pool has (never to be read)
+        tables[b, -(-n // block_size) :] = 1 << 40
     slots_total = (rows * width + 1) * block_size
 
     def randn(*shape, dt):

@@ -34,7 +34,7 @@ from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import SpecDecodeStats
 from shoal.engine.step_pipeline import StepPipeline
-from shoal.engine.step_result import EngineStats, StepResult
+from shoal.engine.step_result import EngineStats, StepResult, StepTimes
 from shoal.models.loader import LoadedModel, describe_model, load_model
 from shoal.models.lora_layers import slot_bytes
 from shoal.protocol.block_hash import adapter_keys, root_hash
@@ -133,9 +133,7 @@ class EngineCore:
         self.num_failed_requests = 0
         self.num_steps = 0
         self.last_step: SchedulerOutput | None = None  # what the last step ran (shoal profile reads it)
-        # Where the steps' time went: the model's forward and sampling, and the rest (host work).
-        self.forward_seconds = self.host_seconds = 0.0
-        self.steps_from_queue = self.queued_steps_dropped = 0  # engine.decode_ahead
+        self.times = StepTimes()
         # (slots holding K/V, slots allocated) after the last step; kept only when asked, as it
         # walks every running request (the offline benchmark's waste figure).
         self.measure_occupancy = False
@@ -354,11 +352,7 @@ class EngineCore:
         self.spec_stats.observe(result.spec_results)
         changed = self.scheduler.update_from_output(so, result)
         outputs = self._core_outputs(changed + failed, result)
-        elapsed = time.perf_counter() - t0
-        self.steps_from_queue += result.from_queue
-        self.queued_steps_dropped += result.queue_dropped
-        self.forward_seconds += min(result.forward_s, elapsed)
-        self.host_seconds += max(0.0, elapsed - result.forward_s)
+        self.times.add(result, time.perf_counter() - t0)
         return outputs
 
     def _core_outputs(self, reqs: list[Request], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -428,6 +422,7 @@ class EngineCore:
                 scheduled=[c],
                 new_requests=[n for n in so.new_requests if n.request_id == c.request_id],
                 finished_ids=list(so.finished_ids),
+                may_admit=True,  # (so no part queues a successor the next part would drop)
             )
             try:
                 r = self._run(part)
@@ -469,10 +464,7 @@ class EngineCore:
             num_waiting_tokens=sum(r.num_tokens for r in self.scheduler.waiting),
             num_kv_held=self.kv_connector.num_held,
             num_steps=self.num_steps,
-            forward_seconds=self.forward_seconds,
-            host_seconds=self.host_seconds,
-            steps_from_queue=self.steps_from_queue,
-            queued_steps_dropped=self.queued_steps_dropped,
+            **dataclasses.asdict(self.times),
             lora=self.lora.stats() if self.lora is not None else None,
             kv_offload_saved=dict(tiers.saved) if (tiers := self.kv.tiers) is not None else None,
             kv_offload_loaded=dict(tiers.loaded) if tiers is not None else None,

@@ -67,6 +67,7 @@ class Scheduler:
         # Requests in a step whose results have not come back (pipeline parallel keeps several
         # steps in flight): they sit out later steps, and are never preempted mid-flight.
         self.in_flight: set[str] = set()
+        self._pool_full = False  # (see schedule: the queue's head found no blocks last time)
         self.connector = connector or KVConnectorScheduler()
         self.num_preemptions = 0
         self._held_back: dict[str, int] = {}  # request id -> steps sat out in a row
@@ -255,6 +256,7 @@ class Scheduler:
         # A request whose adapter finds no slot (each holds an adapter in use) steps aside for the
         # requests behind it (the base model's, or a resident adapter's) and keeps its place.
         no_slot: list[Request] = []
+        self._pool_full = False  # the head of the queue found no blocks (not the budget or cap)
         while (
             self.waiting
             and budget > 0
@@ -286,6 +288,7 @@ class Scheduler:
                 if victim is not None and victim.priority > req.priority:
                     budget += self._preempt(victim, scheduled) + len(spec.pop(victim.request_id, []))
                     continue
+                self._pool_full = True
                 break
             self.waiting.pop(0)
             if tiered:
@@ -315,7 +318,10 @@ class Scheduler:
         if self.experts is not None:
             out.expert_placement = self.experts.take_placement()
         self._finished_ids = []
-        out.may_admit = bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs
+        # Waiting requests join the next step only if the batch has room and the pool took the last
+        # one asked (blocks are freed by requests that end, which changes the step anyway).
+        room = len(self.running) < self.cfg.max_num_seqs and not self._pool_full
+        out.may_admit = bool(self.waiting) and room
         self.in_flight.update(scheduled)
         new_blocks, self._new_blocks = self._new_blocks, {}
         for rid, n in scheduled.items():

@@ -90,4 +90,5 @@ class ModelRunnerOutput:
         for name in ("sampled", "logprobs", "prompt_logprobs", "embeddings", "proposed", "spec_results"):
             getattr(self, name).update(getattr(other, name))
         self.forward_s += other.forward_s
+        self.from_queue |= other.from_queue
         self.queue_dropped |= other.queue_dropped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shoal.engine.block_pool import KVEvent
 from shoal.engine.expert_balance import BalanceStats
@@ -10,6 +11,26 @@ from shoal.engine.lora_manager import LoRAStats
 from shoal.engine.outputs import EngineCoreOutput
 from shoal.engine.parallel.messages import RankStats
 from shoal.engine.speculative import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from shoal.engine.scheduler_output import ModelRunnerOutput
+
+
+@dataclass
+class StepTimes:
+    """Where the steps' time went: the model's forward and sampling, and the rest (host work); and
+    the decode steps whose forward was queued by the step before (engine.decode_ahead)."""
+
+    forward_seconds: float = 0.0
+    host_seconds: float = 0.0
+    steps_from_queue: int = 0
+    queued_steps_dropped: int = 0
+
+    def add(self, result: ModelRunnerOutput, elapsed: float) -> None:
+        self.forward_seconds += min(result.forward_s, elapsed)
+        self.host_seconds += max(0.0, elapsed - result.forward_s)
+        self.steps_from_queue += result.from_queue
+        self.queued_steps_dropped += result.queue_dropped
 
 
 @dataclass
