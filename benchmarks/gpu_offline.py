@@ -104,9 +104,9 @@ def run(
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
             llm.generate(work.prompts[:batch], params[:batch])  # warm-up: allocator, kernels
             core = llm.engine.core
-            queue = core.executor.runner.ahead
+            ahead_on = core.executor.runner.ahead is not None
             steps0, fwd0, host0 = core.num_steps, core.times.forward_seconds, core.times.host_seconds
-            taken0 = queue.taken if queue is not None else 0
+            taken0 = core.times.steps_from_queue
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             llm.generate(work.prompts, params)
@@ -121,7 +121,7 @@ def run(
             roof_ms = 1000 * (weight_bytes + batch * mean_ctx * kv_per_token) / bw
             step_ms = 1000 * elapsed / steps
             mode = "eager" if eager else "graphs"
-            queued = f"{(queue.taken - taken0) / steps:.0%}" if queue is not None else "-"
+            queued = f"{(core.times.steps_from_queue - taken0) / steps:.0%}" if ahead_on else "-"
             print(
                 f"| {dtype} | {mode} | {ahead} | {batch} | {cfg.num_requests} | "
                 f"{work.total_output / elapsed:.0f} | {step_ms:.2f} | {fwd_ms:.2f} | {host_ms:.2f} | "

@@ -16,7 +16,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 def engine_flag_sets() -> tuple[FlagSet, ...]:
     """The engine's flags (`serve`, `generate`, `chat`, `bench offline`), from its config dataclasses.
     Imported here, not at the top: they import torch, which the fleet's commands do without."""
-    from shoal.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from shoal.engine.config import DECODE_AHEAD, CacheConfig, EngineConfig, SchedulerConfig
     from shoal.engine.lora_manager import LoRAConfig, parse_lora_module
     from shoal.engine.speculative import SpeculativeConfig
 
@@ -71,7 +71,7 @@ def engine_flag_sets() -> tuple[FlagSet, ...]:
             Flag("enforce_eager", help="CUDA: no CUDA graphs for decode steps (slower)"),
             Flag(
                 "decode_ahead",
-                choices=("auto", "on", "off"),
+                choices=DECODE_AHEAD,
                 help="queue each greedy decode step's successor before reading its tokens, so host "
                 "work overlaps the device's; auto: with CUDA graphs",
             ),

@@ -116,6 +116,9 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+DECODE_AHEAD = ("auto", "on", "off")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -137,5 +140,5 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        if self.decode_ahead not in ("auto", "on", "off"):
+        if self.decode_ahead not in DECODE_AHEAD:
             raise ValueError(f"decode_ahead is auto, on or off, not {self.decode_ahead!r}")

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.engine.attention import AttentionMetadata, DecodeBatch
+from shoal.engine.attention import AttentionMetadata
 from shoal.engine.block_tables import BlockTables
+from shoal.engine.step_inputs import token_batch
 
 
 class TokensOnTheWay:
@@ -59,17 +60,16 @@ class DecodeAhead:
         self.tables = tables
         self.block_size = block_size
         self.queued: QueuedStep | None = None
-        self.taken = 0  # queued steps whose tokens were used
-        self.dropped = 0  # queued steps the scheduler asked for otherwise
 
     def take(
         self, request_ids: list[str], input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-    ) -> TokensOnTheWay | None:
+    ) -> tuple[TokensOnTheWay | None, bool]:
         """The queued step's tokens if it is the step prepared here (rows in the same order, the
-        same inputs everywhere); None otherwise, and the queued step is forgotten either way."""
+        same inputs everywhere), and whether a queued step was dropped instead; the queued step is
+        forgotten either way."""
         queued, self.queued = self.queued, None
         if queued is None:
-            return None
+            return None, False
         batch = md.token_batch
         same = (
             batch is not None
@@ -79,11 +79,7 @@ class DecodeAhead:
             and torch.equal(md.slot_mapping, queued.slots)
             and torch.equal(batch.block_tables, queued.tables)
         )
-        if not same:
-            self.dropped += 1
-            return None
-        self.taken += 1
-        return queued.tokens
+        return (queued.tokens, False) if same else (None, True)
 
     def next_inputs(self, request_ids: list[str], positions: torch.Tensor) -> AttentionMetadata | None:
         """The metadata of the step after one at `positions` for these rows, or None when a row's
@@ -91,13 +87,10 @@ class DecodeAhead:
         tables, bs = self.tables, self.block_size
         rows = tables.rows(request_ids)
         nxt = positions + 1
-        blocks = nxt // bs
-        if any(b >= tables.num_blocks[r] for b, r in zip(blocks.tolist(), rows.tolist())):
+        if any(b >= tables.num_blocks[r] for b, r in zip((nxt // bs).tolist(), rows.tolist())):
             return None
-        slots = tables.table[rows, blocks] * bs + nxt % bs
-        width = -(-(int(nxt.max()) + 1) // bs)
         return AttentionMetadata(
-            slots, [], [], None, DecodeBatch(len(request_ids), tables.table[rows, :width], nxt + 1)
+            tables.slots(rows, nxt, bs), [], [], None, token_batch(tables, rows, nxt, bs)
         )
 
     def queue(self, request_ids: list[str], md: AttentionMetadata, tokens: TokensOnTheWay) -> None:
@@ -114,5 +107,4 @@ class DecodeAhead:
     def drop(self) -> bool:
         """Forgets the queued step (the step now running is not one it could be); whether there was one."""
         dropped, self.queued = self.queued is not None, None
-        self.dropped += dropped
         return dropped

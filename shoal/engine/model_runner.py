@@ -273,12 +273,10 @@ class ModelRunner:
         now; then its successor is queued (unless it cannot be the next step) before the tokens
         are read."""
         ahead, ids = self.ahead, [c.request_id for c in chunks]
-        dropped_before = ahead.dropped
-        tokens = ahead.take(ids, input_ids, positions, md)
-        out = ModelRunnerOutput(from_queue=tokens is not None, queue_dropped=ahead.dropped > dropped_before)
+        tokens, dropped = ahead.take(ids, input_ids, positions, md)
+        out = ModelRunnerOutput(from_queue=tokens is not None, queue_dropped=dropped)
         if tokens is None:
-            hidden = self.forward_paths.pick(md).forward(input_ids, positions, md, None)
-            tokens = TokensOnTheWay(self.model.compute_logits(hidden).argmax(dim=-1))
+            tokens = self._greedy_tokens(input_ids, positions, md)
         states = [self.states[rid] for rid in ids]
         # A row that ends by length with this token leaves the batch: its successor would differ.
         ending = any(
@@ -287,16 +285,17 @@ class ModelRunner:
         )
         nxt = None if so.may_admit or ending else ahead.next_inputs(ids, positions)
         if nxt is not None:
-            hidden = self.forward_paths.pick(nxt).forward(
-                tokens.tokens, nxt.token_batch.context_lens - 1, nxt, None
-            )
-            ahead.queue(ids, nxt, TokensOnTheWay(self.model.compute_logits(hidden).argmax(dim=-1)))
+            ahead.queue(ids, nxt, self._greedy_tokens(tokens.tokens, nxt.token_batch.context_lens - 1, nxt))
         values = tokens.read()
         ahead.fed(values)
         for rid, state, tok in zip(ids, states, values):
             state.advance([tok])
             out.sampled[rid] = [tok]
         return out
+
+    def _greedy_tokens(self, input_ids, positions, md: AttentionMetadata) -> TokensOnTheWay:
+        hidden = self.forward_paths.pick(md).forward(input_ids, positions, md, None)
+        return TokensOnTheWay(self.model.compute_logits(hidden).argmax(dim=-1))
 
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> ModelRunnerOutput:
         """Logits for the rows that sample (gathered once), and the step's tokens from them."""

@@ -38,6 +38,15 @@ class ScheduledChunk:
         return (self.num_spec + 1) if self.sample else 0
 
 
+def token_batch(
+    tables: BlockTables, token_rows: torch.Tensor, pos: torch.Tensor, block_size: int
+) -> DecodeBatch:
+    """Every row as one query over its own context: its table up to its position, its context
+    length (what a fast path takes, `AttentionMetadata.token_batch`)."""
+    width = -(-(int(pos.max()) + 1) // block_size)
+    return DecodeBatch(len(pos), tables.table[token_rows, :width], pos + 1)
+
+
 class StepInputs:
     """Builds each step's inputs. `decode_in_groups`: the reference attention's choice of decode
     metadata; `wants_token_batch(rows, has_prefills)`: whether a fast path takes a step of that
@@ -79,14 +88,13 @@ class StepInputs:
             pos = torch.tensor(starts, dtype=torch.int64).repeat_interleave(counts) + offset
         slots = tables.slots(token_rows, pos, bs)
         num_decode = lens.count(1)  # they come first (see execute's sort)
-        token_batch = None
+        fast = None
         if self.wants_token_batch(num_tokens, num_decode < len(chunks)):
-            width = -(-max(s + n for s, n in zip(starts, lens)) // bs)
-            token_batch = DecodeBatch(num_tokens, tables.table[token_rows, :width], pos + 1)
+            fast = token_batch(tables, token_rows, pos, bs)
             if not reference_too:
                 # A fast path takes the step whole, from per-row tables: none of the reference
                 # attention's metadata is built, and the inputs stay on the host for the path to send.
-                return torch.tensor(ids), pos, AttentionMetadata(slots, [], [], None, token_batch)
+                return torch.tensor(ids), pos, AttentionMetadata(slots, [], [], None, fast)
         window = self.window
         ctx = [s + 1 for s in starts[:num_decode]]
         groups, batch = [], None
@@ -107,5 +115,5 @@ class StepInputs:
             table = None if start == 0 else tables.padded(rows[i : i + 1], context, bs)[0].to(dev)
             prefills.append(PrefillSpan(row, row + n, context, table, prefill_mask(n, context, window, dev)))
             row += n
-        md = AttentionMetadata(slots.to(dev), groups, prefills, batch, token_batch)
+        md = AttentionMetadata(slots.to(dev), groups, prefills, batch, fast)
         return torch.tensor(ids, device=dev), pos.to(dev), md
