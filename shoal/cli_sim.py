@@ -100,7 +100,11 @@ def cmd_sim(args) -> int:
     if disaggregated and (not args.prefill or not args.decode):
         print("shoal: a P/D fleet takes --prefill N and --decode M", file=sys.stderr)
         return 2
-    fast = args.mode == "fast" or (args.mode == "auto" and n > AUTO_FAST_FROM)
+    if args.shared_cores is not None and args.mode == "fast":
+        print("shoal: --shared-cores needs the exact simulator (--mode exact)", file=sys.stderr)
+        return 2
+    auto_fast = args.mode == "auto" and n > AUTO_FAST_FROM and args.shared_cores is None
+    fast = args.mode == "fast" or auto_fast
     if reqs is None:
         reqs = spec.requests(with_tokens=not fast)
     shape = FleetShape(
@@ -117,6 +121,7 @@ def cmd_sim(args) -> int:
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         kv_transport=args.kv_transport,
         scaling=scaling_shape(args),
+        shared_cores=args.shared_cores,
     )
     if shape.scaling is not None and disaggregated:
         print(
@@ -208,6 +213,15 @@ def add_sim_parsers(sub, wanted) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-concurrency", type=int, default=None, help="the clients' cap on requests in flight")
+    p.add_argument(
+        "--shared-cores",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the replicas (pinned to the profile's threads), the gateway and the clients all run on "
+        "N cores of one host: the front's CPU, from a profile calibrated --through-gateway, is taken "
+        "from the replicas' steps",
+    )
     p.add_argument(
         "--request-overhead-ms",
         type=float,

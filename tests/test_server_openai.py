@@ -399,6 +399,8 @@ def test_bench_serve_against_the_server(server, model, tmp_path, bundled):
     )
     assert s["completed"] == 6 and s["total_output_tokens"] == 48 and s["total_input_tokens"] == 6 * 24
     assert 0 < s["ttft_s"]["p50"] <= s["e2e_s"]["p50"]
+    # The client's own CPU while it sent and read: some, and (one thread of asyncio) at most the run.
+    assert 0 < s["client_cpu_s"] <= s["duration_s"] * 1.1
     dataset = tmp_path / "chats.jsonl"
     dataset.write_text(
         "\n".join(

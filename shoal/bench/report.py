@@ -133,6 +133,9 @@ def format_summary(s: dict) -> str:
             continue
         cells = "  ".join(f"p{p} {1000 * st[f'p{p}']:8.1f}" for p in PERCENTILES)
         lines.append(f"{label:<5} ms       : mean {1000 * st['mean']:8.1f}  {cells}")
+    if s.get("client_cpu_s") is not None:
+        busy = s["client_cpu_s"] / s["duration_s"]
+        lines.append(f"client CPU      : {s['client_cpu_s']:.2f} s ({100 * busy:.0f} % of a core)")
     return "\n".join(lines)
 
 

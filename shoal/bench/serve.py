@@ -136,7 +136,7 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict:
                 return await _one(client, cfg, name, req, t0)
 
         schedule = arrival_times(len(requests), cfg.request_rate, cfg.bursts, rng) if cfg.bursts else None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tasks = []
         for i, req in enumerate(requests):
             if schedule is not None:
@@ -147,6 +147,7 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict:
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        client_cpu_s = time.process_time() - cpu0
     summary = summarize(
         records,
         duration,
@@ -155,6 +156,9 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict:
     )
     summary["config"] = asdict(cfg)
     summary["model"] = model
+    # What the client itself spent, sending and reading (not building prompts): a client on the
+    # server's host takes this from it, and a figure near the duration means the client limited it.
+    summary["client_cpu_s"] = client_cpu_s
     print(
         f"{cfg.base_url} {cfg.endpoint}, model {model}: {len(requests)} requests, "
         f"concurrency {cfg.max_concurrency or 'unbounded'}, rate {cfg.request_rate} req/s"

@@ -35,6 +35,9 @@ class FastFleet:
             raise ValueError("a disaggregated fleet needs decode workers too")
         if shape.prefill and shape.scaling:
             raise ValueError("the simulator scales a pool of whole replicas, not a P/D fleet")
+        if shape.shared_cores is not None:
+            # A fleet of a few replicas on one host: the exact simulator is quick enough for it.
+            raise ValueError("the fast simulator has no model of shared cores; use the exact one")
         self.profile = profile
         self.shape = shape
         self.roles = shape.roles

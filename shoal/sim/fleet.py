@@ -17,6 +17,7 @@ from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Health, Replica
 from shoal.fleet.routing.policies import RouteRequest, make_policy
 from shoal.protocol.block_hash import hash_blocks
+from shoal.sim.cores import SharedCores
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import ReplicaShape, SimReplica
 from shoal.sim.scaling import TICK_S, TTFT_WINDOW_S, Load, ScalingShape, SimPool
@@ -44,6 +45,10 @@ class FleetShape:
     # does (LLM.generate adds them all, then steps). A server's front end hands its engine requests
     # one at a time, and an idle engine starts a step at the first: the others wait for the next.
     offline: bool = False
+    # The replicas, the gateway and the clients all run on this many cores of one host (a fleet
+    # tested on one machine), each replica pinned to the profile's threads: the front's work is
+    # then taken from the replicas' steps (cores.py). None: the front has cores of its own.
+    shared_cores: int | None = None
 
     def handoff_seconds(self, profile: NodeProfile, tokens: int) -> float:
         """A prompt's K/V from prefill to decode worker, as the profile measured it (0: not)."""
@@ -100,6 +105,7 @@ class FleetSim:
         # client sent it, its decode worker).
         self.handing: dict[str, tuple[SimRequest, RequestRecord, float, int]] = {}
         self.pool = SimPool.of(shape.scaling, profile) if shape.scaling is not None else None
+        self.cores = shared_cores(profile, shape.shared_cores)
 
     def _route(self, req: SimRequest, role: str, hashes: list[int]) -> tuple[SimReplica | None, int]:
         """The replica the gateway picks (None: no replica takes requests now), and how many of
@@ -185,6 +191,12 @@ class FleetSim:
         if pool is not None:
             pool.start(first)
 
+        def stretch(at: float) -> float:
+            if self.cores is None:
+                return 1.0
+            computing = 1 + sum(r.step_ends is not None for r in self.replicas)
+            return self.cores.stretch(at, computing)
+
         def wake(i: int, at: float) -> None:
             nonlocal seq
             replica = self.replicas[i]
@@ -195,7 +207,7 @@ class FleetSim:
                 # It starts a step once every arrival of this instant is in (arrivals go first).
                 waking.add(i)
                 heapq.heappush(steps, (at, seq, i))
-            elif (ends := replica.start_step(at)) is not None:
+            elif (ends := replica.start_step(at, stretch(at))) is not None:
                 heapq.heappush(steps, (ends, seq, i))
 
         def send(
@@ -260,6 +272,8 @@ class FleetSim:
                 waking.discard(i)
             else:
                 done = replica.end_step(now)
+                if self.cores is not None:
+                    self.cores.streamed(now, replica.last_sampled)
                 if self.roles[i] == "prefill":
                     for t in done:  # its K/V goes on to the decode worker
                         req, rec, sent, d = self.handing.pop(t.request_id)
@@ -271,7 +285,7 @@ class FleetSim:
                         heapq.heappush(releases, now + replica.overhead)
                 if replica.pool.enable_events:
                     self._publish(replica)
-            ends = replica.start_step(now)
+            ends = replica.start_step(now, stretch(now))
             if ends is not None:
                 seq += 1
                 heapq.heappush(steps, (ends, seq, i))
@@ -280,3 +294,14 @@ class FleetSim:
         duration = max(now - first, 1e-9)
         up = pool.replica_seconds(now) if pool is not None else duration * len(self.replicas)
         return SimResult(records, duration, up, sum(r.steps for r in self.replicas))
+
+
+def shared_cores(profile: NodeProfile, cores: int | None) -> SharedCores | None:
+    """The rule for a fleet on `cores` shared cores, from what the profile's calibration measured
+    of its front (None: not shared, or a profile calibrated without a gateway's CPU time)."""
+    front = profile.serving.get("front_cpu_s_per_token")
+    if cores is None or front is None:
+        return None
+    calibrated_on = int(profile.serving.get("cores", cores))
+    threads = profile.num_threads or calibrated_on
+    return SharedCores(cores, threads, front, max(0, calibrated_on - threads))

@@ -176,7 +176,8 @@ class NodeProfile:
     # A K/V handoff from a prefill worker: bytes_per_token, and per transport (shm, tcp) the fixed
     # seconds of one and the seconds per MiB (see profiler.time_kv_transfer).
     kv_transfer: dict[str, float] = field(default_factory=dict)
-    # What serving adds (already in the step costs above, and per request), from a real server.
+    # What serving adds (already in the step costs above, and per request), from a real server;
+    # calibrated through a gateway, also the CPU its front spends a token and the host's cores.
     serving: dict[str, float] = field(default_factory=dict)
     measured_at: str = ""
 
@@ -233,6 +234,11 @@ class NodeProfile:
                 f"serving adds: {1e3 * self.serving['per_step_s']:.2f} ms a step, "
                 f"{1e3 * self.serving['per_row_s']:.2f} ms a row, "
                 f"{1e3 * self.serving['per_request_s']:.1f} ms a request"
+            )
+        if "front_cpu_s_per_token" in self.serving:
+            lines.append(
+                f"front CPU   : {1e3 * self.serving['front_cpu_s_per_token']:.3f} ms a token streamed "
+                f"(gateway and clients, on {self.serving['cores']:.0f} cores)"
             )
         t = self.kv_transfer
         if t:

@@ -28,6 +28,13 @@ FIRST_PLAIN_ID = 1000  # ids clear of the special tokens at the start of most vo
 MIN_KEPT = 0.5  # a server calibration keeps at least this part of each step cost it corrects
 
 
+def calibration_requests(clients: int) -> int:
+    """Requests in a serving calibration run of `clients` at a time: at least eight, so that even
+    the one-client run averages its inter-token time over several seconds of this machine's
+    drifting speed (two requests swung the fitted serving cost by a millisecond a row)."""
+    return max(2 * clients, 8)
+
+
 @dataclass
 class ProfileConfig:
     engine_options: dict = field(default_factory=dict)  # as `shoal serve` takes them (LLM(**options))
@@ -217,7 +224,8 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
         command = ["fleet", "up", "--replicas", "1", "--replica-args", " ".join(cfg.serve_flags)]
     else:
         command = ["serve", *cfg.serve_flags]
-    with running(command) as url:
+    with running(command) as (url, proc):
+        front = FrontCPU(proc.pid) if cfg.through_gateway else None
         prompt, steps = 128, 48
         measured = []
         for b in cfg.serve_batches:
@@ -225,7 +233,7 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
                 continue
             bench = ServeBenchConfig(
                 base_url=url,
-                num_requests=2 * b,
+                num_requests=calibration_requests(b),
                 input_len=prompt,
                 output_len=steps,
                 max_concurrency=b,
@@ -234,12 +242,39 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
             )
             with contextlib.redirect_stdout(io.StringIO()):  # its report is not the profile's
                 measured.append((b, run_serve_bench(bench)))
+        front_cpu_s = front.seconds() if front is not None else None
     fold_serving(profile, measured, prompt, steps)
+    if front_cpu_s is not None:
+        from shoal.fleet.control.cores import host_cpus
+
+        # The gateway's, and the clients' while they sent and read (`shoal bench serve`'s own).
+        front_cpu_s += sum(s["client_cpu_s"] for _, s in measured)
+        streamed = sum(s["total_output_tokens"] for _, s in measured)
+        profile.serving["front_cpu_s_per_token"] = front_cpu_s / max(1, streamed)
+        profile.serving["cores"] = len(host_cpus())
+
+
+class FrontCPU:
+    """CPU seconds a gateway's process spends from now (not its replicas', its children)."""
+
+    def __init__(self, gateway_pid: int):
+        import psutil
+
+        self.proc = psutil.Process(gateway_pid)
+        self.start = self._used()
+
+    def _used(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+    def seconds(self) -> float:
+        return self._used() - self.start
 
 
 def fold_serving(profile: NodeProfile, measured: list[tuple[int, dict]], prompt: int, steps: int) -> None:
-    """Folds what serving adds into `profile`, from `shoal bench serve` summaries of runs of 2 x b
-    requests (`prompt` tokens in, `steps` out), b at a time: [(b, summary)], b ascending."""
+    """Folds what serving adds into `profile`, from `shoal bench serve` summaries of runs of
+    calibration_requests(b) requests (`prompt` tokens in, `steps` out), b at a time: [(b, summary)],
+    b ascending."""
     rows = np.array([b for b, _ in measured], dtype=float)
     # Each run's mean inter-token time against the same run simulated from the bare profile: the
     # simulation has the gaps a new prompt's prefill puts between the others' tokens, so what is
@@ -274,9 +309,11 @@ def _corrected(cost: float, added: float) -> float:
 
 
 def _simulated_itl(profile: NodeProfile, clients: int, prompt: int, steps: int) -> float:
-    """The mean inter-token time the simulator gives a calibration run (2 x `clients` requests,
-    `clients` at a time), from `profile` as it stands."""
-    spec = WorkloadSpec(2 * clients, input_len=Lengths("fixed", prompt), output_len=Lengths("fixed", steps))
+    """The mean inter-token time the simulator gives a calibration run (`clients` at a time), from
+    `profile` as it stands."""
+    spec = WorkloadSpec(
+        calibration_requests(clients), input_len=Lengths("fixed", prompt), output_len=Lengths("fixed", steps)
+    )
     replica = ReplicaShape(profile.max_num_seqs, profile.max_num_batched_tokens, 0.0)
     run = FleetSim(profile, FleetShape(1, replica=replica, max_concurrency=clients)).run(spec.requests())
     return run.summary()["itl_s"]["mean"]
@@ -298,7 +335,7 @@ def time_kv_transfer(cfg: ProfileConfig, max_len: int) -> dict[str, float]:
     per_token = []
     prefill = ["serve", *cfg.serve_flags, "--role", "prefill"]
     with (
-        running(prefill, {KV_TRANSFER_KEY_ENV: key}) as url,
+        running(prefill, {KV_TRANSFER_KEY_ENV: key}) as (url, _),
         httpx.Client(timeout=300, headers={KV_TRANSFER_KEY_HEADER: key}) as client,
     ):
         model = client.get(url + "/v1/models").json()["data"][0]["id"]
@@ -327,7 +364,7 @@ def time_kv_transfer(cfg: ProfileConfig, max_len: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def running(command: list[str], env: dict[str, str] | None = None):
-    """`shoal COMMAND` on a free port, ready: its URL; stopped at the exit."""
+    """`shoal COMMAND` on a free port, ready: its URL and process; stopped at the exit."""
     from shoal.fleet.control.launchers.local import free_port
 
     port = free_port()
@@ -340,7 +377,7 @@ def running(command: list[str], env: dict[str, str] | None = None):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(url, proc)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(60)

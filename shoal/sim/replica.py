@@ -68,6 +68,7 @@ class SimReplica:
         self.step_ends: float | None = None  # when the step in progress ends (None: idle)
         self._step: SchedulerOutput | None = None
         self.steps = 0
+        self.last_sampled = 0  # tokens the last step that ended streamed out
         self._last_arrival = -math.inf
         self.shapes: list[StepShape] | None = None  # a list: each step's shape is kept in it
 
@@ -112,8 +113,9 @@ class SimReplica:
         self.scheduler.add_request(request)
         self.tracked[req.id] = Tracked(record, now if sent is None else sent, req.id)
 
-    def start_step(self, now: float) -> float | None:
-        """Schedules a step at `now`; returns when it ends, or None when there is nothing to run."""
+    def start_step(self, now: float, stretch: float = 1.0) -> float | None:
+        """Schedules a step at `now`, its profiled cost times `stretch` (cores it shares); returns
+        when it ends, or None when there is nothing to run."""
         if not self.scheduler.num_unfinished:
             return None
         so = self.scheduler.schedule()
@@ -122,7 +124,7 @@ class SimReplica:
         shape = step_shape(so)
         if self.shapes is not None:
             self.shapes.append(shape)
-        seconds = self.profile.step_seconds(shape)
+        seconds = self.profile.step_seconds(shape) * stretch
         self._step, self.step_ends = so, now + seconds
         self.steps += 1
         return self.step_ends
@@ -131,6 +133,7 @@ class SimReplica:
         """The step's tokens arrive at `now`; returns the requests that finished."""
         so, self._step, self.step_ends = self._step, None, None
         sampled = {sr.request_id: [OUTPUT_TOKEN] for sr in so.scheduled if sr.sample}
+        self.last_sampled = len(sampled)
         finished = []
         for req in self.scheduler.update_from_output(so, ModelRunnerOutput(sampled=sampled)):
             t = self.tracked[req.request_id]
