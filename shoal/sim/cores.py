@@ -2,14 +2,13 @@
 
 A fleet tested on one machine pins each replica to cores of its own, and the gateway (which relays
 every token) and the clients float over the same cores. The profile's serving calibration ran one
-replica with the rest of the host free, so whatever the front did ran beside it, not in its way.
-With every core held by a replica's compute threads, the front's work is taken from the replicas'
-steps: on this 2-core host, two replicas, a P/D pair or a pool of two ran 20 to 60 % slower than a
-simulator that had no such rule predicted (README, issue 31). The rule here: the front needs
-`front_cpu_s_per_token` CPU seconds for each token streamed (measured with the calibration), at the
-rate tokens went out over the last window; what the cores left free by the replicas computing now
-cannot hold is taken evenly from those replicas' threads, and their steps stretch by as much. The
-calibration already paid for what its own placement took, so only the difference stretches a step.
+replica with the rest of the host free, so the front's work ran beside it, not in its way; with
+every core held by a replica's compute threads, it is taken from their steps (without this rule
+the simulator predicted two one-core replicas on this 2-core host 30-35 % too fast at ITL p50;
+with it, within 6 %: README, issue 31). The rule: the front needs `front_cpu_s_per_token` CPU
+seconds a token streamed, at the rate tokens went out over the last window; what the cores left
+idle by the replicas computing cannot hold is taken evenly from their threads, and their steps
+stretch by as much, less what the calibration's own placement already paid.
 """
 
 from __future__ import annotations

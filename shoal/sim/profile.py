@@ -234,6 +234,11 @@ class NodeProfile:
                 f"serving adds: {1e3 * self.serving['per_step_s']:.2f} ms a step, "
                 f"{1e3 * self.serving['per_row_s']:.2f} ms a row, "
                 f"{1e3 * self.serving['per_request_s']:.1f} ms a request"
+                + (
+                    f", x{self.serving['prompt_scale']:.2f} a prompt token"
+                    if "prompt_scale" in self.serving
+                    else ""
+                )
             )
         if "front_cpu_s_per_token" in self.serving:
             lines.append(
