@@ -134,7 +134,7 @@ class ReplicaSampler:
         return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
-def run_sim(row: Row, profile, no_shared_cores: bool = False) -> dict:
+def run_sim(row: Row, profile, unshared: bool = False) -> dict:
     rng = random.Random(7)
     reqs = [
         SimRequest(f"r{i}", at, tokens(rng, row.input_len), row.output_len)
@@ -149,7 +149,7 @@ def run_sim(row: Row, profile, no_shared_cores: bool = False) -> dict:
         decode=row.decode,
         scaling=ScalingShape(row.pool[0], row.pool[1], 0, POOL) if row.pool else None,
         # Every row's replicas, gateway and client run on this machine's cores.
-        shared_cores=None if no_shared_cores else len(host_cpus()),
+        shared_cores=None if unshared else len(host_cpus()),
     )
     return FleetSim(profile, shape).run(reqs).summary()
 
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=None, help="run only the rows whose name holds this")
     ap.add_argument(
-        "--no-shared-cores",
+        "--also-unshared",
         action="store_true",
         help="also print what the simulator predicts without its rule for shared cores",
     )
@@ -209,7 +209,7 @@ def main() -> None:
     for row in rows:
         real = figures(run_real(row), row)
         sim = figures(run_sim(row, profiles[row.threads]), row)
-        apart = figures(run_sim(row, profiles[row.threads], True), row) if args.no_shared_cores else None
+        apart = figures(run_sim(row, profiles[row.threads], True), row) if args.also_unshared else None
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             line = f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%"

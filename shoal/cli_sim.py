@@ -128,8 +128,13 @@ def cmd_sim(args) -> int:
             "shoal: an autoscaled pool is of whole replicas, not prefill and decode workers", file=sys.stderr
         )
         return 2
+    try:
+        sim = (FastFleet if fast else FleetSim)(profile, shape)
+    except ValueError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    result = (FastFleet if fast else FleetSim)(profile, shape).run(reqs)
+    result = sim.run(reqs)
     took = time.perf_counter() - t0
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None
     slo_tpot = args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None

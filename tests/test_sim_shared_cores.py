@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from shoal.sim.cores import MAX_STOLEN
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profile import made_up_profile
@@ -43,25 +45,28 @@ def test_two_replicas_filling_both_cores_pay_for_the_tokens_their_front_streams(
     assert _itl_median(_profile(), 2, 2) == pytest.approx(bare + 8 * FRONT, rel=0.02)
 
 
-def test_a_free_core_or_a_front_never_measured_leaves_the_steps_alone():
-    """One replica on two cores leaves the front the core the calibration left it; a profile
-    calibrated without a gateway's CPU time has nothing to take; a step never gets cheaper."""
+def test_a_free_core_or_a_free_front_leaves_the_steps_alone_and_an_unmeasured_one_is_refused():
+    """One replica on two cores leaves the front the core the calibration left it, and a front that
+    costs nothing takes nothing; a profile calibrated without the front's CPU cannot say what
+    sharing costs, and the simulator says so rather than ignore the cores."""
     alone = _itl_median(_profile(), 1, None)
     assert _itl_median(_profile(), 1, 2) == pytest.approx(alone)
-    assert _itl_median(_profile(front=None), 2, 2) == pytest.approx(_itl_median(_profile(), 2, None))
     assert _itl_median(_profile(front=0.0), 2, 2) == pytest.approx(_itl_median(_profile(), 2, None))
+    with pytest.raises(ValueError, match="through-gateway"):
+        FleetSim(_profile(front=None), FleetShape(2, shared_cores=2))
 
 
-def test_the_front_taking_more_than_the_cores_left_in_calibration_is_priced_as_the_difference():
-    """A front so costly that the calibration's free core could not hold it either (its replica
-    paid the excess then, and the profile's steps carry it): only what sharing adds is priced."""
-    profile = _profile(front=0.01)
-    plain, shared = _itl_median(profile, 2, None), _itl_median(profile, 2, 2)
-    assert plain < shared < plain / (1 - 0.8)  # stretched, never past the most the front may take
-    rows_rate = 16 / shared  # tokens a second both replicas stream, steady
-    demand = 0.01 * rows_rate
-    taken, taken_alone = min(0.8, demand / 2), min(0.8, max(0.0, demand - 1))
-    assert shared / plain == pytest.approx((1 - taken_alone) / (1 - taken), rel=0.05)
+def test_a_costlier_front_never_makes_a_step_cheaper_and_takes_at_most_its_share():
+    """Front costs from nothing to more than the two cores hold: the steps' stretch never falls as
+    the front costs more (a rule that capped the calibration's share and the fleet's apart gave
+    a stretch of 1 again past 1.8 cores of front), and never passes the most the front may take
+    (MAX_STOLEN of a replica's threads: steps at most 5 x their bare cost)."""
+    plain = _itl_median(_profile(), 2, None)
+    stretches = [_itl_median(_profile(front=f), 2, 2) / plain for f in (0.0, 0.0005, 0.002, 0.005, 0.02, 0.1)]
+    assert stretches[0] == pytest.approx(1.0)
+    assert all(b >= a - 1e-9 for a, b in itertools.pairwise(stretches)), stretches
+    assert stretches[2] > 1.05
+    assert stretches[-1] == pytest.approx(1 / (1 - MAX_STOLEN), rel=0.02)
 
 
 def test_the_fast_simulator_and_the_command_refuse_shared_cores(tmp_path):
@@ -75,5 +80,11 @@ def test_the_fast_simulator_and_the_command_refuse_shared_cores(tmp_path):
     args = ["--replicas", "2", "--num-requests", "8", "--max-concurrency", "8"]
     ok = subprocess.run([*sim, *args], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+    bare = tmp_path / "bare.json"
+    _profile(front=None).save(bare)
+    refused = subprocess.run(
+        [*sim[:4], "--profile", str(bare), "--shared-cores", "2", *args], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "through-gateway" in refused.stderr
     assert "exact" in ok.stdout
     assert np.isfinite(float(ok.stdout.split("throughput")[1].split()[1]))

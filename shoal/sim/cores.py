@@ -4,11 +4,13 @@ A fleet tested on one machine pins each replica to cores of its own, and the gat
 every token) and the clients float over the same cores. The profile's serving calibration ran one
 replica with the rest of the host free, so the front's work ran beside it, not in its way; with
 every core held by a replica's compute threads, it is taken from their steps (without this rule
-the simulator predicted two one-core replicas on this 2-core host 30-35 % too fast at ITL p50;
-with it, within 6 %: README, issue 31). The rule: the front needs `front_cpu_s_per_token` CPU
-seconds a token streamed, at the rate tokens went out over the last window; what the cores left
-idle by the replicas computing cannot hold is taken evenly from their threads, and their steps
-stretch by as much, less what the calibration's own placement already paid.
+the simulator predicted two one-core replicas on this 2-core host 35-36 % too fast at ITL p50;
+with it, 5.6-6.1 %: README, issue 31). The rule: the front needs `front_cpu_s_per_token` CPU
+seconds a token streamed, at the rate tokens went out over the last window. What the cores left
+idle by the replicas computing cannot hold is taken evenly from their threads. A replica's profile
+already paid for what the front took from it in its calibration, alone with the calibration's
+free cores at the rate of tokens each replica streams now; a step stretches by what is taken
+beyond that.
 """
 
 from __future__ import annotations
@@ -27,25 +29,31 @@ class SharedCores:
     front_cpu_s_per_token: float  # CPU seconds of the gateway and clients for each token streamed
     # Cores the calibration left to the front: the host's, less one replica's (it ran alone).
     calibrated_free: float
-    _sent: deque = field(default_factory=deque)  # (time, tokens) streamed within the window
-    _in_window: int = 0
+    # (time, replica, tokens) streamed within the window, and the window's tokens by replica
+    _sent: deque = field(default_factory=deque)
+    _in_window: dict[int, int] = field(default_factory=dict)
 
-    def streamed(self, now: float, tokens: int) -> None:
+    def streamed(self, now: float, replica: int, tokens: int) -> None:
         if tokens:
-            self._sent.append((now, tokens))
-            self._in_window += tokens
+            self._sent.append((now, replica, tokens))
+            self._in_window[replica] = self._in_window.get(replica, 0) + tokens
 
-    def demand(self, now: float) -> float:
-        """Cores the front needs now, from the tokens streamed in the last WINDOW_S."""
+    def _cores_needed(self, now: float) -> tuple[float, float]:
+        """Cores the front needs now for the fleet's tokens, and for one streaming replica's (their
+        mean: the front's work is taken evenly, so each pays as the average replica)."""
         while self._sent and self._sent[0][0] <= now - WINDOW_S:
-            self._in_window -= self._sent.popleft()[1]
-        return self.front_cpu_s_per_token * self._in_window / WINDOW_S
+            _, i, n = self._sent.popleft()
+            self._in_window[i] -= n
+            if not self._in_window[i]:
+                del self._in_window[i]
+        fleet = self.front_cpu_s_per_token * sum(self._in_window.values()) / WINDOW_S
+        return fleet, fleet / max(1, len(self._in_window))
 
     def stretch(self, now: float, computing: int) -> float:
         """What a step's cost is multiplied by when it starts now with `computing` replicas (it
         among them) holding their cores."""
-        demand = self.demand(now)
+        fleet, each = self._cores_needed(now)
         busy = max(1, computing) * self.threads
-        taken = min(MAX_STOLEN, max(0.0, demand - max(0, self.cores - busy)) / busy)
-        taken_in_calibration = min(MAX_STOLEN, max(0.0, demand - self.calibrated_free) / self.threads)
-        return max(1.0, (1 - taken_in_calibration) / (1 - taken))
+        taken = max(0.0, fleet - max(0, self.cores - busy)) / busy
+        paid = max(0.0, each - self.calibrated_free) / self.threads
+        return 1 / (1 - min(MAX_STOLEN, max(0.0, taken - paid)))

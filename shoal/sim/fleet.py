@@ -273,7 +273,7 @@ class FleetSim:
             else:
                 done = replica.end_step(now)
                 if self.cores is not None:
-                    self.cores.streamed(now, replica.last_sampled)
+                    self.cores.streamed(now, i, replica.last_sampled)
                 if self.roles[i] == "prefill":
                     for t in done:  # its K/V goes on to the decode worker
                         req, rec, sent, d = self.handing.pop(t.request_id)
@@ -297,11 +297,16 @@ class FleetSim:
 
 
 def shared_cores(profile: NodeProfile, cores: int | None) -> SharedCores | None:
-    """The rule for a fleet on `cores` shared cores, from what the profile's calibration measured
-    of its front (None: not shared, or a profile calibrated without a gateway's CPU time)."""
-    front = profile.serving.get("front_cpu_s_per_token")
-    if cores is None or front is None:
+    """The rule for a fleet on `cores` shared cores (None: not shared), from what the profile's
+    calibration measured of its front."""
+    if cores is None:
         return None
+    front = profile.serving.get("front_cpu_s_per_token")
+    if front is None:
+        raise ValueError(
+            "shared cores need the front's CPU a token, which this profile lacks: "
+            "take it with `shoal profile --through-gateway`"
+        )
     calibrated_on = int(profile.serving.get("cores", cores))
     threads = profile.num_threads or calibrated_on
     return SharedCores(cores, threads, front, max(0, calibrated_on - threads))
