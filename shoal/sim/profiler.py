@@ -250,8 +250,10 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
                 measured.append((b, run(b, calibration_requests(b), prompt, steps)))
         front_cpu_s = front.seconds() if front is not None else None  # for the tokens above
         # Lone prompts of a second length, beside the lone prompts of the one-client run above,
-        # each prefilled in one step (within the token budget), none sharing a prefix with those.
-        long_len = min(LONG_PROMPT_TIMES * prompt, profile.max_model_len - 8, profile.max_num_batched_tokens)
+        # each prefilled in one step (within the token budget), none sharing a prefix with those,
+        # and no longer than the bare prompts timed (a fit stretched past them prices nothing).
+        longest = min(max(cfg.prompt_lengths, default=prompt), profile.max_num_batched_tokens)
+        long_len = min(LONG_PROMPT_TIMES * prompt, longest, profile.max_model_len - 8)
         long_prompt = (long_len, run(1, 4, long_len, 2, seed=LONG_PROMPT_SEED)) if long_len > prompt else None
     fold_serving(profile, measured, prompt, steps, long_prompt)
     if front_cpu_s is not None:
