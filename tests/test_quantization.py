@@ -114,15 +114,19 @@ from shoal.kernels.build import cpu_supports_kernels
 from shoal.kernels.cpu import cpu_kernels
 from shoal.models.quant import Int8Linear, quantize_q4_1, quantize_q8_0, repack_x8
 torch.manual_seed(0)
-w, x = torch.randn(96, 320) * 0.05, torch.randn(7, 320)
 k = cpu_kernels()
-q4, q8, i8 = quantize_q4_1(w), quantize_q8_0(w), Int8Linear(w)
-r4, r8 = repack_x8(q4), repack_x8(q8)
-torch.save([
-    k.block_linear("q4_1", x, q4.qs, q4.d, q4.mn), k.block_linear("q8_0", x, q8.qs, q8.d, None),
-    k.block_linear("q4_1x8", x, r4.qs, r4.d, r4.mn), k.block_linear("q8_0x8", x, r8.qs, r8.d, None),
-    k.int8_linear(x, i8.weight, i8.scale),
-], sys.argv[1])
+out = []
+# 96 rows: 12 tiles of 8, in pairs where AVX-512 takes two at once; 104: an odd tile left over.
+for n in (96, 104):
+    w, x = torch.randn(n, 320) * 0.05, torch.randn(7, 320)
+    q4, q8, i8 = quantize_q4_1(w), quantize_q8_0(w), Int8Linear(w)
+    r4, r8 = repack_x8(q4), repack_x8(q8)
+    out += [
+        k.block_linear("q4_1", x, q4.qs, q4.d, q4.mn), k.block_linear("q8_0", x, q8.qs, q8.d, None),
+        k.block_linear("q4_1x8", x, r4.qs, r4.d, r4.mn), k.block_linear("q8_0x8", x, r8.qs, r8.d, None),
+        k.int8_linear(x, i8.weight, i8.scale),
+    ]
+torch.save(out, sys.argv[1])
 """
 
 

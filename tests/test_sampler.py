@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.engine.sampler import Sampler, SamplingState
+from shoal.engine.sampler import Sampler, SamplingState, greedy_tokens
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 
 VOCAB = 50
@@ -163,3 +163,15 @@ def test_logit_bias_and_allowed_tokens_steer_the_draw():
     assert draws(logits, n=10, temperature=0, logit_bias={5: 100.0}) == {5}
     assert draws(logits, n=10, temperature=0, logit_bias={49: -100.0}) == {48}
     assert draws(logits, n=200, allowed_token_ids=[1, 2]) == {1, 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_with_ties_and_nans(dtype):
+    """The greedy fast path picks what argmax picks: the first of tied maxima, a NaN as highest."""
+    torch.manual_seed(0)
+    logits = torch.randint(0, 4, (32, 1000)).to(dtype)  # few values: many ties in every row
+    logits[3, 17] = logits[3, 900] = float("nan")
+    logits[5] = 1.0  # a row of nothing but ties
+    logits[7, 0] = float("-inf")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[3] == 17 and greedy_tokens(logits)[5] == 0
