@@ -143,11 +143,22 @@ static inline __attribute__((always_inline)) void paged_attention(
             for (int64_t t0 = start; t0 < len; t0 += KEY_CHUNK) {
                 const int64_t n = len - t0 < KEY_CHUNK ? len - t0 : KEY_CHUNK;
                 const int64_t padded = (n + 7) & ~(int64_t)7;
-                for (int64_t j = 0; j < padded; j++) {
-                    const int64_t t = t0 + (j < n ? j : n - 1); /* pad with a real key; masked below */
-                    const int64_t off = ((tables[b * max_blocks + t / bs] * bs + t % bs) * Hk + kh) * D;
+                /* The chunk's keys walk the table a block at a time: one division per chunk, not
+                 * one per key (a 64-bit division costs more than scoring the key). */
+                const int64_t *table = tables + b * max_blocks;
+                int64_t blk = t0 / bs, in_blk = t0 % bs;
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t off = ((table[blk] * bs + in_blk) * Hk + kh) * D;
                     kp[j] = (const char *)k_cache + off * esize;
                     vp[j] = (const char *)v_cache + off * esize;
+                    if (++in_blk == bs) {
+                        in_blk = 0;
+                        blk++;
+                    }
+                }
+                for (int64_t j = n; j < padded; j++) { /* pad with a real key; masked below */
+                    kp[j] = kp[n - 1];
+                    vp[j] = vp[n - 1];
                 }
                 for (int64_t g = 0; g < G; g++) {
                     const float *qg = q + b * q_stride + (h0 + g) * D;
