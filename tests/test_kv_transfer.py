@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -97,8 +98,9 @@ def test_kv_that_does_not_fit_the_request_is_refused_and_changes_nothing(engines
 
 
 def test_async_engines_hand_kv_over_and_kv_nobody_takes_is_freed(bundled):
-    """The same handoff through the async front (export and release run on the engine thread),
-    and held K/V that no decode engine takes is freed after kv_hold_timeout_s."""
+    """The same handoff through the async front, and held K/V that no decode engine takes is freed
+    after kv_hold_timeout_s. The K/V is packed as the prefill finishes: a pull is answered while
+    the engine thread is busy (a prefill step of other prompts), with the bits the engine holds."""
     from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
     from shoal.engine.config import CacheConfig, EngineConfig
     from shoal.engine.core import EngineCore
@@ -118,10 +120,19 @@ def test_async_engines_hand_kv_over_and_kv_nobody_takes_is_freed(bundled):
     async def run():
         one = SamplingParams(max_tokens=1, **GREEDY)
         first = await tokens(await prefill.add_request("p", ids, one, hold_kv=True))
-        packed = await prefill.export_kv("p")
+        busy, free = threading.Event(), threading.Event()
+        occupied = asyncio.ensure_future(prefill._call(lambda: (busy.set(), free.wait(30))))
+        await asyncio.to_thread(busy.wait, 30)  # the engine thread is taken until `free` is set
+        packed = await asyncio.wait_for(prefill.export_kv("p"), 10)
+        free.set()
+        await occupied
+        held = await prefill._call(lambda: p_engine.export_kv("p"))
+        assert held.num_tokens == packed.num_tokens and torch.equal(held.data, packed.data)
         stream = await decode.add_request("d", ids, params, prior_output_ids=first, external_kv=packed)
         rest = await tokens(stream)
         assert await prefill.release_kv("p")
+        with pytest.raises(KeyError):  # released: its packed copy is gone too
+            await prefill.export_kv("p")
         await tokens(await prefill.add_request("q", ids, one, hold_kv=True))
         await asyncio.sleep(1.8)  # nobody takes q's K/V
         assert prefill.load()["kv_held"] == 0 and prefill.load()["kv_usage"] == 0  # and the load shows it

@@ -166,6 +166,9 @@ class AsyncEngine:
         self._last_step_end = time.monotonic()
         self._stop = threading.Event()
         self.kv_log = KVEventLog(self.config.kv_event_log_size, engine.block_size)
+        # Handoffs packed on the engine thread as their prefill finished; read here by the front
+        # (a dict's get and pop are atomic), so a pull never waits behind the next steps.
+        self._handoffs: dict[str, Any] = {}
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
 
@@ -255,7 +258,12 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
 
     async def export_kv(self, request_id: str):
-        """The K/V a finished request held (`hold_kv`), packed; taken on the engine thread."""
+        """The K/V a finished request held (`hold_kv`), packed when its prefill finished. (A
+        prefill step of other prompts can take a second: a pull that waited for the engine
+        thread waited for it.)"""
+        packed = self._handoffs.get(request_id)
+        if packed is not None:
+            return packed
         return await self._call(lambda: self.engine.export_kv(request_id))
 
     async def export_prefix(self, hashes: list[int]):
@@ -266,6 +274,7 @@ class AsyncEngine:
         return self.engine.prompt_hashes(ids, lora)
 
     async def release_kv(self, request_id: str) -> bool:
+        self._handoffs.pop(request_id, None)
         return await self._call(lambda: self.engine.release_kv(request_id))
 
     async def add_lora(self, name: str, path: str) -> None:
@@ -319,7 +328,9 @@ class AsyncEngine:
                 self._drain(block=idle)
                 if idle:
                     self.engine.check_health()  # a rank of a parallel engine may die between steps
-                if self.engine.expire_held_kv(self.config.kv_hold_timeout_s):
+                if expired := self.engine.expire_held_kv(self.config.kv_hold_timeout_s):
+                    for rid in expired:
+                        self._handoffs.pop(rid, None)
                     # The freed blocks show in /load and /metrics now.
                     self._publish_stats(self.engine.stats())
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():
@@ -330,6 +341,7 @@ class AsyncEngine:
                 self._step_started = None
                 self._publish_stats(result.stats)
                 self.kv_log.extend(result.kv_events)
+                self._handoffs.update(self.engine.pack_new_handoffs())  # before the front hears
                 self._deliver(result)
         except BaseException as exc:  # the loop is dead: every waiter must hear of it
             log.exception("engine loop failed")

@@ -28,8 +28,9 @@ from shoal.engine.lora_manager import LoRAManager
 from shoal.engine.outputs import EngineCoreOutput
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.request import Request
+from shoal.engine.request_checks import EngineBrokenError, RequestRejectedError, check_token_ids
 from shoal.engine.runner_setup import DTYPES, kv_dtype_of, pool_block_bytes, tier_spec
-from shoal.engine.sampling_params import InvalidParamError, SamplingParams
+from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import SpecDecodeStats
@@ -43,18 +44,6 @@ log = logging.getLogger(__name__)
 
 # Steps in a row in which every request failed: the fault is the engine's, not a request's.
 MAX_FAILED_STEPS = 3
-
-
-class EngineBrokenError(RuntimeError):
-    """Every request of several steps in a row failed: the process should be restarted."""
-
-
-class RequestRejectedError(InvalidParamError):
-    """A request that can never be served (too long, bad tokens, duplicate id)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message, param)
-        self.code = code
 
 
 class EngineCore:
@@ -180,7 +169,7 @@ class EngineCore:
         if request_id in self.scheduler.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         ids = list(prompt_token_ids)
-        self._check_token_ids(ids, prior, params)
+        check_token_ids(self.loaded.config.vocab_size, ids, prior, params)
         if not ids:
             raise RequestRejectedError("the prompt is empty", "prompt")
         limit = self.max_model_len
@@ -256,6 +245,12 @@ class EngineCore:
         data = self.executor.export_kv(self.kv.block_ids(request_id), n)
         return PackedKV(n, self.kv.block_hashes(req, n), data)
 
+    def pack_new_handoffs(self) -> dict[str, PackedKV]:
+        """The K/V of the requests held for a handoff since the last call, packed now, between
+        steps: what the front hands a decode worker without waiting for the steps that follow."""
+        ids = self.kv_connector.take_newly_held() if self.executor.moves_kv else []
+        return {rid: self.export_kv(rid) for rid in ids}
+
     def export_prefix(self, hashes: list[int]) -> PackedKV | None:
         """The K/V of the longest run of a prompt's block chain `hashes`, from its first block, that
         this engine holds in its pool or offload tiers, packed (None: not even the first): for a
@@ -272,20 +267,6 @@ class EngineCore:
 
     def release_kv(self, request_id: str) -> bool:
         return self.scheduler.release_kv(request_id)
-
-    def _check_token_ids(self, ids: list[int], prior: list[int], params: SamplingParams) -> None:
-        vocab = self.loaded.config.vocab_size
-        named = {
-            "prompt": ids,
-            "prior_output_ids": prior,
-            "stop_token_ids": params.stop_token_ids,
-            "logit_bias": params.logit_bias,
-            "allowed_token_ids": params.allowed_token_ids or (),
-        }
-        for name, tokens in named.items():
-            bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestRejectedError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", name)
 
     def _mark_faults(self, request_id: str, ids: list[int]) -> None:
         """Test hook (see shoal.engine.faults): crash now, or fail this request's steps."""

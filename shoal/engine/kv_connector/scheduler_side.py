@@ -20,6 +20,7 @@ class KVConnectorScheduler:
     def __init__(self):
         self.held: dict[str, Request] = {}
         self._held_since: dict[str, float] = {}
+        self._newly_held: set[str] = set()  # held, not yet taken by take_newly_held
 
     @property
     def num_held(self) -> int:
@@ -42,11 +43,18 @@ class KVConnectorScheduler:
             return False
         self.held[req.request_id] = req
         self._held_since[req.request_id] = time.monotonic()
+        self._newly_held.add(req.request_id)
         return True
+
+    def take_newly_held(self) -> list[str]:
+        """The requests held since the last call and still held."""
+        taken, self._newly_held = sorted(self._newly_held), set()
+        return taken
 
     def release(self, request_id: str) -> Request | None:
         """The held request whose blocks may now be freed (its K/V was taken, or is unwanted)."""
         self._held_since.pop(request_id, None)
+        self._newly_held.discard(request_id)
         return self.held.pop(request_id, None)
 
     def expired(self, timeout_s: float) -> list[str]:
