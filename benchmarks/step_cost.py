@@ -7,7 +7,10 @@ engine's own work: scheduling, batch preparation, sampling, output processing, d
 With `--before REV` the same figures are measured on that commit too (a git worktree), in the
 same run, and printed beside these.
 
-    python benchmarks/step_cost.py [--batches 1,32,256] [--before HEAD~3] [--no-serve]
+    python benchmarks/step_cost.py [--batches 1,32,256] [--before HEAD~3] [--no-serve] [--serve-rounds 3]
+
+With `--before` and several serve rounds, the c=32 runs alternate between the two checkouts and the
+median of the rounds' ratios is printed: one pair of runs on a shared machine moved by 10 %.
 """
 
 from __future__ import annotations
@@ -183,6 +186,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="decode steps per batch")
     ap.add_argument("--before", help="a git revision to measure in the same run, for the ratio")
     ap.add_argument("--no-serve", action="store_true", help="skip the bundled model's c=32 run")
+    ap.add_argument("--serve-rounds", type=int, default=1, help="c=32 runs of each checkout, alternating")
     ap.add_argument("--port", type=int, default=8124)
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "bench-results" / "step-cost-tiny")
     args = ap.parse_args()
@@ -195,10 +199,11 @@ def main() -> None:
     with worktree(args.before) if args.before else contextlib.nullcontext() as old:
         after = measure(ckpt, batches, args.steps, None)
         before = measure(ckpt, batches, args.steps, old) if old else None
-        tok_s = tok_s_before = None
-        if not args.no_serve:
-            tok_s = serve_c32(args.port, None)
-            tok_s_before = serve_c32(args.port, old) if old else None
+        served, served_before = [], []
+        for _ in range(0 if args.no_serve else args.serve_rounds):
+            served.append(serve_c32(args.port, None))
+            if old:
+                served_before.append(serve_c32(args.port, old))
     print_table("this checkout", after)
     for r in after:
         if "core_host_us_per_seq" in r:
@@ -210,12 +215,16 @@ def main() -> None:
         print_table(f"at {args.before}", before)
         ratios = " / ".join(f"{b['step_ms'] / a['step_ms']:.2f}x" for a, b in zip(after, before))
         print(f"\nstep time, before / after, B = {args.batches}: {ratios}")
-    if tok_s is not None:
+    if served:
         print("\nbundled model, `shoal serve`, c=32 W1 streamed")
-        print_served("this checkout", tok_s)
-        if tok_s_before is not None:
-            print_served(f"at {args.before}", tok_s_before)
-            print(f"ratio: {tok_s['tok_s'] / tok_s_before['tok_s']:.2f}x")
+    for i, after_run in enumerate(served):
+        print_served(f"round {i + 1}, this checkout", after_run)
+        if served_before:
+            print_served(f"round {i + 1}, at {args.before}", served_before[i])
+    if served_before:
+        ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(served, served_before)]
+        rounds = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"ratio: {statistics.median(ratios):.2f}x (median; rounds: {rounds})")
 
 
 if __name__ == "__main__":
