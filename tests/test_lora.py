@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from shoal.engine.core import RequestRejectedError
 from shoal.engine.cpu_decode import CpuFusedDecoder
+from shoal.engine.request_checks import RequestRejectedError
 from shoal.engine.sampling_params import SamplingParams
 from shoal.kernels.cpu import cpu_kernels
 from shoal.llm import LLM

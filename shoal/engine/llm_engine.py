@@ -8,10 +8,11 @@ loop; the core itself never sees text."""
 from __future__ import annotations
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core import EngineBrokenError, EngineCore, RequestRejectedError
+from shoal.engine.core import EngineCore
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.outputs import RequestOutput
 from shoal.engine.request import Request
+from shoal.engine.request_checks import EngineBrokenError, RequestRejectedError
 from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.step_result import EngineStats
 from shoal.models.loader import LoadedModel

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from shoal.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from shoal.engine.core import RequestRejectedError
 from shoal.engine.outputs import RequestOutput
+from shoal.engine.request_checks import RequestRejectedError
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import SMOLLM2, ToolFormat

@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter, Histogram
 
 from shoal.engine.async_engine import AsyncEngine
-from shoal.engine.core import RequestRejectedError
 from shoal.engine.kv_connector.frames import TransferError
 from shoal.engine.kv_connector.packing import PackedKV
 from shoal.engine.kv_connector.transports import (
@@ -34,6 +33,7 @@ from shoal.engine.kv_connector.transports import (
     shm_probe,
     transport_named,
 )
+from shoal.engine.request_checks import RequestRejectedError
 from shoal.protocol import tracing
 from shoal.protocol.errors import APIError
 from shoal.protocol.kv_files import shm_sweep, shm_unlink
