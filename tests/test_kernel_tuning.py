@@ -21,6 +21,9 @@ def test_crossover_is_where_torch_wins_from_then_on():
     # A win that does not last (noise at one size) is no crossover.
     assert _crossover(c, {r: 5.0 if r == 16 else 20.0 for r in ROWS}) is None
     assert _crossover(c, {r: 5.0 if r >= 64 else 20.0 for r in ROWS}) == 64
+    # A tie, or a win inside the timing's noise, is not one: the C paths fuse more than the matmul.
+    assert _crossover(c, {r: 9.8 for r in ROWS}) is None
+    assert _crossover(c, {r: 9.8 if r < 8 else 5.0 for r in ROWS}) == 8
     choices = KernelChoices(int8_torch_from_rows=64, f32_torch_from_rows=None)
     assert not choices.int8_uses_torch(63) and choices.int8_uses_torch(64)
     assert not choices.f32_uses_torch(10**6)
