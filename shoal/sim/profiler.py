@@ -272,7 +272,6 @@ class FrontCPU:
     def __init__(self, gateway_pid: int):
         import psutil
 
-        self.pid = gateway_pid
         self.proc = psutil.Process(gateway_pid)
         self.start = self._used()
 
@@ -282,7 +281,7 @@ class FrontCPU:
         try:
             t = self.proc.cpu_times()
         except psutil.Error as exc:
-            raise RuntimeError(f"the calibration's gateway (pid {self.pid}) ended: {exc}") from exc
+            raise RuntimeError(f"the calibration's gateway (pid {self.proc.pid}) ended: {exc}") from exc
         return t.user + t.system
 
     def seconds(self) -> float:
