@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from shoal.kernels.build import cpu_supports_kernels
+from shoal.kernels.build import AMX_FLAGS, compiler_accepts, cpu_flags, cpu_supports_kernels
 from shoal.kernels.cpu import cpu_kernels
 from shoal.llm import LLM
 from shoal.models.gguf_loader import iter_gguf_blocks, load_gguf_config
@@ -110,39 +110,52 @@ def test_int8_linear_matches_a_float64_reference(rows):
 
 _ISA_SCRIPT = """
 import sys, torch
-from shoal.kernels.build import cpu_supports_kernels
+from shoal.kernels.build import compile_flags, load_cpu_library
 from shoal.kernels.cpu import cpu_kernels
 from shoal.models.quant import Int8Linear, quantize_q4_1, quantize_q8_0, repack_x8
 torch.manual_seed(0)
 k = cpu_kernels()
 out = []
-# 96 rows: 12 tiles of 8, in pairs where AVX-512 takes two at once; 104: an odd tile left over.
+# 96 rows: 12 tiles of 8, in pairs where AVX-512 and AMX take two at once; 104: an odd tile left over.
+# Batches: 7 (below AMX's threshold), 13 (Q8_0: one zero-padded AMX group), 21 (16 rows on AMX, 5 on
+# AVX-512), 40 (Q8_0: 40 on AMX, the last 8 padded; Q4_1: 32 on AMX, 8 on AVX-512).
 for n in (96, 104):
-    w, x = torch.randn(n, 320) * 0.05, torch.randn(7, 320)
+    w = torch.randn(n, 320) * 0.05
     q4, q8, i8 = quantize_q4_1(w), quantize_q8_0(w), Int8Linear(w)
     r4, r8 = repack_x8(q4), repack_x8(q8)
-    out += [
-        k.block_linear("q4_1", x, q4.qs, q4.d, q4.mn), k.block_linear("q8_0", x, q8.qs, q8.d, None),
-        k.block_linear("q4_1x8", x, r4.qs, r4.d, r4.mn), k.block_linear("q8_0x8", x, r8.qs, r8.d, None),
-        k.int8_linear(x, i8.weight, i8.scale),
-    ]
-torch.save(out, sys.argv[1])
+    for m in (7, 13, 21, 40):
+        x = torch.randn(m, 320)
+        out += [
+            k.block_linear("q4_1", x, q4.qs, q4.d, q4.mn), k.block_linear("q8_0", x, q8.qs, q8.d, None),
+            k.block_linear("q4_1x8", x, r4.qs, r4.d, r4.mn), k.block_linear("q8_0x8", x, r8.qs, r8.d, None),
+            k.int8_linear(x, i8.weight, i8.scale),
+        ]
+amx = "-mamx-int8" in compile_flags() and bool(load_cpu_library().shoal_amx_enable())
+torch.save({"amx": amx, "out": out}, sys.argv[1])
 """
 
 
-def test_avx2_and_vnni_kernel_builds_agree_bit_for_bit(tmp_path):
-    """The byte dot products are exact in both instruction sets, so both builds give the same bits;
-    this runs the AVX2 build's code paths even on a CPU where VNNI would be chosen."""
+def test_avx2_vnni_and_amx_kernel_builds_agree_bit_for_bit(tmp_path):
+    """The byte dot products are exact in every instruction set, and each output's float operations
+    run in the same order, so every build gives the same bits; this runs the AVX2 and AVX-512 builds'
+    code paths even on a CPU where a newer one would be chosen."""
     if cpu_kernels() is None or not cpu_supports_kernels():
         pytest.skip("no CPU kernels here")
-    results = []
-    for avx2_only in ("", "1"):
-        out = tmp_path / f"avx2-{avx2_only}.pt"
-        env = {**os.environ, "SHOAL_KERNELS_AVX2_ONLY": avx2_only}
+    runs = {}
+    builds = (("avx2", "SHOAL_KERNELS_AVX2_ONLY"), ("vnni", "SHOAL_KERNELS_NO_AMX"), ("best", ""))
+    for name, env_var in builds:
+        out = tmp_path / f"{name}.pt"
+        env = {**os.environ, "SHOAL_KERNELS_AVX2_ONLY": "", "SHOAL_KERNELS_NO_AMX": ""}
+        if env_var:
+            env[env_var] = "1"
         subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(out)], env=env, check=True)
-        results.append(torch.load(out))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+        runs[name] = torch.load(out)
+    assert not runs["avx2"]["amx"] and not runs["vnni"]["amx"]
+    # Where the CPU has AMX the default build must use it, or this test would not cover it.
+    assert runs["best"]["amx"] == ({"amx_tile", "amx_int8"} <= cpu_flags() and compiler_accepts(AMX_FLAGS))
+    for other in ("vnni", "best"):
+        for a, b in zip(runs["avx2"]["out"], runs[other]["out"], strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40, 300])

@@ -30,6 +30,7 @@ SOURCES = [
     for n in (
         "cpu_quant.c",
         "cpu_x8.c",
+        "cpu_amx.c",
         "cpu_int8.c",
         "cpu_f32.c",
         "cpu_ops.c",
@@ -44,6 +45,9 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Where the CPU has them, byte dot products run on AVX-512 VNNI (vpdpbusd) instead of two AVX2 ops.
 VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+# Where it also has AMX, batches of 8 rows and more multiply on its tiles (cpu_amx.c).
+AMX_CPU_FLAGS = {"amx_tile", "amx_int8"}
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
 
@@ -65,14 +69,26 @@ def cpu_supports_kernels() -> bool:
 
 
 def compile_flags() -> list[str]:
-    """SHOAL_KERNELS_AVX2_ONLY=1 builds the AVX2 variant even where VNNI is present (for tests, or a
-    cache shared with older CPUs)."""
+    """SHOAL_KERNELS_AVX2_ONLY=1 builds the AVX2 variant even where VNNI is present, and
+    SHOAL_KERNELS_NO_AMX=1 the VNNI one where AMX is (for tests, or a cache shared with older CPUs)."""
     vnni = cpu_flags() >= VNNI_CPU_FLAGS and not os.environ.get("SHOAL_KERNELS_AVX2_ONLY")
-    return FLAGS + (VNNI_FLAGS if vnni else [])
+    amx = vnni and cpu_flags() >= AMX_CPU_FLAGS and not os.environ.get("SHOAL_KERNELS_NO_AMX")
+    amx = amx and compiler_accepts(AMX_FLAGS)
+    return FLAGS + (VNNI_FLAGS if vnni else []) + (list(AMX_FLAGS) if amx else [])
 
 
 def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+
+
+@functools.cache
+def compiler_accepts(flags: tuple[str, ...]) -> bool:
+    """Whether the C compiler knows these flags (AMX needs GCC 11 or Clang 12)."""
+    cc = _compiler()
+    probe = subprocess.run(
+        [cc, *flags, "-x", "c", "-c", "-o", os.devnull, "-"], input="int x;", capture_output=True, text=True
+    )
+    return probe.returncode == 0
 
 
 def kernels_cache_dir() -> Path:
@@ -131,7 +147,12 @@ def load_cpu_library() -> ctypes.CDLL | None:
     # two share one thread pool.
     import torch  # noqa: F401
 
-    return open_checked(str(target), CPU_STRUCTS, CPU_CONSTANTS)
+    lib = open_checked(str(target), CPU_STRUCTS, CPU_CONSTANTS)
+    if lib is not None and "-mamx-int8" in compile_flags():
+        # Linux hands out the tiles' 8 KB of register state only on request; without it the kernels
+        # keep to AVX-512.
+        log.info("AMX tiles %s", "on" if lib.shoal_amx_enable() else "refused by the kernel")
+    return lib
 
 
 SHM_SOURCES = [Path(__file__).with_name(n) for n in ("shm_comm.c", "abi.c")]

@@ -96,6 +96,10 @@ void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float 
                         const void *qs, const float *d, const float *mn, int64_t N, float *y);
 void shoal_x8_matmul(int q8, const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
                      const uint8_t *qs, const float *d, const float *mn, int64_t N, float *y);
+/* cpu_amx.c: 1 where AMX is built and Linux grants it; the x8 tile pairs on AMX (tiles done). */
+int shoal_amx_enable(void);
+int64_t shoal_amx_x8_matmul(int q8, const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
+                            const uint8_t *qs, const float *d, const float *mn, int64_t N, float *y);
 void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         const void *qs, const float *d, const float *mn, int64_t N, float *y);
 

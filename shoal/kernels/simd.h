@@ -36,4 +36,16 @@ static inline float hsum(__m256 v) {
         }                                                                                              \
     }
 
+#if defined(__AVX512F__)
+/* Two 256-bit halves from two places as one 512-bit register. */
+static inline __m512i load_pair(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __m512 load_pair_ps(const float *a, const float *b) {
+    return _mm512_castsi512_ps(load_pair(a, b));
+}
+#endif
+
 #endif
