@@ -67,7 +67,7 @@ def test_a_simulated_replica_schedules_every_step_as_the_engine_does(bundled):
 
 def test_the_step_cost_fit_recovers_the_costs_that_made_the_steps():
     rng = np.random.default_rng(0)
-    truth_decode, truth_mixed = [0.004, 0.0003, 2e-7], [0.006, 0.0002, 0.00015, 3e-9]
+    truth_decode, truth_mixed = [0.004, 0.0003, 2e-7], [0.006, 0.0002, 0.00015, 3e-9, 4e-8]
     decode, mixed = [], []
     for _ in range(200):
         s = StepShape()
@@ -75,18 +75,25 @@ def test_the_step_cost_fit_recovers_the_costs_that_made_the_steps():
             s.add_row(1, int(rng.integers(10, 2000)))
         decode.append(s)
         m = StepShape()
-        m.add_row(int(rng.integers(16, 2048)), int(rng.integers(0, 512)))
+        # One to four prompts a step: only several tell a step's size from each prompt's attention.
+        for _ in range(int(rng.integers(1, 5))):
+            m.add_row(int(rng.integers(16, 512)), int(rng.integers(0, 512)))
         for _ in range(int(rng.integers(0, 16))):
             m.add_row(1, int(rng.integers(10, 2000)))
         mixed.append(m)
     noisy = lambda cost, features: float(np.dot(cost, features)) * rng.normal(1, 0.02)  # noqa: E731
     d_seconds = [noisy(truth_decode, [1, s.rows, s.context]) for s in decode]
-    m_seconds = [noisy(truth_mixed, [1, s.rows, s.tokens, s.attention]) for s in mixed]
+    m_seconds = [noisy(truth_mixed, [1, s.rows, s.tokens, s.attention, s.tokens**2]) for s in mixed]
     d = StepCost.fit(DECODE_FEATURES, decode, d_seconds)
     m = StepCost.fit(MIXED_FEATURES, mixed, m_seconds)
     np.testing.assert_allclose(d.coef, truth_decode, rtol=0.15)
-    np.testing.assert_allclose(m.coef[:3], truth_mixed[:3], rtol=0.15)
+    np.testing.assert_allclose(m.coef[2:], truth_mixed[2:], rtol=0.15)
     assert d.error_p50 < 0.03 and m.error_p50 < 0.03
+    # A profile taken before the step-size feature still loads and prices steps with its four.
+    old = StepCost(MIXED_FEATURES[:4], truth_mixed[:4])
+    one = mixed[0]
+    assert old.seconds(one) == old.cost(one.rows, one.tokens, one.context, one.attention)
+    assert old.seconds(one) == pytest.approx(float(np.dot(truth_mixed[:4], old.row(one))))
 
 
 def test_kv_aware_routing_in_the_simulator_finds_the_shared_prefixes():
@@ -215,7 +222,7 @@ def test_a_step_costs_the_same_priced_from_its_features_as_from_its_shape():
     rng = random.Random(5)
     models = [
         StepCost(DECODE_FEATURES, [0.010, 0.0005, 1e-7]),
-        StepCost(MIXED_FEATURES, [0.010, 0.0005, 0.0002, 1e-9]),
+        StepCost(MIXED_FEATURES, [0.010, 0.0005, 0.0002, 1e-9, 0.0]),
         StepCost(("rows=1", "rows=8", "rows=32", "context"), [0.01, 0.03, 0.09, 1e-6], knots=[1, 8, 32]),
     ]
     for model in models:

@@ -44,6 +44,8 @@ class ProfileConfig:
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     contexts: tuple[int, ...] = (32, 512, 1536)
     prompt_lengths: tuple[int, ...] = (32, 128, 512, 1024, 2048)
+    # Prompts arriving together, this many at once (up to 512 tokens each, within the token budget).
+    prompt_groups: tuple[int, ...] = (2, 4)
     decode_steps: int = 10  # decode steps timed per batch
     repeats: int = 2  # each scenario run this often (the median of noisy steps is what the fit sees)
     startup: bool = True  # time a replica's start in a fresh process, twice
@@ -99,7 +101,9 @@ class StepRecorder:
             i += 1
 
 
-def run_scenarios(rec: StepRecorder, cfg: ProfileConfig, max_seqs: int, kv_tokens: int, max_len: int) -> None:
+def run_scenarios(
+    rec: StepRecorder, cfg: ProfileConfig, max_seqs: int, kv_tokens: int, max_len: int, budget: int
+) -> None:
     # Warm the kernels and allocator before anything is timed.
     rec.add(64, 4)
     rec.run(record=False)
@@ -118,6 +122,13 @@ def run_scenarios(rec: StepRecorder, cfg: ProfileConfig, max_seqs: int, kv_token
         for n in cfg.prompt_lengths:
             if n < max_len:
                 rec.add(n, 1)
+                rec.run()
+        # Several prompts in one step: what a burst, or a prefill worker, runs.
+        for b in cfg.prompt_groups:
+            n = min(512, budget // b, max_len - 8)
+            if b <= max_seqs and b * n <= 0.8 * kv_tokens:
+                for _ in range(b):
+                    rec.add(n, 1)
                 rec.run()
         # Prompts arriving into a running batch: the mixed steps a server sees all day.
         for b in (4, 16):
@@ -161,7 +172,12 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
         kv = core.scheduler.kv
         rec = StepRecorder(engine, cfg.seed)
         run_scenarios(
-            rec, cfg, ec.scheduler.max_num_seqs, kv.pool.num_blocks * kv.block_size, engine.max_model_len
+            rec,
+            cfg,
+            ec.scheduler.max_num_seqs,
+            kv.pool.num_blocks * kv.block_size,
+            engine.max_model_len,
+            ec.scheduler.max_num_batched_tokens,
         )
         decode = [(s, t) for s, t in rec.samples if s.decode_only]
         mixed = [(s, t) for s, t in rec.samples if not s.decode_only]
@@ -303,7 +319,7 @@ def fold_serving(
     if long_prompt is not None and measured[0][0] == 1:
         scale = _prompt_scale(profile, (prompt, measured[0][1]), long_prompt)
         profile.mixed.coef[2] *= scale  # the prompt's tokens
-        profile.mixed.coef[3] *= scale  # and its attention
+        profile.mixed.coef[3:] = [c * scale for c in profile.mixed.coef[3:]]  # its attention and size
     rows = np.array([b for b, _ in measured], dtype=float)
     # Each run's mean inter-token time against the same run simulated from the bare profile: the
     # simulation has the gaps a new prompt's prefill puts between the others' tokens, so what is
