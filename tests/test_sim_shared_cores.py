@@ -4,19 +4,15 @@
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
 import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
 
 from shoal.sim.cores import MAX_STOLEN
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim
-from shoal.sim.front_cost import fit_front_cost, front_pinned_to, simulated_itl
 from shoal.sim.profile import made_up_profile
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.workload import Lengths, WorkloadSpec
@@ -92,46 +88,3 @@ def test_the_fast_simulator_and_the_command_refuse_shared_cores(tmp_path):
     assert refused.returncode == 2 and "through-gateway" in refused.stderr
     assert "exact" in ok.stdout
     assert np.isfinite(float(ok.stdout.split("throughput")[1].split()[1]))
-
-
-def test_a_front_that_costs_a_step_more_than_its_cpu_stretches_it_by_that_factor():
-    """With front_cost k, the same steady two-replica fleet as above: each replica gives up k times
-    the front's CPU, so T = bare step + k * 8 * FRONT (about: T is small against 1 / MAX_STOLEN)."""
-    bare = _itl_median(_profile(), 2, None)
-    costly = _profile()
-    costly.serving["front_cost"] = 2.5
-    assert _itl_median(costly, 2, 2) == pytest.approx(bare + 2.5 * 8 * FRONT, rel=0.03)
-
-
-@pytest.mark.parametrize("truth", [1.0, 2.5, 6.0])
-def test_the_front_cost_fit_recovers_the_cost_a_pinned_run_was_made_with(truth):
-    """A pinned calibration run simulated with a known front cost stands in for the real one (a
-    known answer): the fit gives that cost back; a run no slower than the front's CPU explains
-    gives 1, never less."""
-    profile = _profile(front=0.002)
-    run = (12, 4, 128, 48)
-    measured = simulated_itl(profile, *run, cost=truth)
-    assert fit_front_cost(profile, run, measured) == pytest.approx(truth, rel=0.02)
-    assert fit_front_cost(profile, run, simulated_itl(profile, *run, cost=0.5)) == 1.0
-
-
-def test_the_pinned_front_runs_on_the_given_cores_and_gets_its_own_back():
-    """Every thread of a real process standing in for the gateway, and the calling thread (the
-    client's), run on the given cores inside the block, and on their own before and after."""
-    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
-    spinner = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        proc = psutil.Process(spinner.pid)
-        for _ in range(100):
-            if proc.num_threads() == 2:
-                break
-            time.sleep(0.05)
-        tids = [t.id for t in proc.threads()] + [0]
-        before = {tid: os.sched_getaffinity(tid) for tid in tids}
-        one = {min(os.sched_getaffinity(0))}
-        with front_pinned_to(one, spinner.pid):
-            assert all(os.sched_getaffinity(tid) == one for tid in tids)
-        assert {tid: os.sched_getaffinity(tid) for tid in tids} == before
-    finally:
-        spinner.kill()
-        spinner.wait()

@@ -7,10 +7,7 @@ every core held by a replica's compute threads, it is taken from their steps (wi
 the simulator predicted two one-core replicas on this 2-core host 35-36 % too fast at ITL p50;
 with it, 5.6-6.1 %: README, issue 31). The rule: the front needs `front_cpu_s_per_token` CPU
 seconds a token streamed, at the rate tokens went out over the last window. What the cores left
-idle by the replicas computing cannot hold is taken evenly from their threads, `front_cost` times
-over: a front that wakes on a compute core for every token preempts the step and evicts its
-caches, which costs the step more than the front's own CPU time (measured by the calibration with
-the front pinned to the replica's core: 2-3 times over on this 2-core host). A replica's profile
+idle by the replicas computing cannot hold is taken evenly from their threads. A replica's profile
 already paid for what the front took from it in its calibration, alone with the calibration's
 free cores at the rate of tokens each replica streams now; a step stretches by what is taken
 beyond that.
@@ -32,8 +29,6 @@ class SharedCores:
     front_cpu_s_per_token: float  # CPU seconds of the gateway and clients for each token streamed
     # Cores the calibration left to the front: the host's, less one replica's (it ran alone).
     calibrated_free: float
-    # Seconds a step loses for each CPU second the front takes from its core (1: its CPU alone).
-    front_cost: float = 1.0
     # (time, replica, tokens) streamed within the window, and the window's tokens by replica
     _sent: deque = field(default_factory=deque)
     _in_window: dict[int, int] = field(default_factory=dict)
@@ -59,6 +54,6 @@ class SharedCores:
         among them) holding their cores."""
         fleet, each = self._cores_needed(now)
         busy = max(1, computing) * self.threads
-        taken = self.front_cost * max(0.0, fleet - max(0, self.cores - busy)) / busy
-        paid = self.front_cost * max(0.0, each - self.calibrated_free) / self.threads
+        taken = max(0.0, fleet - max(0, self.cores - busy)) / busy
+        paid = max(0.0, each - self.calibrated_free) / self.threads
         return 1 / (1 - min(MAX_STOLEN, max(0.0, taken - paid)))

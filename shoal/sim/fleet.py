@@ -309,5 +309,4 @@ def shared_cores(profile: NodeProfile, cores: int | None) -> SharedCores | None:
         )
     calibrated_on = int(profile.serving.get("cores", cores))
     threads = profile.num_threads or calibrated_on
-    cost = profile.serving.get("front_cost", 1.0)  # profiles before its calibration: the CPU alone
-    return SharedCores(cores, threads, front, max(0, calibrated_on - threads), cost)
+    return SharedCores(cores, threads, front, max(0, calibrated_on - threads))

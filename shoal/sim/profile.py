@@ -248,11 +248,6 @@ class NodeProfile:
             lines.append(
                 f"front CPU   : {1e3 * self.serving['front_cpu_s_per_token']:.3f} ms a token streamed "
                 f"(gateway and clients, on {self.serving['cores']:.0f} cores)"
-                + (
-                    f"; on a replica's core it costs x{self.serving['front_cost']:.2f} that"
-                    if "front_cost" in self.serving
-                    else ""
-                )
             )
         t = self.kv_transfer
         if t:

@@ -20,7 +20,6 @@ import numpy as np
 
 from shoal import __version__
 from shoal.sim.fleet import FleetShape, FleetSim
-from shoal.sim.front_cost import fit_front_cost, front_pinned_to
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape, step_shape
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.workload import Lengths, WorkloadSpec
@@ -30,8 +29,6 @@ MIN_KEPT = 0.5  # a server calibration keeps at least this part of each step cos
 MAX_PROMPT_SCALE = 3.0  # nor makes a prompt's tokens cost more than this many times the bare ones
 LONG_PROMPT_TIMES = 4  # the calibration's second prompt length, in multiples of its first
 LONG_PROMPT_SEED = 1000  # its prompts' seed: apart from the seeds of the runs by batch size
-PINNED_CLIENTS = 4  # the run with the front on the replica's cores (see front_cost.py)
-PINNED_SEED = 2000
 
 
 def calibration_requests(clients: int) -> int:
@@ -268,7 +265,6 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
             if b <= profile.max_num_seqs:
                 measured.append((b, run(b, calibration_requests(b), prompt, steps)))
         front_cpu_s = front.seconds() if front is not None else None  # for the tokens above
-        pinned = _pinned_front_run(url, proc.pid, run, prompt, steps) if front is not None else None
         # Lone prompts of a second length, beside the lone prompts of the one-client run above,
         # each prefilled in one step (within the token budget), none sharing a prefix with those,
         # and no longer than the bare prompts timed (a fit stretched past them prices nothing).
@@ -284,24 +280,6 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
         streamed = sum(s["total_output_tokens"] for _, s in measured)
         profile.serving["front_cpu_s_per_token"] = front_cpu_s / max(1, streamed)
         profile.serving["cores"] = len(host_cpus())
-        if pinned is not None:
-            run_shape = (calibration_requests(PINNED_CLIENTS), PINNED_CLIENTS, prompt, steps)
-            profile.serving["front_cost"] = fit_front_cost(profile, run_shape, pinned["itl_s"]["mean"])
-
-
-def _pinned_front_run(url: str, gateway_pid: int, run, prompt: int, steps: int) -> dict | None:
-    """A calibration run with the gateway and the client on the replica's own cores (None where the
-    replica already has every core of the host, so the runs above shared them)."""
-    import httpx
-
-    from shoal.fleet.control.cores import host_cpus
-
-    replica_pid = httpx.get(url + "/replicas", timeout=10).json()["replicas"][0]["pid"]
-    cores = os.sched_getaffinity(replica_pid)
-    if len(cores) >= len(host_cpus()):
-        return None
-    with front_pinned_to(cores, gateway_pid):
-        return run(PINNED_CLIENTS, calibration_requests(PINNED_CLIENTS), prompt, steps, seed=PINNED_SEED)
 
 
 class FrontCPU:
