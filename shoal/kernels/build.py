@@ -45,7 +45,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Where the CPU has them, byte dot products run on AVX-512 VNNI (vpdpbusd) instead of two AVX2 ops.
 VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-# Where it also has AMX, batches of 8 rows and more multiply on its tiles (cpu_amx.c).
+# Where it also has AMX, batches of 16 rows and more (Q4_1; Q8_0 from 8) multiply on its tiles
+# (cpu_amx.c).
 AMX_CPU_FLAGS = {"amx_tile", "amx_int8"}
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}

@@ -6,7 +6,7 @@
  * operand (8 rows of 64 bytes per block of 32 elements); the activations' block-quantized bytes are
  * the first operand as they lie in memory (16 rows of 32 bytes, stride K). One tile multiply then
  * gives the exact int32 sums of 16 activation rows by 16 output rows for one block, which vpdpbusd
- * takes 64 instructions for. The sums are the same integers as cpu_x8.c's, and they are scaled with
+ * takes 128 instructions for. The sums are the same integers as cpu_x8.c's, and they are scaled with
  * the same float operations in the same order, so every output is bit-identical to its kernels.
  *
  * Per block the sums must be scaled before the next block adds in (each block has its own scales),
