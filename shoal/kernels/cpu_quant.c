@@ -17,8 +17,6 @@
 
 #include "simd.h"
 
-#define QK 32
-
 /* x [M, K] -> xq [M, K] int8, dx [M, K/32] scales, sx [M, K/32] sums of the dequantized blocks. */
 void shoal_quantize_blocks(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx) {
     const int64_t G = K / QK;

@@ -15,7 +15,6 @@
  */
 #include "simd.h"
 
-#define QK 32
 #define CHUNK8 4 /* tiles of 8 output rows per unit of parallel work (32 rows: ~9 KB of weights) */
 /* Activation rows from which AMX tiles (cpu_amx.c) beat vpdpbusd, measured on a 2-core Xeon with
  * AMX: Q4_1's 16-column tiles from 16 rows (12 was a draw), Q8_0's from 8. */

@@ -7,6 +7,7 @@
 
 #include "shoal_abi.h" /* the structs, ids and prototypes every kernel file shares */
 
+#define QK 32      /* elements per Q4_1 and Q8_0 block, as in GGUF */
 #define N_CHUNK 16 /* output rows per unit of parallel work: their weights stay in L1/L2 */
 #define M_TILE 4   /* activation rows that share one load of a weight row */
 
