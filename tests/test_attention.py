@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -18,10 +19,12 @@ from shoal.engine.attention import (
     DecodeGroup,
     PrefillSpan,
     TorchPagedAttention,
+    TritonPagedAttention,
     decode_mask,
     group_by_length,
     prefill_mask,
 )
+from shoal.engine.forward_paths import triton_takes
 from shoal.kernels.build import cpu_supports_kernels
 from shoal.kernels.cpu import cpu_kernels
 
@@ -93,19 +96,39 @@ def test_the_cpu_kernels_build_where_the_cpu_supports_them():
         assert cpu_kernels() is not None
 
 
-# 72: the C kernel's 64-wide register path plus its 8-wide tail.
+def on(obj, device: str):
+    """Every tensor in `obj` (a tensor, a list, a dataclass of those) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [on(x, device) for x in obj]
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(
+            obj, **{f.name: on(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        )
+    return obj
+
+
+# 72: the C kernel's 64-wide register path plus its 8-wide tail (and a head the Triton kernel pads).
 @pytest.mark.parametrize("D", [8, 72])
-@pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
+@pytest.mark.parametrize("backend", ["torch", "cpu_kernel", "triton"])
 def test_paged_matches_dense_for_mixed_batches(backend, D):
     if backend == "cpu_kernel" and cpu_kernels() is None:
         pytest.skip("no CPU kernels here")
+    if backend == "triton" and not triton_takes(torch.device("cuda"), BS):
+        pytest.skip("no CUDA device with Triton here")
+    dev = "cuda" if backend == "triton" else "cpu"
     rng = random.Random(0)
     torch.manual_seed(0)
     num_blocks = 64
-    caches = [(torch.randn(num_blocks * BS, HK, D), torch.randn(num_blocks * BS, HK, D))]
+    caches = [
+        (torch.randn(num_blocks * BS, HK, D, device=dev), torch.randn(num_blocks * BS, HK, D, device=dev))
+    ]
     for window in (None, 5):
         if backend == "torch":
             attn = TorchPagedAttention(caches, BS, D**-0.5, window)
+        elif backend == "triton":
+            attn = TritonPagedAttention(caches, BS, D**-0.5, window)
         else:
             attn = CpuPagedAttention(cpu_kernels(), caches, BS, D**-0.5, window)
         free = list(range(num_blocks))
@@ -140,10 +163,11 @@ def test_paged_matches_dense_for_mixed_batches(backend, D):
             4, torch.tensor([t + [0] * (width - len(t)) for t in tables[:4]]), torch.tensor(ctx)
         )
         md = AttentionMetadata(torch.tensor(new_slots), groups, prefills, batch)
-        out = attn.forward(0, q, k, v, md)
+        out = attn.forward(0, q.to(dev), k.to(dev), v.to(dev), on(md, dev)).cpu()
+        keys, values = caches[0][0].cpu(), caches[0][1].cpu()  # with this step's K/V written
         row = 0
         for (_, n), sl in zip(seqs, slot):
             idx = torch.tensor(sl)
-            ref = dense(q[row : row + n], caches[0][0][idx], caches[0][1][idx], window)
+            ref = dense(q[row : row + n], keys[idx], values[idx], window)
             torch.testing.assert_close(out[row : row + n], ref, atol=1e-5, rtol=1e-5)
             row += n

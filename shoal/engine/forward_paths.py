@@ -14,7 +14,12 @@ from typing import Protocol
 
 import torch
 
-from shoal.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
+from shoal.engine.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    TorchPagedAttention,
+    TritonPagedAttention,
+)
 from shoal.engine.cpu_decode import CpuFusedDecoder
 from shoal.engine.cpu_experts import attach_fused_experts
 from shoal.engine.cuda_graphs import CudaGraphDecoder
@@ -33,9 +38,13 @@ class GraphOptions:
     max_model_len: int
 
     def usable(self, device: torch.device, block_size: int) -> bool:
-        # The Triton kernel takes power-of-two blocks; off CUDA there is nothing to capture.
-        pow2 = block_size & (block_size - 1) == 0
-        return device.type == "cuda" and pow2 and self.max_rows > 0 and triton_available()
+        # Off CUDA there is nothing to capture.
+        return triton_takes(device, block_size) and self.max_rows > 0
+
+
+def triton_takes(device: torch.device, block_size: int) -> bool:
+    """Whether the Triton paged kernel runs here: on CUDA, over power-of-two blocks."""
+    return device.type == "cuda" and block_size & (block_size - 1) == 0 and triton_available()
 
 
 class ForwardPath(Protocol):
@@ -156,6 +165,8 @@ def build_forward_paths(
         fused = CpuFusedDecoder.build(kernels, model, kv_caches, block_size)
         if fused is not None:
             paths.append(FusedCpuPath(fused))
+    elif triton_takes(device, block_size):
+        attention = TritonPagedAttention(*args)
     else:
         attention = TorchPagedAttention(*args)
     if graphs is not None:
