@@ -28,7 +28,7 @@ from shoal.sim.profile import (
     StepShape,
     made_up_profile,
 )
-from shoal.sim.profiler import StepRecorder
+from shoal.sim.profiler import StepRecorder, merge_decode_runs
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
 from shoal.sim.workload import Burst, Lengths, SimRequest, WorkloadSpec, load_trace, tokens
@@ -94,6 +94,35 @@ def test_the_step_cost_fit_recovers_the_costs_that_made_the_steps():
     old, one = StepCost(MIXED_FEATURES[:4], truth_mixed[:4]), mixed[0]
     by_hand = float(np.dot(truth_mixed[:4], [1, one.rows, one.tokens, one.attention]))
     assert old.seconds(one) == pytest.approx(by_hand)
+
+
+def test_a_run_of_decode_steps_is_fitted_as_its_mean():
+    """Steps that alternate fast and slow (a GPU decoding ahead) weigh in at their mean, each run of
+    one batch size apart, and a step with a prompt stays a step of its own."""
+
+    def step(rows: int, context: int, prompt: int = 0) -> StepShape:
+        s = StepShape()
+        for i in range(rows):
+            s.add_row(1, context + i)
+        if prompt:
+            s.add_row(prompt, 0)
+        return s
+
+    steps = [(step(4, 100 + i), t) for i, t in enumerate([0.001, 0.009, 0.002, 0.008])]
+    steps += [
+        (step(4, 104, prompt=64), 0.03),
+        (step(5, 105), 0.004),
+        (step(5, 107), 0.006),
+        (step(3, 50), 0.002),
+    ]
+    merged = merge_decode_runs(steps)
+    assert [(s.rows, s.tokens, s.context) for s, _ in merged] == [
+        (4, 4, step(4, 101).context + 2),  # contexts 100..103: the mean of the four steps
+        (5, 68, step(4, 104, prompt=64).context),
+        (5, 5, step(5, 105).context + 5),
+        (3, 3, step(3, 50).context),
+    ]
+    assert [t for _, t in merged] == pytest.approx([0.005, 0.03, 0.005, 0.002])
 
 
 def test_kv_aware_routing_in_the_simulator_finds_the_shared_prefixes():

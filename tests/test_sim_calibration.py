@@ -17,6 +17,19 @@ from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.server_helpers import start_server
 
 
+def calibration_runs(served: NodeProfile) -> tuple:
+    """fold_serving's arguments, from runs simulated from `served` (a server's stand-in) whose
+    requests spend 30 ms outside the engine."""
+
+    def run(clients: int, requests: int, prompt: int, output: int) -> dict:
+        spec = WorkloadSpec(requests, input_len=Lengths("fixed", prompt), output_len=Lengths("fixed", output))
+        shape = FleetShape(1, replica=ReplicaShape(16, 2048, 0.03), max_concurrency=clients)
+        return FleetSim(served, shape).run(spec.requests()).summary()
+
+    runs = [(b, run(b, calibration_requests(b), 128, 48)) for b in (1, 4, 16)]
+    return runs, 128, 48, (512, run(1, 4, 512, 2))
+
+
 @pytest.mark.parametrize("knots", [[], [1, 4, 16]], ids=["line", "knots"])
 def test_the_serving_calibration_finds_what_serving_adds_to_each_step(knots):
     """Runs simulated from a profile whose steps cost 2 ms more, and 0.5 ms more a row, whose prompt
@@ -40,20 +53,26 @@ def test_the_serving_calibration_finds_what_serving_adds_to_each_step(knots):
     served.mixed.coef[1] += added_row
     served.mixed.coef[2] *= 1.3
     served.mixed.coef[3] *= 1.3
-
-    def run(clients: int, requests: int, prompt: int, output: int) -> dict:
-        spec = WorkloadSpec(requests, input_len=Lengths("fixed", prompt), output_len=Lengths("fixed", output))
-        shape = FleetShape(1, replica=ReplicaShape(16, 2048, 0.03), max_concurrency=clients)
-        return FleetSim(served, shape).run(spec.requests()).summary()
-
-    runs = [(b, run(b, calibration_requests(b), 128, 48)) for b in (1, 4, 16)]
-    fold_serving(bare, runs, 128, 48, (512, run(1, 4, 512, 2)))
+    fold_serving(bare, *calibration_runs(served))
     assert bare.serving["prompt_scale"] == pytest.approx(1.3, rel=0.01)
     assert bare.serving["per_request_s"] == pytest.approx(0.03, rel=0.01)
     assert bare.serving["per_step_s"] == pytest.approx(added_step, rel=0.01)
     assert bare.serving["per_row_s"] == pytest.approx(added_row, rel=0.01)
     assert bare.decode.coef == pytest.approx(served.decode.coef, rel=0.01)
     assert bare.mixed.coef == pytest.approx(served.mixed.coef, rel=0.01)
+
+
+def test_prompt_lengths_that_barely_change_a_bare_step_leave_the_prompt_price_alone():
+    """On a GPU a 512-token prompt's step costs about what a 128-token one's does (a step's
+    launches): the difference of their first tokens is noise there, and pricing prompt tokens by it
+    multiplied them up to the cap (x3 on an H200). Such a calibration keeps the bare price."""
+    bare = made_up_profile()
+    bare.mixed.coef = [0.010, 0.0005, 1e-6, 0.0, 0.0]  # 512 tokens: 0.4 ms more than 128, of 10.6
+    served = copy.deepcopy(bare)
+    served.mixed.coef[2] *= 3
+    fold_serving(bare, *calibration_runs(served))
+    assert bare.serving["prompt_scale"] == 1.0
+    assert bare.mixed.coef[2] == 1e-6
 
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)

@@ -221,14 +221,15 @@ class NodeProfile:
             f"KV: {self.num_kv_blocks} blocks of {self.block_size} tokens ({self.kv_tokens} tokens), "
             f"context {self.max_model_len}",
         ]
-        for name, cost in (("decode step", self.decode), ("mixed step", self.mixed)):
+        # A decode sample is a run of steps of one batch (profiler.merge_decode_runs).
+        for name, cost, unit in (("decode step", self.decode, "runs"), ("mixed step", self.mixed, "steps")):
             if cost.knots:
                 terms = ", ".join(f"{k} rows {c * 1e3:.3g} ms" for k, c in zip(cost.knots, cost.coef))
                 terms += f"; + {cost.per_context_token * 1e3:.4g} ms x context"
             else:
                 terms = " + ".join(f"{c * 1e3:.4g} ms x {f}" for c, f in zip(cost.coef, cost.features))
             lines.append(
-                f"{name:<12}: {terms}  ({cost.samples} steps, error p50 {100 * cost.error_p50:.1f} %, "
+                f"{name:<12}: {terms}  ({cost.samples} {unit}, error p50 {100 * cost.error_p50:.1f} %, "
                 f"p90 {100 * cost.error_p90:.1f} %)"
             )
         if self.startup_s:

@@ -29,6 +29,9 @@ MIN_KEPT = 0.5  # a server calibration keeps at least this part of each step cos
 MAX_PROMPT_SCALE = 3.0  # nor makes a prompt's tokens cost more than this many times the bare ones
 LONG_PROMPT_TIMES = 4  # the calibration's second prompt length, in multiples of its first
 LONG_PROMPT_SEED = 1000  # its prompts' seed: apart from the seeds of the runs by batch size
+# ... priced only where the bare engine's long prompt costs at least this part more than its short
+# one: on a GPU both cost about the launches of a step, and their difference is noise.
+MIN_PROMPT_SPREAD = 0.25
 
 
 def calibration_requests(clients: int) -> int:
@@ -99,6 +102,35 @@ class StepRecorder:
             if record and core.num_steps > before and core.last_step is not None:
                 self.samples.append((step_shape(core.last_step), dt))
             i += 1
+
+
+def merge_decode_runs(steps: list[tuple[StepShape, float]]) -> list[tuple[StepShape, float]]:
+    """Consecutive decode-only steps of the same rows as one sample: their mean shape and time.
+    On a GPU that decodes ahead (engine.decode_ahead) a step's wall time depends on what the step
+    before it queued, so single steps of one batch spread widely around their mean, and a fit of
+    relative error leans to the fast ones (an H200's decode fit: 30 % at the median); a run's mean
+    is what the run costs."""
+    out: list[tuple[StepShape, float]] = []
+    run: list[tuple[StepShape, float]] = []
+
+    def flush() -> None:
+        if run:
+            n = len(run)
+            mean = StepShape(
+                run[0][0].rows,
+                run[0][0].tokens,
+                round(sum(s.context for s, _ in run) / n),
+                round(sum(s.attention for s, _ in run) / n),
+            )
+            out.append((mean, sum(t for _, t in run) / n))
+            run.clear()
+
+    for shape, dt in steps:
+        if run and not (shape.decode_only and shape.rows == run[0][0].rows):
+            flush()
+        (run if shape.decode_only else out).append((shape, dt))
+    flush()
+    return out
 
 
 def run_scenarios(
@@ -179,7 +211,7 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
             engine.max_model_len,
             ec.scheduler.max_num_batched_tokens,
         )
-        decode = [(s, t) for s, t in rec.samples if s.decode_only]
+        decode = [(s, t) for s, t in merge_decode_runs(rec.samples) if s.decode_only]
         mixed = [(s, t) for s, t in rec.samples if not s.decode_only]
         machine = cpu_model_name()
         if ec.device.startswith("cuda"):
@@ -357,12 +389,13 @@ def _lone_prompt(tokens: int) -> StepShape:
 def _prompt_scale(profile: NodeProfile, short: tuple[int, dict], long: tuple[int, dict]) -> float:
     """What a served prompt's prefill costs against the bare profile's, for each token it adds: the
     first tokens of lone prompts of two lengths, apart by more than the bare steps are (1; no
-    evidence either way: a bare fit without prompt terms, or runs that did not answer in order).
+    evidence either way: bare steps that barely differ, or runs that did not answer in order).
     A constant per request, all the calibration had before, priced every longer prompt, and every
     batch of them, at the bare engine's rate (this machine's servers came out 0.96 to 1.12 x)."""
-    bare = profile.step_seconds(_lone_prompt(long[0])) - profile.step_seconds(_lone_prompt(short[0]))
+    short_s = profile.step_seconds(_lone_prompt(short[0]))
+    bare = profile.step_seconds(_lone_prompt(long[0])) - short_s
     firsts = long[1]["ttft_s"]["p50"], short[1]["ttft_s"]["p50"]
-    if bare <= 0 or None in firsts or firsts[0] <= firsts[1]:
+    if bare <= MIN_PROMPT_SPREAD * short_s or None in firsts or firsts[0] <= firsts[1]:
         return 1.0
     return float(np.clip((firsts[0] - firsts[1]) / bare, MIN_KEPT, MAX_PROMPT_SCALE))
 
