@@ -4,11 +4,13 @@ and client cap) from this node's profile, taken first with the replicas' own set
 measured beside predicted, and the error.
 
     python benchmarks/sim_accuracy.py [--quick] [--only prefill]
+    python benchmarks/sim_accuracy.py --device cuda --model CKPT [--quick]   # on a GPU machine
 
 Rows: one replica (both cores) at a Poisson rate; the same replica with 16 clients that never
 pause; two replicas (one core each) behind the kv_aware gateway; a prefill and a decode worker
 (one core each), every prompt handed over; a pool of one to two replicas (one core each)
-autoscaled through a burst, its replica-seconds sampled from the gateway's /replicas.
+autoscaled through a burst, its replica-seconds sampled from the gateway's /replicas. With
+`--device cuda`: one replica on the GPU, at a Poisson rate and with 64 clients.
 """
 
 from __future__ import annotations
@@ -33,8 +35,35 @@ from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
 from shoal.sim.workload import SimRequest, tokens
 
-REPLICA = {"max_model_len": 2048, "kv_cache_memory": 512 << 20, "max_num_seqs": 32}
-SERVE_FLAGS = "--max-model-len 2048 --kv-cache-memory 512MiB --max-num-seqs 32"
+
+@dataclass
+class Setup:
+    """A replica's engine, as the profile builds it (LLM options) and as `shoal serve` is told."""
+
+    engine: dict
+    flags: str
+
+
+CPU = Setup(
+    {"max_model_len": 2048, "kv_cache_memory": 512 << 20, "max_num_seqs": 32},
+    "--max-model-len 2048 --kv-cache-memory 512MiB --max-num-seqs 32",
+)
+
+
+def gpu_setup(model: str) -> Setup:
+    """One replica on this machine's GPU, at a GPU's batches."""
+    return Setup(
+        {
+            "model": model,
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "max_model_len": 2048,
+            "kv_cache_memory": 8 << 30,
+            "max_num_seqs": 128,
+        },
+        f"--model {model} --device cuda --dtype bfloat16 --max-model-len 2048 --kv-cache-memory 8GiB "
+        "--max-num-seqs 128",
+    )
 
 
 @dataclass
@@ -71,10 +100,10 @@ def bench_arrivals(n: int, rate: float, seed: int, bursts: tuple[Burst, ...] = (
     return out
 
 
-def run_real(row: Row) -> dict:
+def run_real(row: Row, setup: Setup) -> dict:
     from fleet_routing import spawn, wait_ready  # a sibling script's helpers
 
-    flags = f"{SERVE_FLAGS} --threads {row.threads}"
+    flags = f"{setup.flags} --threads {row.threads}"
     size = ["--replicas", str(row.replicas)]
     if row.prefill:
         size = ["--prefill", str(row.prefill), "--decode", str(row.decode)]
@@ -92,6 +121,7 @@ def run_real(row: Row) -> dict:
             bursts=row.bursts,
             max_concurrency=row.concurrency,
             seed=1,
+            tokenizer=setup.engine.get("model"),
         )
         with ReplicaSampler(url) as sampler:
             summary = run_serve_bench(cfg)
@@ -134,7 +164,7 @@ class ReplicaSampler:
         return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
-def run_sim(row: Row, profile, unshared: bool = False) -> dict:
+def run_sim(row: Row, profile, setup: Setup, unshared: bool = False) -> dict:
     rng = random.Random(7)
     reqs = [
         SimRequest(f"r{i}", at, tokens(rng, row.input_len), row.output_len)
@@ -143,7 +173,7 @@ def run_sim(row: Row, profile, unshared: bool = False) -> dict:
     shape = FleetShape(
         row.replicas,
         "kv_aware",
-        ReplicaShape(REPLICA["max_num_seqs"]),
+        ReplicaShape(setup.engine["max_num_seqs"]),
         row.concurrency,
         prefill=row.prefill,
         decode=row.decode,
@@ -168,6 +198,45 @@ def figures(s: dict, row: Row) -> dict[str, float]:
     }
 
 
+def cpu_rows(n: int) -> list[Row]:
+    return [
+        Row("one replica, Poisson 1.5 req/s", 1, 2, 1.5, None, n),
+        Row("one replica, 16 clients", 1, 2, math.inf, 16, n),
+        Row("two replicas kv_aware, 3 req/s", 2, 1, 3.0, None, n),
+        # 512-token prompts: over the split's 256, so each is prefilled on the prefill worker.
+        Row("1 prefill + 1 decode, 1 req/s", 2, 1, 1.0, None, n, input_len=512, prefill=1, decode=1),
+        # 0.5 req/s, and 3 req/s for 15 s from the 10th: a second replica starts cold for it.
+        Row("pool of 1-2, burst 6x", 1, 1, 0.5, None, n, pool=(1, 2), bursts=(Burst(10.0, 15.0, 6.0),)),
+    ]
+
+
+def gpu_rows(n: int) -> list[Row]:
+    # A GPU replica's rates: steps of milliseconds, batches of tens.
+    return [
+        Row("one GPU replica, Poisson 16 req/s", 1, 2, 16.0, None, n),
+        Row("one GPU replica, 64 clients", 1, 2, math.inf, 64, n),
+    ]
+
+
+def profile_config(setup: Setup, threads: int, quick: bool, gpu: bool) -> ProfileConfig:
+    cfg = ProfileConfig({**setup.engine, "num_threads": threads})  # start-up: the pool's cold starts
+    if quick:
+        cfg.decode_batches, cfg.contexts, cfg.prompt_lengths, cfg.repeats = (
+            (1, 4, 16, 32),
+            (64, 768),
+            (128, 512),
+            1,
+        )
+    if gpu:
+        # No pool, no P/D row: neither start-up nor handoff times are used.
+        cfg.decode_batches = (1, 4, 16, 32, 64, 128)
+        cfg.serve_batches = (1, 16, 64)
+        cfg.startup, cfg.kv_transfer_lengths = False, ()
+    cfg.serve_flags = [*setup.flags.split(), "--threads", str(threads)]
+    cfg.through_gateway = True  # the rows run behind a gateway on the same cores
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -177,39 +246,26 @@ def main() -> None:
         action="store_true",
         help="also print what the simulator predicts without its rule for shared cores",
     )
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one replica on the GPU")
+    ap.add_argument("--model", default=None, help="with --device cuda: the checkpoint it serves")
     args = ap.parse_args()
-    n = 48 if args.quick else 128
-    rows = [
-        Row("one replica, Poisson 1.5 req/s", 1, 2, 1.5, None, n),
-        Row("one replica, 16 clients", 1, 2, math.inf, 16, n),
-        Row("two replicas kv_aware, 3 req/s", 2, 1, 3.0, None, n),
-        # 512-token prompts: over the split's 256, so each is prefilled on the prefill worker.
-        Row("1 prefill + 1 decode, 1 req/s", 2, 1, 1.0, None, n, input_len=512, prefill=1, decode=1),
-        # 0.5 req/s, and 3 req/s for 15 s from the 10th: a second replica starts cold for it.
-        Row("pool of 1-2, burst 6x", 1, 1, 0.5, None, n, pool=(1, 2), bursts=(Burst(10.0, 15.0, 6.0),)),
-    ]
+    gpu = args.device == "cuda"
+    if gpu and not args.model:
+        ap.error("--device cuda takes --model")
+    setup = gpu_setup(args.model) if gpu else CPU
+    rows = gpu_rows(160 if args.quick else 480) if gpu else cpu_rows(48 if args.quick else 128)
     rows = [r for r in rows if args.only is None or args.only in r.name]
     profiles = {}
     for threads in sorted({r.threads for r in rows}):
         t0 = time.perf_counter()
-        cfg = ProfileConfig({**REPLICA, "num_threads": threads})  # start-up: the pool's cold starts
-        if args.quick:
-            cfg.decode_batches, cfg.contexts, cfg.prompt_lengths, cfg.repeats = (
-                (1, 4, 16, 32),
-                (64, 768),
-                (128, 512),
-                1,
-            )
-        cfg.serve_flags = [*SERVE_FLAGS.split(), "--threads", str(threads)]
-        cfg.through_gateway = True  # the rows run behind a gateway on the same two cores
-        profiles[threads] = measure(cfg)
+        profiles[threads] = measure(profile_config(setup, threads, args.quick, gpu))
         print(profiles[threads].describe())
         print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
     print(f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}")
     for row in rows:
-        real = figures(run_real(row), row)
-        sim = figures(run_sim(row, profiles[row.threads]), row)
-        apart = figures(run_sim(row, profiles[row.threads], True), row) if args.also_unshared else None
+        real = figures(run_real(row, setup), row)
+        sim = figures(run_sim(row, profiles[row.threads], setup), row)
+        apart = figures(run_sim(row, profiles[row.threads], setup, True), row) if args.also_unshared else None
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             line = f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%"
