@@ -55,6 +55,10 @@ def test_the_planner_bounds_an_autoscaled_pool_through_bursts():
     assert best.replicas >= 2 and pool.max_replicas == best.replicas and pool.min_replicas < best.replicas
     assert cfg.slo.met(scaling.summary) and scaling.summary["completed"] == 4000
     assert scaling.summary["replica_seconds"] < 0.9 * scaling.fixed["replica_seconds"]
+    assert " % fewer)" in scaling.describe()
+    # A pool dearer than the fixed fleet (a steady load) says so, not "-10 % fewer".
+    dearer = {**scaling.summary, "replica_seconds": 1.1 * scaling.fixed["replica_seconds"]}
+    assert "(10 % more)" in replace(scaling, summary=dearer).describe()
     if pool.min_replicas > 1:
         fewer = replace(pool, min_replicas=pool.min_replicas - 1)
         fleet = FleetShape(routing=cfg.routing, replica=best.shape, scaling=fewer)

@@ -342,11 +342,14 @@ class ScalingPlan:
     def describe(self) -> str:
         s, a = self.scaling, self.scaling.autoscale
         saved = 1 - self.summary["replica_seconds"] / self.fixed["replica_seconds"]
+        # A pool can cost more than the fixed fleet: on a steady load its starts and its slower
+        # scale-down keep replicas up that the load does not need.
+        change = f"{100 * saved:.0f} % fewer" if saved >= 0 else f"{-100 * saved:.0f} % more"
         return (
             f"autoscaled between {s.min_replicas} and {s.max_replicas} replicas "
             f"(target {a.target_inflight:.1f} in flight a replica, {s.warm_standby} warm standby, "
             f"up to {a.max_step} a step): {self.summary['replica_seconds']:,.0f} replica-s against "
-            f"{self.fixed['replica_seconds']:,.0f} fixed ({100 * saved:.0f} % fewer), "
+            f"{self.fixed['replica_seconds']:,.0f} fixed ({change}), "
             f"TTFT p99 {1e3 * self.summary['ttft_s']['p99']:.1f} ms"
         )
 
