@@ -39,9 +39,10 @@ TAIL=15 stage tests "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider t
 # Issue 31: the node profile `shoal plan` sizes a GPU fleet from.
 stage profile "${PROFILE_S:-200}" python3 -m shoal.cli profile --model "$CKPT" --device cuda \
     --dtype bfloat16 --max-num-seqs 256 --kv-cache-memory 16GiB \
-    --decode-batches 1,2,4,8,16,32,64,128,256 --out "$OUT/profile-gpu-smollm2.json"
+    --decode-batches 1,2,4,8,16,32,64,128,256 --out "$OUT/profile-gpu-smollm2.json" \
+    --samples "$OUT/profile-samples.jsonl"
 # Issue 31: the simulator against one real GPU replica, from a profile taken right before.
 TAIL=20 stage accuracy "${ACCURACY_S:-150}" python3 benchmarks/sim_accuracy.py --device cuda \
-    --model "$CKPT" --quick
+    --model "$CKPT" --quick --save "$OUT"
 TAIL=12 stage offline "${OFFLINE_S:-80}" python3 benchmarks/gpu_offline.py run "$CKPT" \
     --dtypes bfloat16 --graphs-only --batches 1,32,256

@@ -248,6 +248,7 @@ def main() -> None:
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one replica on the GPU")
     ap.add_argument("--model", default=None, help="with --device cuda: the checkpoint it serves")
+    ap.add_argument("--save", default=None, metavar="DIR", help="keep each profile and its timed steps here")
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if gpu and not args.model:
@@ -258,7 +259,11 @@ def main() -> None:
     profiles = {}
     for threads in sorted({r.threads for r in rows}):
         t0 = time.perf_counter()
-        profiles[threads] = measure(profile_config(setup, threads, args.quick, gpu))
+        cfg = profile_config(setup, threads, args.quick, gpu)
+        if args.save:
+            cfg.save_to = f"{args.save}/profile-threads{threads}.json"
+            cfg.samples_to = f"{args.save}/samples-threads{threads}.jsonl"
+        profiles[threads] = measure(cfg)
         print(profiles[threads].describe())
         print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
     print(f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}")

@@ -17,7 +17,10 @@ def cmd_profile(args) -> int:
     from shoal.sim.profiler import ProfileConfig, measure
 
     cfg = ProfileConfig(
-        {"model": args.model, **engine_options(args)}, startup=not args.no_startup, save_to=args.out
+        {"model": args.model, **engine_options(args)},
+        startup=not args.no_startup,
+        save_to=args.out,
+        samples_to=args.samples,
     )
     if not args.no_server:
         cfg.serve_flags = engine_flags(args.argv)
@@ -39,6 +42,7 @@ def cmd_profile(args) -> int:
 
 PROFILE_OWN_FLAGS = {
     "--out": 1,
+    "--samples": 1,
     "--quick": 0,
     "--decode-batches": 1,
     "--no-startup": 0,
@@ -170,6 +174,9 @@ def add_sim_parsers(sub, wanted) -> None:
         metavar="B,B,...",
         help="decode batch sizes to time (default 1,2,4,...,64; a GPU serves larger ones: add 128,256 "
         "with --max-num-seqs 256)",
+    )
+    p.add_argument(
+        "--samples", metavar="PATH", default=None, help="also write every timed step (JSON lines) to PATH"
     )
     p.add_argument("--no-startup", action="store_true", help="skip timing a replica's start")
     p.add_argument(

@@ -28,9 +28,9 @@ from shoal.sim.profile import (
     StepShape,
     made_up_profile,
 )
-from shoal.sim.profiler import StepRecorder, merge_decode_runs
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
+from shoal.sim.step_samples import StepRecorder, merge_decode_runs, read_samples, write_samples
 from shoal.sim.workload import Burst, Lengths, SimRequest, WorkloadSpec, load_trace, tokens
 from tests.fleet_helpers import start_gateway
 
@@ -96,7 +96,7 @@ def test_the_step_cost_fit_recovers_the_costs_that_made_the_steps():
     assert old.seconds(one) == pytest.approx(by_hand)
 
 
-def test_a_run_of_decode_steps_is_fitted_as_its_mean():
+def test_a_run_of_decode_steps_is_fitted_as_its_mean(tmp_path):
     """Steps that alternate fast and slow (a GPU decoding ahead) weigh in at their mean, each run of
     one batch size apart, and a step with a prompt stays a step of its own."""
 
@@ -123,6 +123,9 @@ def test_a_run_of_decode_steps_is_fitted_as_its_mean():
         (3, 3, step(3, 50).context),
     ]
     assert [t for _, t in merged] == pytest.approx([0.005, 0.03, 0.005, 0.002])
+    # Written out and read back (a GPU lease's steps, fitted again here), they are the same steps.
+    write_samples(steps, tmp_path / "steps.jsonl")
+    assert read_samples(tmp_path / "steps.jsonl") == steps
 
 
 def test_kv_aware_routing_in_the_simulator_finds_the_shared_prefixes():

@@ -20,11 +20,11 @@ import numpy as np
 
 from shoal import __version__
 from shoal.sim.fleet import FleetShape, FleetSim
-from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape, step_shape
+from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
 from shoal.sim.replica import ReplicaShape
+from shoal.sim.step_samples import FIRST_PLAIN_ID, StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
 
-FIRST_PLAIN_ID = 1000  # ids clear of the special tokens at the start of most vocabularies
 MIN_KEPT = 0.5  # a server calibration keeps at least this part of each step cost it corrects
 MAX_PROMPT_SCALE = 3.0  # nor makes a prompt's tokens cost more than this many times the bare ones
 LONG_PROMPT_TIMES = 4  # the calibration's second prompt length, in multiples of its first
@@ -66,71 +66,9 @@ class ProfileConfig:
     # Where to save the profile after each stage, so a stage that fails (a server that does not
     # start, a lease that ends) leaves the stages before it on disk.
     save_to: str | None = None
-
-
-class StepRecorder:
-    """Feeds prompts of random tokens to an engine and times each of its steps by shape."""
-
-    def __init__(self, engine, seed: int):
-        self.engine = engine
-        self.rng = random.Random(seed)
-        self.vocab = engine.tokenizer.vocab_size
-        self.samples: list[tuple[StepShape, float]] = []
-        self._ids = 0
-
-    def prompt(self, n: int) -> list[int]:
-        # Random ids, so no two prompts share a cached prefix.
-        return [self.rng.randrange(FIRST_PLAIN_ID, self.vocab) for _ in range(n)]
-
-    def add(self, prompt_len: int, max_tokens: int) -> None:
-        from shoal.engine.sampling_params import SamplingParams
-
-        self._ids += 1
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        self.engine.add_request(f"profile-{self._ids}", self.prompt(prompt_len), params)
-
-    def run(self, inject: dict[int, list[int]] | None = None, record: bool = True) -> None:
-        """Steps until idle; `inject` adds prompts of the given lengths before step i."""
-        core, i = self.engine.core, 0
-        while self.engine.has_unfinished_requests():
-            for n in (inject or {}).get(i, ()):
-                self.add(n, 4)
-            before = core.num_steps
-            t0 = time.perf_counter()
-            self.engine.step()
-            dt = time.perf_counter() - t0
-            if record and core.num_steps > before and core.last_step is not None:
-                self.samples.append((step_shape(core.last_step), dt))
-            i += 1
-
-
-def merge_decode_runs(steps: list[tuple[StepShape, float]]) -> list[tuple[StepShape, float]]:
-    """Consecutive decode-only steps of the same rows as one sample: their mean shape and time.
-    On a GPU that decodes ahead (engine.decode_ahead) a step's wall time depends on what the step
-    before it queued, so single steps of one batch spread widely around their mean, and a fit of
-    relative error leans to the fast ones (an H200's decode fit: 30 % at the median); a run's mean
-    is what the run costs."""
-    out: list[tuple[StepShape, float]] = []
-    run: list[tuple[StepShape, float]] = []
-
-    def flush() -> None:
-        if run:
-            n = len(run)
-            mean = StepShape(
-                run[0][0].rows,
-                run[0][0].tokens,
-                round(sum(s.context for s, _ in run) / n),
-                round(sum(s.attention for s, _ in run) / n),
-            )
-            out.append((mean, sum(t for _, t in run) / n))
-            run.clear()
-
-    for shape, dt in steps:
-        if run and not (shape.decode_only and shape.rows == run[0][0].rows):
-            flush()
-        (run if shape.decode_only else out).append((shape, dt))
-    flush()
-    return out
+    # Where to write every timed step (its shape and seconds, a JSON object a line): a profile can
+    # then be fitted again off the machine it was taken on, as a GPU lease's must be.
+    samples_to: str | None = None
 
 
 def run_scenarios(
@@ -211,6 +149,8 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
             engine.max_model_len,
             ec.scheduler.max_num_batched_tokens,
         )
+        if cfg.samples_to:
+            write_samples(rec.samples, cfg.samples_to)
         decode = [(s, t) for s, t in merge_decode_runs(rec.samples) if s.decode_only]
         mixed = [(s, t) for s, t in rec.samples if not s.decode_only]
         machine = cpu_model_name()
