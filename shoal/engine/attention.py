@@ -183,48 +183,54 @@ class TorchPagedAttention(AttentionBackend):
             out[p.start : p.end] = o[0].transpose(0, 1)
 
 
-class CpuPagedAttention(TorchPagedAttention):
-    """Decode rows attend straight from the paged cache in one C call (online softmax, no gather
-    copies, no padding); prefill stays on SDPA, where the work per call is large."""
+class OneCallDecodeAttention(TorchPagedAttention):
+    """Decode rows attend straight from the paged cache in one kernel call a layer (no gather
+    copies, no padding, no groups); prefill stays on SDPA, where the work per call is large."""
 
     decode_in_groups = False
+
+    def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, md: AttentionMetadata) -> None:
+        batch = md.decode_batch
+        if batch is None or batch.rows == 0:
+            return
+        k_cache, v_cache = self.kv_caches[layer]
+        self._paged_decode(q[: batch.rows], k_cache, v_cache, batch, out[: batch.rows])
+
+    def _paged_decode(self, q, k_cache, v_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class CpuPagedAttention(OneCallDecodeAttention):
+    """The decode rows in one C call (online softmax)."""
 
     def __init__(self, kernels: CpuKernels, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kernels = kernels
 
-    def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, md: AttentionMetadata) -> None:
-        batch = md.decode_batch
-        if batch is None or batch.rows == 0:
-            return
-        k_cache, v_cache = self.kv_caches[layer]
-        out[: batch.rows] = self.kernels.paged_decode_attention(
-            q[: batch.rows],
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.context_lens,
-            self.block_size,
-            self.sliding_window,
-            self.scale,
+    def _paged_decode(self, q, k_cache, v_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
+        out.copy_(
+            self.kernels.paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.context_lens,
+                self.block_size,
+                self.sliding_window,
+                self.scale,
+            )
         )
 
 
-class TritonPagedAttention(TorchPagedAttention):
-    """CUDA: a step that a captured graph does not take (one with a prompt, or more rows than the
-    graphs hold) attends its decode rows in one Triton kernel call a layer, the kernel the graphs
-    replay; prompts stay on SDPA. Grouped by length, each group cost a gather and an SDPA call a
-    layer, launched eagerly: about a millisecond a decode row in a step with a prompt on an H200."""
+class TritonPagedAttention(OneCallDecodeAttention):
+    """CUDA: the decode rows of a step that a captured graph does not take (one with a prompt, or
+    more rows than the graphs hold) in one call of the Triton kernel the graphs replay. Grouped by
+    length, each group cost a gather and an SDPA call a layer, launched eagerly: about a
+    millisecond a decode row in a step with a prompt on an H200."""
 
-    decode_in_groups = False
-
-    def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, md: AttentionMetadata) -> None:
-        batch = md.decode_batch
-        if batch is None or batch.rows == 0:
-            return
-        k_cache, v_cache = self.kv_caches[layer]
+    def _paged_decode(self, q, k_cache, v_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
         paged_decode_attention(
-            q[: batch.rows],
+            q,
             k_cache,
             v_cache,
             batch.block_tables,
@@ -232,7 +238,7 @@ class TritonPagedAttention(TorchPagedAttention):
             self.block_size,
             self.sliding_window,
             self.scale,
-            out=out[: batch.rows],
+            out=out,
         )
 
 
