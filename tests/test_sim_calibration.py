@@ -11,7 +11,14 @@ import pytest
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_profile
-from shoal.sim.profiler import ProfileConfig, calibration_requests, fold_serving, measure
+from shoal.sim.profiler import (
+    ProfileConfig,
+    calibration_requests,
+    engine_start_seconds,
+    fold_serving,
+    measure,
+    server_start_seconds,
+)
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.server_helpers import start_server
@@ -100,6 +107,14 @@ def test_the_profile_times_kv_handoffs_by_their_size(node_profile, hf_bundled):
         assert t[f"{way}_s"] >= 0 and t[f"{way}_s_per_mib"] >= 0
         assert node_profile.kv_transfer_seconds(1024, way) >= node_profile.kv_transfer_seconds(64, way) > 0
     assert "KV transfer : 46080 B a token" in node_profile.describe()
+
+
+def test_a_replicas_start_is_timed_to_its_servers_first_ready_answer():
+    """What a fleet waits for before it routes to a replica it started: the server's process up to
+    its first ready answer, its engine's start and more (imports, the HTTP front)."""
+    server_start_seconds(SERVE_FLAGS)  # both find the model's cached weights from here on
+    engine = engine_start_seconds(ENGINE)
+    assert server_start_seconds(SERVE_FLAGS) > engine > 0
 
 
 def _node_profile(kv_transfer: bool = True) -> NodeProfile:
