@@ -194,9 +194,20 @@ class OneCallDecodeAttention(TorchPagedAttention):
         if batch is None or batch.rows == 0:
             return
         k_cache, v_cache = self.kv_caches[layer]
-        self._paged_decode(q[: batch.rows], k_cache, v_cache, batch, out[: batch.rows])
+        rows = batch.rows
+        args = (  # both kernels take these, in this order
+            q[:rows],
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.context_lens,
+            self.block_size,
+            self.sliding_window,
+            self.scale,
+        )
+        self._paged_decode(args, out[:rows])
 
-    def _paged_decode(self, q, k_cache, v_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
+    def _paged_decode(self, args: tuple, out: torch.Tensor) -> None:
         raise NotImplementedError
 
 
@@ -207,19 +218,8 @@ class CpuPagedAttention(OneCallDecodeAttention):
         super().__init__(*args, **kwargs)
         self.kernels = kernels
 
-    def _paged_decode(self, q, k_cache, v_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
-        out.copy_(
-            self.kernels.paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                batch.block_tables,
-                batch.context_lens,
-                self.block_size,
-                self.sliding_window,
-                self.scale,
-            )
-        )
+    def _paged_decode(self, args: tuple, out: torch.Tensor) -> None:
+        out.copy_(self.kernels.paged_decode_attention(*args))
 
 
 class TritonPagedAttention(OneCallDecodeAttention):
@@ -228,18 +228,8 @@ class TritonPagedAttention(OneCallDecodeAttention):
     length, each group cost a gather and an SDPA call a layer, launched eagerly: about a
     millisecond a decode row in a step with a prompt on an H200."""
 
-    def _paged_decode(self, q, k_cache, v_cache, batch: DecodeBatch, out: torch.Tensor) -> None:
-        paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.context_lens,
-            self.block_size,
-            self.sliding_window,
-            self.scale,
-            out=out,
-        )
+    def _paged_decode(self, args: tuple, out: torch.Tensor) -> None:
+        paged_decode_attention(*args, out=out)
 
 
 def prefill_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
