@@ -16,6 +16,7 @@ autoscaled through a burst, its replica-seconds sampled from the gateway's /repl
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import random
@@ -27,6 +28,8 @@ import httpx
 
 from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.cli import build_parser
+from shoal.cli_options import engine_options
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
@@ -38,31 +41,26 @@ from shoal.sim.workload import SimRequest, tokens
 
 @dataclass
 class Setup:
-    """A replica's engine, as the profile builds it (LLM options) and as `shoal serve` is told."""
+    """A replica's `shoal serve` flags; the profile builds its engine from the same flags, read by
+    the same parser, as `shoal profile` does."""
 
-    engine: dict
     flags: str
 
+    @functools.cached_property
+    def engine(self) -> dict:
+        """The engine's options (LLM(**options)) these flags give."""
+        args = build_parser("serve").parse_args(["serve", *self.flags.split()])
+        return {"model": args.model, **engine_options(args)}
 
-CPU = Setup(
-    {"max_model_len": 2048, "kv_cache_memory": 512 << 20, "max_num_seqs": 32},
-    "--max-model-len 2048 --kv-cache-memory 512MiB --max-num-seqs 32",
-)
+
+CPU = Setup("--max-model-len 2048 --kv-cache-memory 512MiB --max-num-seqs 32")
 
 
 def gpu_setup(model: str) -> Setup:
     """One replica on this machine's GPU, at a GPU's batches."""
     return Setup(
-        {
-            "model": model,
-            "device": "cuda",
-            "dtype": "bfloat16",
-            "max_model_len": 2048,
-            "kv_cache_memory": 8 << 30,
-            "max_num_seqs": 128,
-        },
         f"--model {model} --device cuda --dtype bfloat16 --max-model-len 2048 --kv-cache-memory 8GiB "
-        "--max-num-seqs 128",
+        "--max-num-seqs 128"
     )
 
 

@@ -97,7 +97,7 @@ def test_the_step_cost_fit_recovers_the_costs_that_made_the_steps():
 
 
 def test_a_run_of_decode_steps_is_fitted_as_its_mean(tmp_path):
-    """Steps that alternate fast and slow (a GPU decoding ahead) weigh in at their mean, each run of
+    """Steps of one batch that spread widely (a GPU decoding ahead) weigh in at their mean, each run of
     one batch size apart, and a step with a prompt stays a step of its own."""
 
     def step(rows: int, context: int, prompt: int = 0) -> StepShape:
