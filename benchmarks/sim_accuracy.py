@@ -23,6 +23,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -255,6 +256,8 @@ def main() -> None:
     rows = gpu_rows(160 if args.quick else 480) if gpu else cpu_rows(48 if args.quick else 128)
     rows = [r for r in rows if args.only is None or args.only in r.name]
     profiles = {}
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
     for threads in sorted({r.threads for r in rows}):
         t0 = time.perf_counter()
         cfg = profile_config(setup, threads, args.quick, gpu)

@@ -176,11 +176,14 @@ def test_the_fast_simulator_agrees_with_the_exact_one():
 
 def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gateways_rule():
     """A P/D fleet in the exact simulator: a long prompt is prefilled on the prefill worker, its K/V
-    reaches the decode worker after the profile's handoff time for its size, and the decode worker
-    computes only its last prompt token; so a lone request's first token comes exactly that many
-    steps later. A short prompt (under disagg_min_prompt_tokens) is prefilled where it decodes."""
+    reaches the decode worker after the prefill worker's part of the handoff (its engine packs the
+    K/V) and the pull, and the decode worker loads it and computes only its last prompt token; so
+    a lone request's first token comes exactly that long later. A short prompt (under
+    disagg_min_prompt_tokens) is prefilled where it decodes."""
     profile = made_up_profile()
     profile.kv_transfer = {"bytes_per_token": 46080.0, "shm_s": 0.008, "shm_s_per_mib": 0.0011}
+    profile.kv_transfer.update(prefill_cpu_s=0.001, prefill_cpu_s_per_mib=0.0017)
+    profile.kv_transfer.update(decode_cpu_s=0.0, decode_cpu_s_per_mib=0.001)
     shape = FleetShape(0, "least_load", ReplicaShape(16, 2048, 0.0), prefill=1, decode=1)
     rng = random.Random(3)
     long, short = SimRequest("long", 0.0, tokens(rng, 512), 8), SimRequest("short", 10.0, tokens(rng, 100), 8)
@@ -199,10 +202,14 @@ def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gat
     one.add_row(512, 0)
     last = StepShape()
     last.add_row(1, 511)
-    expected = profile.step_seconds(one) + profile.kv_transfer_seconds(512) + profile.step_seconds(last)
+    packed = profile.kv_handoff_cpu_seconds(512, "prefill")
+    loaded = profile.kv_handoff_cpu_seconds(511, "decode")  # its last token is computed there
+    expected = profile.step_seconds(one) + packed + profile.kv_transfer_seconds(512)
+    expected += profile.step_seconds(last) + loaded
     ttft = {rec.input_len: rec.ttft for rec in result.records}
     assert ttft[512] == pytest.approx(expected, rel=1e-12)
     assert profile.kv_transfer_seconds(512) == pytest.approx(0.008 + 0.0011 * 512 * 46080 / 2**20)
+    assert packed == pytest.approx(0.001 + 0.0017 * 22.5) and loaded == pytest.approx(0.001 * 511 * 45 / 1024)
     alone = StepShape()
     alone.add_row(100, 0)
     assert ttft[100] == pytest.approx(profile.step_seconds(alone), rel=1e-12)
@@ -212,6 +219,29 @@ def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gat
     fast_ttft = dict(zip(fast.input_len, fast.ttft, strict=True))
     assert fast_ttft == {n: pytest.approx(ttft[n], rel=1e-12) for n in (100, 512)}
     assert fast.output_tokens == [8, 8]
+
+
+def test_a_prefill_worker_packs_a_handoff_before_its_next_step():
+    """A prefill worker's engine packs a finished prompt's K/V between two steps: a second prompt
+    that came while the first was computed waits for that too. With packing made to cost a second
+    (ten prompt steps), the second request's first token comes after both packings, in both
+    simulators; without the rule it came a second sooner."""
+    profile = made_up_profile()
+    profile.kv_transfer = {"bytes_per_token": 46080.0, "shm_s": 0.0, "shm_s_per_mib": 0.0}
+    profile.kv_transfer.update(prefill_cpu_s=1.0, prefill_cpu_s_per_mib=0.0)
+    shape = FleetShape(0, "least_load", ReplicaShape(16, 2048, 0.0), prefill=1, decode=1)
+    rng = random.Random(4)
+    reqs = [SimRequest(f"r{i}", 0.001 * i, tokens(rng, 512), 2) for i in range(2)]
+    one = StepShape()
+    one.add_row(512, 0)
+    step = profile.step_seconds(one)
+    assert step < 0.2  # a packing costs more than five prompt steps
+    exact = sorted(r.ttft + r.start for r in FleetSim(profile, shape).run(reqs).records)
+    fast = FastFleet(profile, shape).run(reqs).out
+    fast_firsts = sorted(t + s for t, s in zip(fast.ttft, fast.start, strict=True))
+    # The second prompt's step starts once the first one's K/V is packed; its own is packed next.
+    assert exact[1] > 2 * step + 2 * 1.0
+    assert fast_firsts == pytest.approx(exact, rel=1e-9)
 
 
 def test_the_fast_simulator_splits_a_pd_fleet_as_the_exact_one_does():

@@ -217,11 +217,17 @@ class FastFleet:
                         for _ in range(before - loads[i]):
                             heapq.heappush(releases, now + rep.overhead)
                     router_of[i].loaded(i)
+                packing = 0.0  # its CPU for the handoffs of this step's prompts
                 for f in rep.handed:  # its K/V goes on to the decode worker
                     seq += 1
                     ready = now + self.shape.handoff_seconds(self.profile, f.prompt_len)
                     heapq.heappush(handoffs, (ready, seq, f.index, f.handoff_to))
+                    packing += self.profile.kv_handoff_cpu_seconds(f.prompt_len, "prefill")
                 rep.handed.clear()
+                if packing:  # its engine packs them before its next step
+                    push(rep, now + packing)
+                    rep.waking = True
+                    continue
             ends = rep.plan(now)
             if ends is None:
                 rep.busy_until = None

@@ -259,6 +259,7 @@ class FastReplica:
             chunks.append((f, n))
             budget -= n
             self.tokens += n
+        loading = 0.0  # handed K/V the step admits: read in by its front, loaded by its engine
         while budget > 0 and not preempted and self.can_admit():
             f = self.waiting.popleft()
             hit = self._prefix_hit(f) if f.prompt_left == f.prompt_len else 0
@@ -270,6 +271,8 @@ class FastReplica:
             chunks.append((f, n))
             budget -= n
             self.tokens += n + f.external
+            if f.external:
+                loading += self.profile.kv_handoff_cpu_seconds(f.external, "decode")
             f.external = 0
         if not rows and not chunks:
             return None
@@ -285,7 +288,7 @@ class FastReplica:
             attention += n * end
         # A step of one token a row (a handed prompt's last token among them) is priced as a decode.
         cost = self.profile.mixed if n_tokens > n_rows else self.profile.decode
-        seconds = cost.cost(n_rows, n_tokens, n_context, attention)
+        seconds = cost.cost(n_rows, n_tokens, n_context, attention) + loading
         self._planned = (chunks, rows, seconds)
         self.steps += 1
         return now + seconds

@@ -51,9 +51,12 @@ class FleetShape:
     shared_cores: int | None = None
 
     def handoff_seconds(self, profile: NodeProfile, tokens: int) -> float:
-        """A prompt's K/V from prefill to decode worker, as the profile measured it (0: not)."""
-        seconds = profile.kv_transfer_seconds(tokens, self.kv_transport)
-        return 0.0 if seconds is None else seconds
+        """From a prompt's last step on the prefill worker to its K/V at the decode worker: the
+        prefill worker's part of the handoff (its engine packs the K/V before it answers; this
+        counts its front's write too, a few ms that the pull counts again), then the pull, as the
+        profile measured both (0: not measured)."""
+        pull = profile.kv_transfer_seconds(tokens, self.kv_transport)
+        return profile.kv_handoff_cpu_seconds(tokens, "prefill") + (0.0 if pull is None else pull)
 
     @property
     def roles(self) -> list[str]:
@@ -274,17 +277,24 @@ class FleetSim:
                 done = replica.end_step(now)
                 if self.cores is not None:
                     self.cores.streamed(now, i, replica.last_sampled)
+                packing = 0.0  # a prefill worker's CPU for the handoffs of this step's prompts
                 if self.roles[i] == "prefill":
                     for t in done:  # its K/V goes on to the decode worker
                         req, rec, sent, d = self.handing.pop(t.request_id)
                         seq += 1
                         ready = now + self.shape.handoff_seconds(self.profile, req.prompt_len)
                         heapq.heappush(handoffs, (ready, seq, d, req, rec, sent))
+                        packing += self.profile.kv_handoff_cpu_seconds(req.prompt_len, "prefill")
                 elif cap < math.inf:  # uncapped: nobody waits for a slot
                     for _ in done:
                         heapq.heappush(releases, now + replica.overhead)
                 if replica.pool.enable_events:
                     self._publish(replica)
+                if packing:  # its engine packs them before its next step
+                    waking.add(i)
+                    seq += 1
+                    heapq.heappush(steps, (now + packing, seq, i))
+                    continue
             ends = replica.start_step(now, stretch(now))
             if ends is not None:
                 seq += 1

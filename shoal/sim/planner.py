@@ -136,8 +136,13 @@ def replica_capacity(
 
 
 def pd_capacity(profile: NodeProfile, shape: ReplicaShape, spec: WorkloadSpec) -> tuple[float, float]:
+    """Requests per second a prefill worker and a decode worker finish at most, each paying its
+    part of every handoff's CPU (packing and writing the K/V, reading and loading it)."""
     batch, step = decode_step(profile, shape, spec)
-    return 1 / prompt_seconds(profile, shape, spec), batch / (spec.output_len.mean * step)
+    n_in = round(spec.input_len.mean)
+    prefill = prompt_seconds(profile, shape, spec) + profile.kv_handoff_cpu_seconds(n_in, "prefill")
+    decode = spec.output_len.mean * step / batch + profile.kv_handoff_cpu_seconds(n_in, "decode")
+    return 1 / prefill, 1 / decode
 
 
 def pd_fleet(shape: ReplicaShape, prefill: int, decode: int, cfg: PlanConfig) -> FleetShape:

@@ -177,8 +177,9 @@ class NodeProfile:
     decode: StepCost
     mixed: StepCost
     startup_s: dict[str, float] = field(default_factory=dict)  # "first" and "again": a replica's start
-    # A K/V handoff from a prefill worker: bytes_per_token, and per transport (shm, tcp) the fixed
-    # seconds of one and the seconds per MiB (see profiler.time_kv_transfer).
+    # A K/V handoff from a prefill worker: bytes_per_token; per transport (shm, tcp) the fixed
+    # seconds of one and the seconds per MiB; and the same of the CPU it takes of the prefill and
+    # of the decode worker, `prefill_cpu` and `decode_cpu` (see kv_handoff.py).
     kv_transfer: dict[str, float] = field(default_factory=dict)
     # What serving adds (already in the step costs above, and per request), from a real server;
     # calibrated through a gateway, also the CPU its front spends a token and the host's cores.
@@ -187,10 +188,21 @@ class NodeProfile:
 
     def kv_transfer_seconds(self, tokens: int, transport: str = "shm") -> float | None:
         """What handing `tokens` tokens' K/V to a decode worker takes (None: not measured)."""
+        return self._handoff_line(transport, tokens)
+
+    def _handoff_line(self, key: str, tokens: int) -> float | None:
+        """A measured line of kv_transfer (`key`_s fixed, `key`_s_per_mib) at `tokens` tokens."""
         t = self.kv_transfer
-        if f"{transport}_s" not in t:
+        if f"{key}_s" not in t:
             return None
-        return t[f"{transport}_s"] + t[f"{transport}_s_per_mib"] * tokens * t["bytes_per_token"] / 2**20
+        return t[f"{key}_s"] + t[f"{key}_s_per_mib"] * tokens * t["bytes_per_token"] / 2**20
+
+    def kv_handoff_cpu_seconds(self, tokens: int, side: str) -> float:
+        """CPU seconds a handoff of `tokens` tokens' K/V takes of the `side` ("prefill" or "decode")
+        worker: its engine packing or loading the K/V, its front writing or reading it (0: not
+        measured)."""
+        seconds = self._handoff_line(f"{side}_cpu", tokens)
+        return 0.0 if seconds is None else seconds
 
     def step_seconds(self, shape: StepShape) -> float:
         return (self.decode if shape.decode_only else self.mixed).seconds(shape)
@@ -251,13 +263,16 @@ class NodeProfile:
                 f"(gateway and clients, on {self.serving['cores']:.0f} cores)"
             )
         t = self.kv_transfer
-        if t:
-            ways = [
-                f"{way} {1e3 * t[f'{way}_s']:.2f} ms + {1e3 * t[f'{way}_s_per_mib']:.2f} ms/MiB"
-                for way in ("shm", "tcp")
-                if f"{way}_s" in t
-            ]
+
+        def line(key: str) -> str:
+            return f"{1e3 * t[f'{key}_s']:.2f} ms + {1e3 * t[f'{key}_s_per_mib']:.2f} ms/MiB"
+
+        if any(f"{way}_s" in t for way in ("shm", "tcp")):
+            ways = [f"{way} {line(way)}" for way in ("shm", "tcp") if f"{way}_s" in t]
             lines.append(f"KV transfer : {t['bytes_per_token']:.0f} B a token; " + "; ".join(ways))
+        if "prefill_cpu_s" in t:
+            sides = [f"{side} worker {line(f'{side}_cpu')}" for side in ("prefill", "decode")]
+            lines.append("handoff CPU : " + "; ".join(sides))
         return "\n".join(lines)
 
 

@@ -65,6 +65,7 @@ class SimReplica:
         self.overhead = request_overhead(profile, shape)
         self.tracked: dict[str, Tracked] = {}
         self.awaited = 0  # requests routed to it whose K/V a prefill worker is computing
+        self._arriving: dict[str, int] = {}  # requests whose handed K/V it loads: their tokens
         self.step_ends: float | None = None  # when the step in progress ends (None: idle)
         self._step: SchedulerOutput | None = None
         self.steps = 0
@@ -110,6 +111,7 @@ class SimReplica:
         if external_tokens:
             # What the scheduler reads of a K/V handoff: its length (the data is the worker's).
             request.external_kv = HandedKV(min(external_tokens, len(req.prompt) - 1))
+            self._arriving[req.id] = request.external_kv.num_tokens
         self.scheduler.add_request(request)
         self.tracked[req.id] = Tracked(record, now if sent is None else sent, req.id)
 
@@ -125,6 +127,9 @@ class SimReplica:
         if self.shapes is not None:
             self.shapes.append(shape)
         seconds = self.profile.step_seconds(shape) * stretch
+        for new in so.new_requests:  # handed K/V: read in by its front, loaded by its engine
+            if (tokens := self._arriving.pop(new.request_id, None)) is not None:
+                seconds += self.profile.kv_handoff_cpu_seconds(tokens, "decode")
         self._step, self.step_ends = so, now + seconds
         self.steps += 1
         return self.step_ends

@@ -1,0 +1,112 @@
+"""What a prompt's K/V handoff from a prefill worker to a decode worker costs, by its size: the time
+it takes to arrive (a real prefill server's K/V pulled as a decode worker pulls it), and the CPU it
+takes of each worker (its engine packing or loading it, its front writing or reading it)."""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+
+import numpy as np
+
+from shoal.sim.servers import running
+from shoal.sim.step_samples import FIRST_PLAIN_ID
+
+HANDOFF_REPEATS = 3  # handoffs timed of each length
+
+
+def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed seconds, seconds per MiB) through (MiB, seconds) samples, neither below zero."""
+    mib, seconds = (np.array(v, dtype=float) for v in zip(*samples, strict=True))
+    per_mib, fixed = np.clip(np.polyfit(mib, seconds, 1), 0, None)
+    return float(fixed), float(per_mib)
+
+
+def time_kv_transfer(
+    serve_flags: list[str], lengths: tuple[int, ...], max_len: int, seed: int
+) -> dict[str, float]:
+    """What handing a prompt's K/V to a decode worker costs, by its size: a real `shoal serve
+    --role prefill` of the same engine prefills prompts of several lengths, and each one's K/V is
+    pulled as a decode worker pulls it, over shared memory (one host) and over TCP (across
+    hosts). Returns bytes per token, and per transport a line through (MiB, seconds): the fixed
+    seconds of one handoff and the seconds per MiB."""
+    import httpx
+
+    from shoal.engine.kv_connector.transports import transport_named
+    from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
+
+    key, rng = secrets.token_hex(16), random.Random(seed)
+    samples: dict[str, list[tuple[float, float]]] = {"shm": [], "tcp": []}
+    per_token = []
+    prefill = ["serve", *serve_flags, "--role", "prefill"]
+    with (
+        running(prefill, {KV_TRANSFER_KEY_ENV: key}) as (url, _),
+        httpx.Client(timeout=300, headers={KV_TRANSFER_KEY_HEADER: key}) as client,
+    ):
+        model = client.get(url + "/v1/models").json()["data"][0]["id"]
+        for n in (n for n in lengths if n < max_len):
+            for _ in range(HANDOFF_REPEATS):
+                prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
+                hold = {"do_remote_decode": True}
+                body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": hold}
+                answer = client.post(url + "/v1/completions", json=body).json()
+                handle = answer["kv_transfer_params"]["handle"]
+                for name, got in samples.items():
+                    way = transport_named(name)
+                    t0 = time.perf_counter()
+                    reply = client.post(url + "/kv/pull", json={"handle": handle, "transport": name})
+                    packed = way.take(reply.json() if way.reply_is_json else bytearray(reply.content))
+                    got.append((packed.nbytes / 2**20, time.perf_counter() - t0))
+                    per_token.append(packed.nbytes / n)
+                client.post(url + "/kv/release", json={"handle": handle})
+    out = {"bytes_per_token": float(np.median(per_token))}
+    for name, got in samples.items():
+        out[f"{name}_s"], out[f"{name}_s_per_mib"] = fit_line(got)
+    return out
+
+
+def time_handoff_cpu(engine, lengths: tuple[int, ...], seed: int) -> dict[str, float]:
+    """The CPU a handoff takes of each worker, timed on an engine in this process: the prefill
+    worker's engine packs the prompt's K/V between two steps (its next step waits for it) and its
+    front writes it to shared memory; the decode worker's front reads it and its engine loads it
+    into the request's blocks in the step that admits it. Each pair is a line through (MiB,
+    seconds), as `prefill_cpu_s(_per_mib)` and `decode_cpu_s(_per_mib)` (none: an engine whose K/V
+    does not move, a parallel one)."""
+    from shoal.engine.kv_connector.transports import transport_named
+    from shoal.engine.sampling_params import SamplingParams
+
+    core = engine.core
+    runner = getattr(core.executor, "runner", None)
+    if not core.executor.moves_kv or runner is None:
+        return {}
+    shm, rng = transport_named("shm"), random.Random(seed)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    sides: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+    per_token = []
+    for n in (n for n in lengths if n < engine.max_model_len):
+        for i in range(HANDOFF_REPEATS):
+            rid = f"handoff-{n}-{i}"
+            prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
+            engine.add_request(rid, prompt, params, hold_kv=True)
+            while engine.has_unfinished_requests():
+                engine.step()
+            t0 = time.perf_counter()
+            packed = core.pack_new_handoffs()[rid]
+            reply, _ = shm.send(packed)
+            t1 = time.perf_counter()
+            taken = shm.take(reply)
+            # Its own K/V back into its own blocks: the copy a decode worker makes, changing nothing.
+            runner.import_kv(core.kv.block_ids(rid), taken.data)
+            t2 = time.perf_counter()
+            core.release_kv(rid)
+            mib = packed.nbytes / 2**20
+            sides["prefill"].append((mib, t1 - t0))
+            sides["decode"].append((mib, t2 - t1))
+            per_token.append(packed.nbytes / n)
+    if not per_token:
+        return {}
+    out = {"bytes_per_token": float(np.median(per_token))}
+    for side, got in sides.items():
+        out[f"{side}_cpu_s"], out[f"{side}_cpu_s_per_mib"] = fit_line(got)
+    return out

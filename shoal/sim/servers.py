@@ -1,0 +1,46 @@
+"""A `shoal` server process on a free port of this host, for the profiler's timed runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+
+@contextlib.contextmanager
+def running(command: list[str], env: dict[str, str] | None = None, poll_s: float = 0.25):
+    """`shoal COMMAND` on a free port, ready: its URL and process; stopped at the exit."""
+    from shoal.fleet.control.launchers.local import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", *command, "--port", str(port)],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, proc, poll_s=poll_s)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def wait_for(url: str, proc: subprocess.Popen, timeout: float = 300, poll_s: float = 0.25) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shoal serve exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"shoal serve was not ready within {timeout:.0f} s")
