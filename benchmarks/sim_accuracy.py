@@ -11,6 +11,14 @@ pause; two replicas (one core each) behind the kv_aware gateway; a prefill and a
 (one core each), every prompt handed over; a pool of one to two replicas (one core each)
 autoscaled through a burst, its replica-seconds sampled from the gateway's /replicas. With
 `--device cuda`: one replica on the GPU, at a Poisson rate and with 64 clients.
+
+This shared host's speed drifts by 10-20 % over minutes, and a fleet near its capacity turns a
+few per cent of speed into tens of per cent of queueing: the same P/D fleet under the same
+arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So before each real
+run a speed probe (shoal/sim/speed_probe.py: a fixed run of steps on a fresh engine) times the
+host against the same probe right after the profile's steps, and the simulator predicts from the
+profile rescaled by that (`--no-rescale`: as taken); and `--repeats N` runs each real fleet N
+times and compares the simulator with their median, each run beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import functools
 import itertools
 import math
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +46,7 @@ from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profiler import ProfileConfig, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
+from shoal.sim.speed_probe import probe_seconds
 from shoal.sim.workload import SimRequest, tokens
 
 
@@ -248,6 +258,17 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one replica on the GPU")
     ap.add_argument("--model", default=None, help="with --device cuda: the checkpoint it serves")
     ap.add_argument("--save", default=None, metavar="DIR", help="keep each profile and its timed steps here")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each real fleet this often, back to back; compare with their median (each run beside it)",
+    )
+    ap.add_argument(
+        "--no-rescale",
+        action="store_true",
+        help="predict from the profile as taken, not rescaled by the speed probe run before each real run",
+    )
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if gpu and not args.model:
@@ -267,14 +288,28 @@ def main() -> None:
         profiles[threads] = measure(cfg)
         print(profiles[threads].describe())
         print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
-    print(f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}")
+    ranged = args.repeats > 1
+    head = f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}"
+    print(head + (f"   {'measured, each run':<24}" if ranged else ""))
     for row in rows:
-        real = figures(run_real(row, setup), row)
-        sim = figures(run_sim(row, profiles[row.threads], setup), row)
-        apart = figures(run_sim(row, profiles[row.threads], setup, True), row) if args.also_unshared else None
+        runs, speeds = [], []
+        for _ in range(args.repeats):
+            if not args.no_rescale:  # the host's speed right before the run, against the profile's
+                options = {**setup.engine, "num_threads": row.threads}
+                speeds.append(probe_seconds(options) / profiles[row.threads].probe_s)
+            runs.append(figures(run_real(row, setup), row))
+        real = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        profile = profiles[row.threads].at_speed(statistics.mean(speeds)) if speeds else profiles[row.threads]
+        if speeds:
+            ran = ", x".join(f"{v:.3f}" for v in speeds)
+            print(f"{row.name}: the host ran x{ran} the profile's step times")
+        sim = figures(run_sim(row, profile, setup), row)
+        apart = figures(run_sim(row, profile, setup, True), row) if args.also_unshared else None
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             line = f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%"
+            if ranged:
+                line += "   " + ", ".join(f"{r[k]:.1f}" for r in runs)
             if apart is not None:
                 line += f"   (cores not shared: {apart[k]:.1f}, {100 * (apart[k] - real[k]) / real[k]:+.1f}%)"
             print(line)

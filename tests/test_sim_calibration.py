@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
-from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_profile
+from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, StepShape, made_up_profile
 from shoal.sim.profiler import (
     ProfileConfig,
     calibration_requests,
@@ -20,6 +23,7 @@ from shoal.sim.profiler import (
     server_start_seconds,
 )
 from shoal.sim.replica import ReplicaShape
+from shoal.sim.speed_probe import probe_seconds
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.server_helpers import start_server
 
@@ -187,3 +191,27 @@ def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
         rounds += [_errors(_node_profile(kv_transfer=False)) for _ in range(4)]
     median = {k: float(np.median([r[k][2] for r in rounds])) for k in rounds[0]}
     assert not _misses(median), rounds
+
+
+def test_the_speed_probe_sees_a_slower_host_and_rescales_a_profile_by_it(node_profile):
+    """The profile keeps its speed probe's time; the same probe later, with every core of this host
+    also running a busy loop, takes longer, and the profile rescaled by the ratio prices every
+    step that much higher, leaving what serving adds per request and the handoffs as measured."""
+    assert node_profile.probe_s > 0 and "speed probe :" in node_profile.describe()
+    options = {**ENGINE, "num_threads": 1}
+    alone = probe_seconds(options)
+    spin = [sys.executable, "-c", "while True: pass"]
+    hogs = [subprocess.Popen(spin) for _ in range(len(host_cpus()))]
+    try:
+        crowded = probe_seconds(options)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert crowded > 1.3 * alone
+    slow = node_profile.at_speed(crowded / alone)
+    one = StepShape()
+    one.add_row(256, 0)
+    for shape in (one, StepShape(4, 4, 1024, 1024)):
+        assert slow.step_seconds(shape) == pytest.approx(crowded / alone * node_profile.step_seconds(shape))
+    assert slow.serving == node_profile.serving and slow.kv_transfer == node_profile.kv_transfer

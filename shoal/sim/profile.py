@@ -4,6 +4,7 @@ simulator and the planner read it."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -185,6 +186,9 @@ class NodeProfile:
     # calibrated through a gateway, also the CPU its front spends a token and the host's cores.
     serving: dict[str, float] = field(default_factory=dict)
     measured_at: str = ""
+    # The speed probe's seconds on a fresh engine right after the steps above were timed
+    # (speed_probe.py): the reference against which the host's speed later is measured.
+    probe_s: float | None = None
 
     def kv_transfer_seconds(self, tokens: int, transport: str = "shm") -> float | None:
         """What handing `tokens` tokens' K/V to a decode worker takes (None: not measured)."""
@@ -206,6 +210,15 @@ class NodeProfile:
 
     def step_seconds(self, shape: StepShape) -> float:
         return (self.decode if shape.decode_only else self.mixed).seconds(shape)
+
+    def at_speed(self, factor: float) -> NodeProfile:
+        """This profile on a host `factor` times as slow as when it was profiled (the speed probe's
+        seconds now over then): every step costs that much more; what serving adds per request,
+        the handoffs and the start-up are left as measured."""
+        out = copy.deepcopy(self)
+        for cost in (out.decode, out.mixed):
+            cost.coef = [c * factor for c in cost.coef]
+        return out
 
     @property
     def kv_tokens(self) -> int:
@@ -244,6 +257,8 @@ class NodeProfile:
                 f"{name:<12}: {terms}  ({cost.samples} {unit}, error p50 {100 * cost.error_p50:.1f} %, "
                 f"p90 {100 * cost.error_p90:.1f} %)"
             )
+        if self.probe_s is not None:
+            lines.append(f"speed probe : {self.probe_s:.2f} s (a fixed run of steps: this host's speed then)")
         if self.startup_s:
             lines.append("start-up    : " + ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
         if self.serving:

@@ -21,6 +21,7 @@ from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.servers import running
+from shoal.sim.speed_probe import probe_seconds
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
 
@@ -68,6 +69,7 @@ class ProfileConfig:
     # to a puller, over shared memory and over TCP (prompts of these lengths, each thrice).
     kv_transfer_lengths: tuple[int, ...] = (64, 256, 1024)
     seed: int = 0
+    speed_probe: bool = True  # time the speed probe (speed_probe.py) right after the steps
     # Where to save the profile after each stage, so a stage that fails (a server that does not
     # start, a lease that ends) leaves the stages before it on disk.
     save_to: str | None = None
@@ -205,6 +207,9 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
     finally:
         llm.shutdown()
     _save(profile, cfg)
+    if cfg.speed_probe:  # now, while the host runs at the speed the steps above were timed at
+        profile.probe_s = probe_seconds(cfg.engine_options, cfg.seed)
+        _save(profile, cfg)
     if cfg.serve_flags is not None:
         calibrate_to_server(profile, cfg)
         _save(profile, cfg)
