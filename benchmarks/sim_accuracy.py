@@ -18,7 +18,7 @@ arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So b
 run a speed probe (shoal/sim/speed_probe.py: a fixed run of steps on a fresh engine) times the
 host against the same probe right after the profile's steps, and the simulator predicts from the
 profile rescaled by that (`--no-rescale`: as taken); and `--repeats N` runs each real fleet N
-times and compares the simulator with their median, each run beside it.
+times, each predicted at its own probe's speed, and compares the medians, each run beside them.
 """
 
 from __future__ import annotations
@@ -227,8 +227,9 @@ def gpu_rows(n: int) -> list[Row]:
     ]
 
 
-def profile_config(setup: Setup, threads: int, quick: bool, gpu: bool) -> ProfileConfig:
+def profile_config(setup: Setup, threads: int, quick: bool, gpu: bool, probe: bool) -> ProfileConfig:
     cfg = ProfileConfig({**setup.engine, "num_threads": threads})  # start-up: the pool's cold starts
+    cfg.speed_probe = probe
     if quick:
         cfg.decode_batches, cfg.contexts, cfg.prompt_lengths, cfg.repeats = (
             (1, 4, 16, 32),
@@ -281,7 +282,7 @@ def main() -> None:
         Path(args.save).mkdir(parents=True, exist_ok=True)
     for threads in sorted({r.threads for r in rows}):
         t0 = time.perf_counter()
-        cfg = profile_config(setup, threads, args.quick, gpu)
+        cfg = profile_config(setup, threads, args.quick, gpu, probe=not args.no_rescale)
         if args.save:
             cfg.save_to = f"{args.save}/profile-threads{threads}.json"
             cfg.samples_to = f"{args.save}/samples-threads{threads}.jsonl"
@@ -290,26 +291,27 @@ def main() -> None:
         print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
     ranged = args.repeats > 1
     head = f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}"
-    print(head + (f"   {'measured, each run':<24}" if ranged else ""))
+    print(head + ("   measured / predicted, each run" if ranged else ""))
     for row in rows:
-        runs, speeds = [], []
+        runs, sims, speeds = [], [], []
         for _ in range(args.repeats):
+            profile = profiles[row.threads]
             if not args.no_rescale:  # the host's speed right before the run, against the profile's
                 options = {**setup.engine, "num_threads": row.threads}
-                speeds.append(probe_seconds(options) / profiles[row.threads].probe_s)
+                speeds.append(probe_seconds(options) / profile.probe_s)
+                profile = profile.at_speed(speeds[-1])
             runs.append(figures(run_real(row, setup), row))
-        real = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        profile = profiles[row.threads].at_speed(statistics.mean(speeds)) if speeds else profiles[row.threads]
+            sims.append(figures(run_sim(row, profile, setup), row))
+        real, sim = ({k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims))
         if speeds:
             ran = ", x".join(f"{v:.3f}" for v in speeds)
             print(f"{row.name}: the host ran x{ran} the profile's step times")
-        sim = figures(run_sim(row, profile, setup), row)
         apart = figures(run_sim(row, profile, setup, True), row) if args.also_unshared else None
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             line = f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%"
             if ranged:
-                line += "   " + ", ".join(f"{r[k]:.1f}" for r in runs)
+                line += "   " + ", ".join(f"{r[k]:.1f} / {p[k]:.1f}" for r, p in zip(runs, sims, strict=True))
             if apart is not None:
                 line += f"   (cores not shared: {apart[k]:.1f}, {100 * (apart[k] - real[k]) / real[k]:+.1f}%)"
             print(line)

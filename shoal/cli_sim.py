@@ -19,6 +19,7 @@ def cmd_profile(args) -> int:
     cfg = ProfileConfig(
         {"model": args.model, **engine_options(args)},
         startup=not args.no_startup,
+        speed_probe=not args.no_speed_probe,
         save_to=args.out,
         samples_to=args.samples,
     )
@@ -179,6 +180,11 @@ def add_sim_parsers(sub, wanted) -> None:
         "--samples", metavar="PATH", default=None, help="also write every timed step (JSON lines) to PATH"
     )
     p.add_argument("--no-startup", action="store_true", help="skip timing a replica's start")
+    p.add_argument(
+        "--no-speed-probe",
+        action="store_true",
+        help="skip timing the speed probe (the host's speed, to rescale the profile by later)",
+    )
     p.add_argument(
         "--no-server",
         action="store_true",

@@ -88,3 +88,26 @@ def test_the_fast_simulator_and_the_command_refuse_shared_cores(tmp_path):
     assert refused.returncode == 2 and "through-gateway" in refused.stderr
     assert "exact" in ok.stdout
     assert np.isfinite(float(ok.stdout.split("throughput")[1].split()[1]))
+
+
+def test_a_replica_starting_up_holds_its_cores_from_the_front():
+    """A pool of one to two one-thread replicas on two cores, whose second replica is asked for and
+    never ready within the run (its start takes a day): while it starts, its process holds its
+    core (imports, weights), so the front's CPU comes out of the one replica serving, as it
+    would with two computing; a pool that never asks for a second replica keeps the core free
+    for the front. Same requests, same replica serving them all."""
+    from shoal.fleet.control.autoscaler import AutoscaleConfig
+    from shoal.sim.scaling import ScalingShape
+
+    spec = WorkloadSpec(24, input_len=Lengths("fixed", 64), output_len=Lengths("fixed", 200))
+
+    def itl(max_replicas: int) -> tuple[float, list]:
+        scaling = ScalingShape(1, max_replicas, 0, AutoscaleConfig(target_inflight=4.0), start_s=86400.0)
+        shape = FleetShape(1, "round_robin", ReplicaShape(16, 2048, 0.0), scaling=scaling, shared_cores=2)
+        sim = FleetSim(_profile(), shape)
+        return sim.run(spec.requests()).summary()["itl_s"]["mean"], sim.pool.decisions
+
+    alone, decided_alone = itl(1)
+    starting, decided = itl(2)
+    assert not decided_alone and decided[0][1] == 2  # only the second pool asked for another
+    assert starting > 1.05 * alone

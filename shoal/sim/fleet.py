@@ -20,7 +20,7 @@ from shoal.protocol.block_hash import hash_blocks
 from shoal.sim.cores import SharedCores
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import ReplicaShape, SimReplica
-from shoal.sim.scaling import TICK_S, TTFT_WINDOW_S, Load, ScalingShape, SimPool
+from shoal.sim.scaling import STARTING, TICK_S, TTFT_WINDOW_S, Load, ScalingShape, SimPool
 from shoal.sim.workload import SimRequest
 
 
@@ -52,9 +52,9 @@ class FleetShape:
 
     def handoff_seconds(self, profile: NodeProfile, tokens: int) -> float:
         """From a prompt's last step on the prefill worker to its K/V at the decode worker: the
-        prefill worker's part of the handoff (its engine packs the K/V before it answers; this
-        counts its front's write too, a few ms that the pull counts again), then the pull, as the
-        profile measured both (0: not measured)."""
+        prefill worker's CPU for the handoff (its engine packs the K/V before it answers; the
+        write and the release, counted with it, are a few ms more than the way holds), then the
+        pull, as the profile measured both (0: not measured)."""
         pull = profile.kv_transfer_seconds(tokens, self.kv_transport)
         return profile.kv_handoff_cpu_seconds(tokens, "prefill") + (0.0 if pull is None else pull)
 
@@ -198,6 +198,8 @@ class FleetSim:
             if self.cores is None:
                 return 1.0
             computing = 1 + sum(r.step_ends is not None for r in self.replicas)
+            if pool is not None:  # a replica starting up holds its cores too (imports, weights)
+                computing += len(pool.with_state(STARTING))
             return self.cores.stretch(at, computing)
 
         def wake(i: int, at: float) -> None:

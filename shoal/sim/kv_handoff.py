@@ -24,13 +24,18 @@ def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def time_kv_transfer(
-    serve_flags: list[str], lengths: tuple[int, ...], max_len: int, seed: int
+    serve_flags: list[str], lengths: tuple[int, ...], max_len: int, seed: int, cpu_threads: int | None = None
 ) -> dict[str, float]:
     """What handing a prompt's K/V to a decode worker costs, by its size: a real `shoal serve
     --role prefill` of the same engine prefills prompts of several lengths, and each one's K/V is
     pulled as a decode worker pulls it, over shared memory (one host) and over TCP (across
     hosts). Returns bytes per token, and per transport a line through (MiB, seconds): the fixed
-    seconds of one handoff and the seconds per MiB."""
+    seconds of one handoff and the seconds per MiB. With `cpu_threads` (a CPU engine's threads),
+    also the prefill worker's CPU for each handoff beyond its steps, as `prefill_cpu_s(_per_mib)`:
+    its process's CPU over the prefill request, the pull and the release, less its engine's steps
+    (their forward passes on every thread, and the host work around them), which the profile's
+    step costs price. That is more than the packing and writing alone (time_handoff_cpu): the
+    requests' HTTP and the prompt's tokens are handled on the worker's cores too."""
     import httpx
 
     from shoal.engine.kv_connector.transports import transport_named
@@ -38,32 +43,73 @@ def time_kv_transfer(
 
     key, rng = secrets.token_hex(16), random.Random(seed)
     samples: dict[str, list[tuple[float, float]]] = {"shm": [], "tcp": []}
+    spent: list[tuple[float, float]] = []  # (MiB, the prefill worker's CPU beyond its steps)
     per_token = []
     prefill = ["serve", *serve_flags, "--role", "prefill"]
     with (
-        running(prefill, {KV_TRANSFER_KEY_ENV: key}) as (url, _),
+        running(prefill, {KV_TRANSFER_KEY_ENV: key}) as (url, proc),
         httpx.Client(timeout=300, headers={KV_TRANSFER_KEY_HEADER: key}) as client,
     ):
+        beyond = ServerCPU(proc.pid, url, client, cpu_threads) if cpu_threads else None
         model = client.get(url + "/v1/models").json()["data"][0]["id"]
         for n in (n for n in lengths if n < max_len):
             for _ in range(HANDOFF_REPEATS):
                 prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
                 hold = {"do_remote_decode": True}
                 body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": hold}
+                cpu = beyond.start() if beyond else None
                 answer = client.post(url + "/v1/completions", json=body).json()
                 handle = answer["kv_transfer_params"]["handle"]
-                for name, got in samples.items():
+                for name, got in samples.items():  # shm first: what a decode worker on this host pulls
                     way = transport_named(name)
                     t0 = time.perf_counter()
                     reply = client.post(url + "/kv/pull", json={"handle": handle, "transport": name})
                     packed = way.take(reply.json() if way.reply_is_json else bytearray(reply.content))
                     got.append((packed.nbytes / 2**20, time.perf_counter() - t0))
                     per_token.append(packed.nbytes / n)
+                    if cpu is not None and name == "shm":
+                        cpu = beyond.stop(cpu)
+                again = beyond.start() if beyond else None
                 client.post(url + "/kv/release", json={"handle": handle})
+                if beyond:
+                    spent.append((packed.nbytes / 2**20, cpu + beyond.stop(again)))
     out = {"bytes_per_token": float(np.median(per_token))}
     for name, got in samples.items():
         out[f"{name}_s"], out[f"{name}_s_per_mib"] = fit_line(got)
+    if spent:
+        out["prefill_cpu_s"], out["prefill_cpu_s_per_mib"] = fit_line(spent)
     return out
+
+
+class ServerCPU:
+    """A server's process CPU over a stretch, less its engine's steps (their forward passes on
+    `threads` threads, and their host work), read from its /metrics."""
+
+    def __init__(self, pid: int, url: str, client, threads: int):
+        import psutil
+
+        self.proc, self.url, self.client, self.threads = psutil.Process(pid), url, client, threads
+
+    def _cpu(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+    def _steps(self) -> float:
+        text = self.client.get(self.url + "/metrics").text
+        vals = {"forward": 0.0, "host": 0.0}
+        for line in text.splitlines():
+            for kind in vals:
+                if line.startswith(f"shoal:engine_step_{kind}_seconds_total"):
+                    vals[kind] += float(line.rsplit(" ", 1)[1])
+        return vals["forward"] * self.threads + vals["host"]
+
+    def start(self) -> tuple[float, float]:
+        steps = self._steps()  # the metrics' own request, before the stretch
+        return self._cpu(), steps
+
+    def stop(self, started: tuple[float, float]) -> float:
+        cpu = self._cpu()
+        return max(0.0, cpu - started[0] - (self._steps() - started[1]))
 
 
 def time_handoff_cpu(engine, lengths: tuple[int, ...], seed: int) -> dict[str, float]:

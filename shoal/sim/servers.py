@@ -10,16 +10,21 @@ import time
 
 
 @contextlib.contextmanager
-def running(command: list[str], env: dict[str, str] | None = None, poll_s: float = 0.25):
-    """`shoal COMMAND` on a free port, ready: its URL and process; stopped at the exit."""
+def running(
+    command: list[str], env: dict[str, str] | None = None, poll_s: float = 0.25, cpus: list[int] | None = None
+):
+    """`shoal COMMAND` on a free port, ready: its URL and process; stopped at the exit. `cpus`:
+    the cores it is pinned to (from before it execs, as a fleet's launcher pins a replica)."""
     from shoal.fleet.control.launchers.local import free_port
 
     port = free_port()
+    pin = cpus if cpus and hasattr(os, "sched_setaffinity") else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "shoal.cli", *command, "--port", str(port)],
         env={**os.environ, **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None,
     )
     url = f"http://127.0.0.1:{port}"
     try:
