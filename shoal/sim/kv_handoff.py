@@ -57,7 +57,8 @@ def time_kv_transfer(
                 prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
                 hold = {"do_remote_decode": True}
                 body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": hold}
-                cpu = beyond.start() if beyond else None
+                window = beyond.start() if beyond else None
+                served = 0.0  # the prefill worker's CPU beyond its steps, for this handoff
                 answer = client.post(url + "/v1/completions", json=body).json()
                 handle = answer["kv_transfer_params"]["handle"]
                 for name, got in samples.items():  # shm first: what a decode worker on this host pulls
@@ -67,12 +68,12 @@ def time_kv_transfer(
                     packed = way.take(reply.json() if way.reply_is_json else bytearray(reply.content))
                     got.append((packed.nbytes / 2**20, time.perf_counter() - t0))
                     per_token.append(packed.nbytes / n)
-                    if cpu is not None and name == "shm":
-                        cpu = beyond.stop(cpu)
-                again = beyond.start() if beyond else None
+                    if window is not None and name == "shm":
+                        served = beyond.stop(window)
+                window = beyond.start() if beyond else None
                 client.post(url + "/kv/release", json={"handle": handle})
                 if beyond:
-                    spent.append((packed.nbytes / 2**20, cpu + beyond.stop(again)))
+                    spent.append((packed.nbytes / 2**20, served + beyond.stop(window)))
     out = {"bytes_per_token": float(np.median(per_token))}
     for name, got in samples.items():
         out[f"{name}_s"], out[f"{name}_s_per_mib"] = fit_line(got)
@@ -118,7 +119,8 @@ def time_handoff_cpu(engine, lengths: tuple[int, ...], seed: int) -> dict[str, f
     front writes it to shared memory; the decode worker's front reads it and its engine loads it
     into the request's blocks in the step that admits it. Each pair is a line through (MiB,
     seconds), as `prefill_cpu_s(_per_mib)` and `decode_cpu_s(_per_mib)` (none: an engine whose K/V
-    does not move, a parallel one)."""
+    does not move, a parallel one). Where a prefill server is timed too (time_kv_transfer), its
+    reading of the prefill side, which holds the requests' HTTP as well, replaces this one's."""
     from shoal.engine.kv_connector.transports import transport_named
     from shoal.engine.sampling_params import SamplingParams
 
