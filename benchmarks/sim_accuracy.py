@@ -263,7 +263,7 @@ def main() -> None:
         "--repeats",
         type=int,
         default=1,
-        help="run each real fleet this often, back to back; compare with their median (each run beside it)",
+        help="run each real fleet this often, each predicted at its own speed; compare the medians",
     )
     ap.add_argument(
         "--no-rescale",

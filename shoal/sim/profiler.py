@@ -145,8 +145,8 @@ def engine_start_seconds(engine_options: dict) -> float:
 
 def server_start_seconds(serve_flags: list[str]) -> float:
     """A server's start as a fleet starts a replica of these flags: with `--threads N`, pinned to N
-    of this host's cores with that many threads (pinned to one of two cores here, a start took
-    7.9 s where it took 5.7 s free to use both: the imports and the load are not all one thread)."""
+    of this host's cores with that many threads (on one of two cores here a start took 5.9 s, and
+    7.9 s with the threads left to size themselves from the machine; 5.7 s free to use both)."""
     from shoal.fleet.control.cores import host_cpus, thread_env, threads_flag
 
     threads, cpus = threads_flag(serve_flags), host_cpus()
