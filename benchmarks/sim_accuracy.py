@@ -63,6 +63,10 @@ class Setup:
         args = build_parser("serve").parse_args(["serve", *self.flags.split()])
         return {"model": args.model, **engine_options(args)}
 
+    def engine_on(self, threads: int) -> dict:
+        """The engine's options with `threads` compute threads (a row's replicas)."""
+        return {**self.engine, "num_threads": threads}
+
 
 CPU = Setup("--max-model-len 2048 --kv-cache-memory 512MiB --max-num-seqs 32")
 
@@ -228,7 +232,7 @@ def gpu_rows(n: int) -> list[Row]:
 
 
 def profile_config(setup: Setup, threads: int, quick: bool, gpu: bool, probe: bool) -> ProfileConfig:
-    cfg = ProfileConfig({**setup.engine, "num_threads": threads})  # start-up: the pool's cold starts
+    cfg = ProfileConfig(setup.engine_on(threads))  # start-up: the pool's cold starts
     cfg.speed_probe = probe
     if quick:
         cfg.decode_batches, cfg.contexts, cfg.prompt_lengths, cfg.repeats = (
@@ -297,8 +301,7 @@ def main() -> None:
         for _ in range(args.repeats):
             profile = profiles[row.threads]
             if not args.no_rescale:  # the host's speed right before the run, against the profile's
-                options = {**setup.engine, "num_threads": row.threads}
-                speeds.append(probe_seconds(options) / profile.probe_s)
+                speeds.append(probe_seconds(setup.engine_on(row.threads)) / profile.probe_s)
                 profile = profile.at_speed(speeds[-1])
             runs.append(figures(run_real(row, setup), row))
             sims.append(figures(run_sim(row, profile, setup), row))

@@ -96,13 +96,16 @@ class ServerCPU:
         return t.user + t.system
 
     def _steps(self) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = self.client.get(self.url + "/metrics").text
-        vals = {"forward": 0.0, "host": 0.0}
-        for line in text.splitlines():
-            for kind in vals:
-                if line.startswith(f"shoal:engine_step_{kind}_seconds_total"):
-                    vals[kind] += float(line.rsplit(" ", 1)[1])
-        return vals["forward"] * self.threads + vals["host"]
+        seconds = {"forward": 0.0, "host": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for kind in seconds:
+                    if sample.name == f"shoal:engine_step_{kind}_seconds_total":
+                        seconds[kind] += sample.value
+        return seconds["forward"] * self.threads + seconds["host"]
 
     def start(self) -> tuple[float, float]:
         steps = self._steps()  # the metrics' own request, before the stretch

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,7 +17,7 @@ from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.servers import running
+from shoal.sim.servers import in_fresh_engine, running
 from shoal.sim.speed_probe import probe_seconds
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
@@ -133,13 +130,8 @@ def time_startup(cfg: ProfileConfig) -> dict[str, float]:
 
 
 def engine_start_seconds(engine_options: dict) -> float:
-    code = "import json, sys; from shoal.llm import LLM; LLM(**json.loads(sys.argv[1]))"
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(engine_options)], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the engine did not start: {proc.stderr.strip()[-400:]}")
+    in_fresh_engine("", engine_options)
     return time.perf_counter() - t0
 
 

@@ -1,8 +1,10 @@
-"""A `shoal` server process on a free port of this host, for the profiler's timed runs."""
+"""Processes of this host for the profiler's timed runs: a `shoal` server on a free port, and an
+engine in a fresh interpreter."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +51,18 @@ def wait_for(url: str, proc: subprocess.Popen, timeout: float = 300, poll_s: flo
             pass
         time.sleep(poll_s)
     raise RuntimeError(f"shoal serve was not ready within {timeout:.0f} s")
+
+
+def in_fresh_engine(then: str, engine_options: dict, *args: str) -> str:
+    """Builds `llm = LLM(**engine_options)` in a new interpreter and runs the code `then` after it
+    (its sys.argv[2:] are `args`); returns what it printed."""
+    code = f"import json, sys; from shoal.llm import LLM; llm = LLM(**json.loads(sys.argv[1])); {then}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(engine_options), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the engine in a fresh process failed: {proc.stderr.strip()[-400:]}")
+    return proc.stdout

@@ -6,10 +6,9 @@ fresh engine in its own process, timed whole, the same way both times."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
+
+from shoal.sim.servers import in_fresh_engine
 
 PROBE_PROMPT = 512  # tokens of each lone prompt (less where the context is shorter)
 PROBE_ROWS, PROBE_STEPS = 4, 16  # then this many 128-token requests decode this many tokens
@@ -36,17 +35,5 @@ def run_probe(engine, seed: int = 0) -> float:
 
 def probe_seconds(engine_options: dict, seed: int = 0) -> float:
     """run_probe on a fresh engine of these options (LLM(**options)), in a process of its own."""
-    code = (
-        "import json, sys; from shoal.llm import LLM; from shoal.sim.speed_probe import run_probe; "
-        "llm = LLM(**json.loads(sys.argv[1])); print(run_probe(llm.engine, int(sys.argv[2]))); "
-        "llm.shutdown()"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(engine_options), str(seed)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the speed probe's engine failed: {proc.stderr.strip()[-400:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    then = "from shoal.sim.speed_probe import run_probe; print(run_probe(llm.engine, int(sys.argv[2])))"
+    return float(in_fresh_engine(f"{then}; llm.shutdown()", engine_options, str(seed)).split()[-1])
