@@ -183,7 +183,8 @@ def add_sim_parsers(sub, wanted) -> None:
     p.add_argument(
         "--no-speed-probe",
         action="store_true",
-        help="skip timing the speed probe (the host's speed, to rescale the profile by later)",
+        help="skip pricing the speed probe (the host's speed, to rescale the profile by later) and "
+        "probing the host before the serving calibration",
     )
     p.add_argument(
         "--no-server",

@@ -23,7 +23,7 @@ from shoal.sim.profiler import (
     server_start_seconds,
 )
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.speed_probe import probe_seconds
+from shoal.sim.speed_probe import host_speed, probe_seconds
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.server_helpers import start_server
 
@@ -99,6 +99,25 @@ def test_served_prompts_are_never_priced_under_the_bare_ones():
     assert bare.mixed.coef[2] == made_up_profile().mixed.coef[2]
 
 
+def test_a_host_that_ran_the_served_runs_slower_is_not_taken_for_serving():
+    """The served runs came from a host 15 % slower than when the bare steps were timed, and the
+    speed probe right before them said so: set against the bare steps at that speed, they give
+    back what serving adds (30 ms a request, nothing a step or a row) and the bare step costs,
+    where without the probe the host's drift came out as 2-4 ms a step of serving."""
+    bare = made_up_profile()
+    slow = bare.at_speed(1.15)
+    drifted = copy.deepcopy(bare)
+    fold_serving(drifted, *calibration_runs(slow))
+    assert drifted.serving["per_step_s"] + 16 * drifted.serving["per_row_s"] > 0.002
+    fold_serving(bare, *calibration_runs(slow), speed=1.15)
+    assert bare.serving["per_request_s"] == pytest.approx(0.03, rel=0.01)
+    assert bare.serving["per_step_s"] == pytest.approx(0.0, abs=1e-4)
+    assert bare.serving["per_row_s"] == pytest.approx(0.0, abs=1e-5)
+    assert bare.serving["prompt_scale"] == pytest.approx(1.0) and bare.serving["speed"] == 1.15
+    assert bare.decode.coef == pytest.approx(made_up_profile().decode.coef, rel=0.01)
+    assert bare.mixed.coef == pytest.approx(made_up_profile().mixed.coef, rel=0.01)
+
+
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)
 SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16"]
 
@@ -148,7 +167,9 @@ def _node_profile(kv_transfer: bool = True) -> NodeProfile:
 
 
 def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
-    """The real server's figures and the simulator's from `profile`: (measured, predicted, error)."""
+    """The real server's figures and the simulator's from `profile` at the host's speed over the
+    run (the speed probe right before and right after it): (measured, predicted, error)."""
+    before = host_speed(profile, ENGINE)
     server = start_server(*SERVE_FLAGS)
     try:
         measured = run_serve_bench(
@@ -158,6 +179,7 @@ def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
         )
     finally:
         server.stop()
+    profile = profile.at_speed((before + host_speed(profile, ENGINE)) / 2)
     spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
     predicted = FleetSim(profile, shape).run(spec.requests()).summary()
@@ -177,9 +199,10 @@ def _misses(errors: dict[str, float]) -> dict[str, str]:
 
 def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
     """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
-    the same workload simulated from the node's profile. This machine is shared, and its speed
-    moves by 10-20 % between a profile and a run a minute later, either way (the server alone
-    measured 158 to 231 tokens/s in rounds back to back). Five rounds, each from a fresh profile:
+    the same workload simulated from the node's profile at the host's speed over the run (a speed
+    probe right before and right after it). This machine is shared, and its speed moves by 10-20 %
+    between a profile and a run a minute later, either way (the server alone measured 158 to 231
+    tokens/s in rounds back to back). Five rounds, each from a fresh profile, before the probe:
     throughput -7.5, -4.8, +3.7, +2.5, -2.4 %; TTFT p50 +2.5, +2.6, -6.8, -4.3, -3.1 %; mean ITL
     +18, +11, 0, -5.3, +10 % (before the calibration priced a served prompt's tokens, TTFT p50 was
     +34, +11, +12, +31, -19 %). So a round that misses is followed by four more, each from a fresh

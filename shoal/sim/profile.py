@@ -186,9 +186,11 @@ class NodeProfile:
     # calibrated through a gateway, also the CPU its front spends a token and the host's cores.
     serving: dict[str, float] = field(default_factory=dict)
     measured_at: str = ""
-    # The speed probe's seconds on a fresh engine right after the steps above were timed
-    # (speed_probe.py): the reference against which the host's speed later is measured.
+    # The speed probe's steps (speed_probe.py) as the bare step costs above price them: the
+    # reference against which the host's speed is measured later; and what they took right after
+    # the steps above were timed (the fit's error on them, and that moment's speed).
     probe_s: float | None = None
+    probe_timed_s: float | None = None
 
     def kv_transfer_seconds(self, tokens: int, transport: str = "shm") -> float | None:
         """What handing `tokens` tokens' K/V to a decode worker takes (None: not measured)."""
@@ -212,9 +214,9 @@ class NodeProfile:
         return (self.decode if shape.decode_only else self.mixed).seconds(shape)
 
     def at_speed(self, factor: float) -> NodeProfile:
-        """This profile on a host `factor` times as slow as when it was profiled (the speed probe's
-        seconds now over then): every step costs that much more; what serving adds per request,
-        the handoffs and the start-up are left as measured."""
+        """This profile on a host `factor` times as slow as its steps were timed (the speed probe's
+        seconds now over their price, speed_probe.host_speed): every step costs that much more;
+        what serving adds per request, the handoffs and the start-up are left as measured."""
         out = copy.deepcopy(self)
         for cost in (out.decode, out.mixed):
             cost.coef = [c * factor for c in cost.coef]
@@ -258,7 +260,8 @@ class NodeProfile:
                 f"p90 {100 * cost.error_p90:.1f} %)"
             )
         if self.probe_s is not None:
-            lines.append(f"speed probe : {self.probe_s:.2f} s (a fixed run of steps: this host's speed then)")
+            timed = f", took {self.probe_timed_s:.2f} s right after" if self.probe_timed_s else ""
+            lines.append(f"speed probe : {self.probe_s:.2f} s by the bare steps{timed} (a fixed run)")
         if self.startup_s:
             lines.append("start-up    : " + ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
         if self.serving:

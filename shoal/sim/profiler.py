@@ -18,7 +18,7 @@ from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.servers import in_fresh_engine, running
-from shoal.sim.speed_probe import probe_seconds
+from shoal.sim.speed_probe import host_speed, price_probe
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
 
@@ -66,7 +66,9 @@ class ProfileConfig:
     # to a puller, over shared memory and over TCP (prompts of these lengths, each thrice).
     kv_transfer_lengths: tuple[int, ...] = (64, 256, 1024)
     seed: int = 0
-    speed_probe: bool = True  # time the speed probe (speed_probe.py) right after the steps
+    # Price the speed probe (speed_probe.py) by the fitted steps, and probe the host before the
+    # serving calibration (its runs are then set against the bare steps at the host's speed then).
+    speed_probe: bool = True
     # Where to save the profile after each stage, so a stage that fails (a server that does not
     # start, a lease that ends) leaves the stages before it on disk.
     save_to: str | None = None
@@ -204,14 +206,14 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
             kv_transfer=handoff_cpu,
             measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
+        if cfg.speed_probe:
+            profile.probe_s, profile.probe_timed_s = price_probe(profile, engine)
     finally:
         llm.shutdown()
     _save(profile, cfg)
-    if cfg.speed_probe:  # now, while the host runs at the speed the steps above were timed at
-        profile.probe_s = probe_seconds(cfg.engine_options, cfg.seed)
-        _save(profile, cfg)
     if cfg.serve_flags is not None:
-        calibrate_to_server(profile, cfg)
+        # The served runs against the bare steps at the host's speed when they run.
+        calibrate_to_server(profile, cfg, host_speed(profile, cfg.engine_options) if cfg.speed_probe else 1.0)
         _save(profile, cfg)
         if cfg.kv_transfer_lengths:
             lengths, max_len = cfg.kv_transfer_lengths, profile.max_model_len
@@ -233,7 +235,7 @@ def _save(profile: NodeProfile, cfg: ProfileConfig) -> None:
         profile.save(cfg.save_to)
 
 
-def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
+def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float = 1.0) -> None:
     """Streams batches of requests through a real `shoal serve` of the same engine (or a gateway
     in front of one) and compares their inter-token times with the same runs simulated from the
     bare profile (fold_serving): the difference, per step and per row, is what serving adds
@@ -273,7 +275,7 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig) -> None:
         longest = min(max(cfg.prompt_lengths, default=prompt), profile.max_num_batched_tokens)
         long_len = min(LONG_PROMPT_TIMES * prompt, longest, profile.max_model_len - 8)
         long_prompt = (long_len, run(1, 4, long_len, 2, seed=LONG_PROMPT_SEED)) if long_len > prompt else None
-    fold_serving(profile, measured, prompt, steps, long_prompt)
+    fold_serving(profile, measured, prompt, steps, long_prompt, speed)
     if front_cpu_s is not None:
         from shoal.fleet.control.cores import host_cpus
 
@@ -312,11 +314,30 @@ def fold_serving(
     prompt: int,
     steps: int,
     long_prompt: tuple[int, dict] | None = None,
+    speed: float = 1.0,
 ) -> None:
     """Folds what serving adds into `profile`, from `shoal bench serve` summaries of runs of
     calibration_requests(b) requests (`prompt` tokens in, `steps` out), b at a time: [(b, summary)],
     b ascending; and `long_prompt`: (its length, a run of lone prompts that long), priced against
-    the one-client run's prompts (without a one-client run, served prompts keep the bare price)."""
+    the one-client run's prompts (without a one-client run, served prompts keep the bare price).
+    `speed`: how many times as slow as the bare steps were timed the host ran the served ones (a
+    speed probe right before them): they are set against the bare steps at that speed, so that the
+    host drifting between the two is not taken for serving, and folded in at the bare steps' speed."""
+    at = profile.at_speed(speed)
+    _fold_serving(at, measured, prompt, steps, long_prompt)
+    for mine, served in ((profile.decode, at.decode), (profile.mixed, at.mixed)):
+        mine.coef = [c / speed for c in served.coef]
+    added = {k: at.serving[k] / speed for k in ("per_step_s", "per_row_s")}
+    profile.serving = {**at.serving, **added, "speed": speed}
+
+
+def _fold_serving(
+    profile: NodeProfile,
+    measured: list[tuple[int, dict]],
+    prompt: int,
+    steps: int,
+    long_prompt: tuple[int, dict] | None,
+) -> None:
     scale = 1.0
     if long_prompt is not None and measured[0][0] == 1:
         scale = _prompt_scale(profile, (prompt, measured[0][1]), long_prompt)

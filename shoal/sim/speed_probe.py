@@ -1,39 +1,61 @@
-"""How fast this host runs the profiled engine now, against when it was profiled. A shared host's
-speed drifts by 10-20 % over minutes (noisy neighbours), and a fleet near its capacity turns that
-into tens of per cent of queueing; a profile is rescaled to the host as it is before a run that it
-predicts. The probe is a fixed run of steps (prompts alone, then a small batch decoding) on a
-fresh engine in its own process, timed whole, the same way both times."""
+"""How fast this host runs the profiled engine now, against the profile's own step costs. A shared
+host's speed drifts by 10-20 % over minutes (noisy neighbours), and a fleet near its capacity turns
+that into tens of per cent of queueing; a profile is rescaled to the host as it is before a run
+that it predicts. The probe is a fixed run of steps (prompts alone, then a small batch decoding) on
+a fresh engine in its own process. Its reference is what the profile's fitted steps price those
+same steps at: the fit spans every timed step, where one probe right after them caught a moment
+(here 10 % faster than the fit priced the probe's steps, so a later probe at the fit's speed read
+as a host 9 % slow)."""
 
 from __future__ import annotations
 
-import time
-
+from shoal.sim.profile import NodeProfile, StepShape
 from shoal.sim.servers import in_fresh_engine
 
 PROBE_PROMPT = 512  # tokens of each lone prompt (less where the context is shorter)
 PROBE_ROWS, PROBE_STEPS = 4, 16  # then this many 128-token requests decode this many tokens
 PROBE_ROUNDS = 2
+# The seed of a probe on an engine that ran the profile's steps: prompts of their own, so that none
+# hits a prefix the profile's left in the cache (a probe's steps are then those of a fresh engine).
+IN_PROFILE_SEED = 7919
 
 
-def run_probe(engine, seed: int = 0) -> float:
-    """Seconds this engine takes for the probe's steps (after one warm-up request)."""
+def run_probe(engine, seed: int = 0) -> list[tuple[StepShape, float]]:
+    """The probe's steps on this engine, each timed (after one warm-up request)."""
     from shoal.sim.step_samples import StepRecorder
 
     rec = StepRecorder(engine, seed)
     rec.add(64, 4)
     rec.run(record=False)
     prompt = min(PROBE_PROMPT, engine.max_model_len - PROBE_STEPS - 1)
-    t0 = time.perf_counter()
     for _ in range(PROBE_ROUNDS):
         rec.add(prompt, 1)
-        rec.run(record=False)
+        rec.run()
         for _ in range(PROBE_ROWS):
             rec.add(128, PROBE_STEPS)
-        rec.run(record=False)
-    return time.perf_counter() - t0
+        rec.run()
+    return rec.samples
 
 
 def probe_seconds(engine_options: dict, seed: int = 0) -> float:
-    """run_probe on a fresh engine of these options (LLM(**options)), in a process of its own."""
-    then = "from shoal.sim.speed_probe import run_probe; print(run_probe(llm.engine, int(sys.argv[2])))"
+    """The seconds of run_probe's steps on a fresh engine of these options (LLM(**options)), in a
+    process of its own."""
+    then = (
+        "from shoal.sim.speed_probe import run_probe; "
+        "print(sum(t for _, t in run_probe(llm.engine, int(sys.argv[2]))))"
+    )
     return float(in_fresh_engine(f"{then}; llm.shutdown()", engine_options, str(seed)).split()[-1])
+
+
+def price_probe(profile: NodeProfile, engine) -> tuple[float, float]:
+    """What `profile`'s step costs price the probe's steps at (the reference of probe_seconds), and
+    what they took on `engine`, the engine those costs were fitted on, right then."""
+    steps = run_probe(engine, IN_PROFILE_SEED)
+    return sum(profile.step_seconds(s) for s, _ in steps), sum(t for _, t in steps)
+
+
+def host_speed(profile: NodeProfile, engine_options: dict) -> float:
+    """How many times as slow as its profile's steps this host runs the engine now (a probe)."""
+    if profile.probe_s is None:
+        raise ValueError("this profile has no speed probe: take it without --no-speed-probe")
+    return probe_seconds(engine_options) / profile.probe_s
