@@ -4,6 +4,7 @@ benchmarks' config dataclasses."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from shoal.cli_flags import Flag, FlagSet, add_flags, build
 from shoal.cli_options import add_engine_args, engine_options
@@ -45,6 +46,14 @@ def serve_bench_flag_set() -> FlagSet:
             Flag("num_requests"),
             Flag("input_len"),
             Flag("output_len"),
+            Flag(
+                "input_len_range",
+                nargs=2,
+                parse=int,
+                metavar=("MIN", "MAX"),
+                help="each prompt's tokens drawn uniformly from MIN to MAX (instead of --input-len)",
+            ),
+            Flag("output_len_range", nargs=2, parse=int, metavar=("MIN", "MAX"), help="as --input-len-range"),
             Flag("dataset", help="JSON or JSONL of conversations"),
             Flag("request_rate", help="Poisson arrivals per second"),
             Flag(
@@ -106,7 +115,12 @@ def cmd_bench_offline(args) -> int:
 def cmd_bench_serve(args) -> int:
     from shoal.bench.serve import run_serve_bench
 
-    summary = run_serve_bench(_endpoint(build(args, serve_bench_flag_set())))
+    try:
+        cfg = build(args, serve_bench_flag_set())
+    except ValueError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
+    summary = run_serve_bench(_endpoint(cfg))
     return 0 if summary["completed"] else 1
 
 

@@ -448,6 +448,33 @@ def test_bench_serve_against_the_server(server, model, tmp_path, bundled):
     assert all(abs(a - b) < 0.1 for a, b in zip(sent, schedule, strict=True)), (sent, schedule)
 
 
+def test_bench_serve_draws_lengths_from_ranges(server, bundled, tmp_path):
+    """Each request's prompt and output tokens drawn from their ranges, the same draws that
+    request_lengths gives a simulator of the run; the server streams each its own length."""
+    from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+    from shoal.bench.workload import request_lengths, synthetic
+
+    cfg = ServeBenchConfig(
+        base_url=server.url,
+        num_requests=8,
+        max_concurrency=4,
+        input_len_range=(4, 40),
+        output_len_range=(1, 9),
+        seed=11,
+        json_path=str(tmp_path / "ranges.json"),
+    )
+    assert run_serve_bench(cfg)["completed"] == 8
+    drawn = request_lengths(8, cfg.input_len, cfg.output_len, 11, (4, 40), (1, 9))
+    assert len({n for n, _ in drawn}) > 1 and len({m for _, m in drawn}) > 1
+    records = json.loads((tmp_path / "ranges.json").read_text())["records"]
+    assert [r["output_tokens"] for r in records] == [m for _, m in drawn]
+    prompts = synthetic(bundled.tokenizer, 8, cfg.input_len, cfg.output_len, 11, False, (4, 40), (1, 9))
+    assert [len(bundled.tokenizer.encode(p.prompt)) for p in prompts] == [n for n, _ in drawn]
+    for bad in ((5, 2), (0, 3)):
+        with pytest.raises(ValueError, match="1 <= MIN <= MAX"):
+            ServeBenchConfig(output_len_range=bad)
+
+
 def test_kv_events_feed_for_routers(server, model, bundled):
     from shoal.protocol.block_hash import hash_blocks
 

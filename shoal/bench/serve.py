@@ -16,7 +16,7 @@ import httpx
 
 from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.report import RequestRecord, format_summary, plot, summarize
-from shoal.bench.workload import BenchRequest, from_dataset, synthetic
+from shoal.bench.workload import BenchRequest, check_length_range, from_dataset, synthetic
 from shoal.models.checkpoint import load_tokenizer
 
 
@@ -31,6 +31,10 @@ class ServeBenchConfig:
     num_requests: int = 64
     input_len: int = 32
     output_len: int = 128
+    # Synthetic lengths drawn uniformly between these (both in) instead of the fixed ones: requests
+    # of one length from a capped set of clients start and end in lockstep cohorts.
+    input_len_range: tuple[int, int] | None = None
+    output_len_range: tuple[int, int] | None = None
     dataset: str | None = None
     request_rate: float = math.inf  # Poisson arrivals per second; inf sends all at once
     # Spells of a higher rate (seconds from the first send, and the rate's multiple): the sends
@@ -45,6 +49,10 @@ class ServeBenchConfig:
     timeout_s: float = 600.0
     json_path: str | None = None
     plot_path: str | None = None
+
+    def __post_init__(self):
+        check_length_range("input", self.input_len_range)
+        check_length_range("output", self.output_len_range)
 
 
 def _payload(cfg: ServeBenchConfig, model: str, req: BenchRequest) -> tuple[str, dict]:
@@ -119,7 +127,16 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict:
     if cfg.dataset:
         requests = from_dataset(cfg.dataset, tok, cfg.num_requests, cfg.output_len, cfg.seed, chat)
     else:
-        requests = synthetic(tok, cfg.num_requests, cfg.input_len, cfg.output_len, cfg.seed, chat)
+        requests = synthetic(
+            tok,
+            cfg.num_requests,
+            cfg.input_len,
+            cfg.output_len,
+            cfg.seed,
+            chat,
+            cfg.input_len_range,
+            cfg.output_len_range,
+        )
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(
         max_connections=cfg.max_concurrency or len(requests), max_keepalive_connections=None

@@ -41,15 +41,50 @@ def exact_length_text(tok: Tokenizer, n: int, rng: random.Random) -> str:
     raise RuntimeError(f"could not build a prompt of exactly {n} tokens")
 
 
+def check_length_range(name: str, bounds: tuple[int, int] | None) -> None:
+    if bounds is not None and not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"{name} length range {tuple(bounds)}: give MIN and MAX with 1 <= MIN <= MAX")
+
+
+def request_lengths(
+    num: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    input_range: tuple[int, int] | None = None,
+    output_range: tuple[int, int] | None = None,
+) -> list[tuple[int, int]]:
+    """Each synthetic request's (prompt, output) tokens: the fixed lengths, or drawn uniformly from
+    the ranges (both ends in) by a generator of their own, so that a simulator of the same run can
+    draw the same lengths without building the prompts."""
+    check_length_range("input", input_range)
+    check_length_range("output", output_range)
+    rng = random.Random(f"lengths-{seed}")
+    return [
+        (
+            rng.randint(*input_range) if input_range else input_len,
+            rng.randint(*output_range) if output_range else output_len,
+        )
+        for _ in range(num)
+    ]
+
+
 def synthetic(
-    tok: Tokenizer, num: int, input_len: int, output_len: int, seed: int, chat: bool
+    tok: Tokenizer,
+    num: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    chat: bool,
+    input_range: tuple[int, int] | None = None,
+    output_range: tuple[int, int] | None = None,
 ) -> list[BenchRequest]:
     rng = random.Random(seed)
     out = []
-    for _ in range(num):
-        text = exact_length_text(tok, input_len, rng)
+    for n_in, n_out in request_lengths(num, input_len, output_len, seed, input_range, output_range):
+        text = exact_length_text(tok, n_in, rng)
         messages = [{"role": "user", "content": text}] if chat else None
-        out.append(BenchRequest(text, messages, input_len, output_len))
+        out.append(BenchRequest(text, messages, n_in, n_out))
     return out
 
 
