@@ -14,11 +14,12 @@ autoscaled through a burst, its replica-seconds sampled from the gateway's /repl
 
 This shared host's speed drifts by 10-20 % over minutes, and a fleet near its capacity turns a
 few per cent of speed into tens of per cent of queueing: the same P/D fleet under the same
-arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So before each real
-run a speed probe (shoal/sim/speed_probe.py: a fixed run of steps on a fresh engine) times the
-host against the same probe right after the profile's steps, and the simulator predicts from the
-profile rescaled by that (`--no-rescale`: as taken); and `--repeats N` runs each real fleet N
-times, each predicted at its own probe's speed, and compares the medians, each run beside them.
+arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So right before and
+right after each real run a speed probe (shoal/sim/speed_probe.py: a fixed run of steps on a fresh
+engine) times the host against what the profile's steps price the same steps at, and the
+simulator predicts from the profile rescaled by the mean of the two (`--no-rescale`: as taken);
+and `--repeats N` runs each real fleet N times, each predicted at its own speed, and compares the
+medians, each run beside them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import httpx
 
 from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.bench.workload import request_lengths
 from shoal.cli import build_parser
 from shoal.cli_options import engine_options
 from shoal.fleet.control.autoscaler import AutoscaleConfig
@@ -46,7 +48,7 @@ from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profiler import ProfileConfig, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
-from shoal.sim.speed_probe import probe_seconds
+from shoal.sim.speed_probe import host_speed
 from shoal.sim.workload import SimRequest, tokens
 
 
@@ -93,6 +95,11 @@ class Row:
     decode: int = 0
     pool: tuple[int, int] | None = None  # an autoscaled pool between these, instead of `replicas`
     bursts: tuple[Burst, ...] = ()
+    output_range: tuple[int, int] | None = None  # each request's output drawn from this, not fixed
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """Each request's prompt and output tokens, as `shoal bench serve` draws them (its seed 1)."""
+        return request_lengths(self.num_requests, self.input_len, self.output_len, 1, None, self.output_range)
 
 
 # The pool's autoscaler, as the real fleet is told (flags) and as the simulator runs it.
@@ -130,6 +137,7 @@ def run_real(row: Row, setup: Setup) -> dict:
             num_requests=row.num_requests,
             input_len=row.input_len,
             output_len=row.output_len,
+            output_len_range=row.output_range,
             request_rate=row.rate,
             bursts=row.bursts,
             max_concurrency=row.concurrency,
@@ -179,9 +187,10 @@ class ReplicaSampler:
 
 def run_sim(row: Row, profile, setup: Setup, unshared: bool = False) -> dict:
     rng = random.Random(7)
+    arrivals = bench_arrivals(row.num_requests, row.rate, 1, row.bursts)
     reqs = [
-        SimRequest(f"r{i}", at, tokens(rng, row.input_len), row.output_len)
-        for i, at in enumerate(bench_arrivals(row.num_requests, row.rate, 1, row.bursts))
+        SimRequest(f"r{i}", at, tokens(rng, prompt), output)
+        for i, (at, (prompt, output)) in enumerate(zip(arrivals, row.lengths(), strict=True))
     ]
     shape = FleetShape(
         row.replicas,
@@ -214,7 +223,10 @@ def figures(s: dict, row: Row) -> dict[str, float]:
 def cpu_rows(n: int) -> list[Row]:
     return [
         Row("one replica, Poisson 1.5 req/s", 1, 2, 1.5, None, n),
-        Row("one replica, 16 clients", 1, 2, math.inf, 16, n),
+        # Outputs of 32 to 96 tokens: 16 clients of one length start and end in lockstep cohorts,
+        # and TTFT p50 and ITL p99 then fall on a cohort's edge (ITL p99 197 and 816 ms in two real
+        # runs back to back; in a third 28 of its 2,992 gaps were over 200 ms, the simulator's 28).
+        Row("one replica, 16 clients", 1, 2, math.inf, 16, n, output_range=(32, 96)),
         Row("two replicas kv_aware, 3 req/s", 2, 1, 3.0, None, n),
         # 512-token prompts: over the split's 256, so each is prefilled on the prefill worker.
         Row("1 prefill + 1 decode, 1 req/s", 2, 1, 1.0, None, n, input_len=512, prefill=1, decode=1),
@@ -239,7 +251,7 @@ def profile_config(setup: Setup, threads: int, quick: bool, gpu: bool, probe: bo
             (1, 4, 16, 32),
             (64, 768),
             (128, 512),
-            1,
+            2,  # each scenario twice: 40 prompt steps for the prompt step's five terms
         )
     if gpu:
         # No pool, no P/D row: neither start-up nor handoff times are used.
@@ -300,10 +312,13 @@ def main() -> None:
         runs, sims, speeds = [], [], []
         for _ in range(args.repeats):
             profile = profiles[row.threads]
-            if not args.no_rescale:  # the host's speed right before the run, against the profile's
-                speeds.append(probe_seconds(setup.engine_on(row.threads)) / profile.probe_s)
+            if args.no_rescale:
+                runs.append(figures(run_real(row, setup), row))
+            else:  # the host's speed right before and right after the run, against the profile's
+                before = host_speed(profile, setup.engine_on(row.threads))
+                runs.append(figures(run_real(row, setup), row))
+                speeds.append((before + host_speed(profile, setup.engine_on(row.threads))) / 2)
                 profile = profile.at_speed(speeds[-1])
-            runs.append(figures(run_real(row, setup), row))
             sims.append(figures(run_sim(row, profile, setup), row))
         real, sim = ({k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims))
         if speeds:
