@@ -258,6 +258,7 @@ def profile_config(setup: Setup, threads: int, quick: bool, gpu: bool, probe: bo
         cfg.decode_batches = (1, 4, 16, 32, 64, 128)
         cfg.serve_batches = (1, 16, 64)
         cfg.startup, cfg.kv_transfer_lengths = False, ()
+        cfg.repeats = 1  # as the lease's stages were timed (a device's minutes are few)
     cfg.serve_flags = [*setup.flags.split(), "--threads", str(threads)]
     cfg.through_gateway = True  # the rows run behind a gateway on the same cores
     return cfg
