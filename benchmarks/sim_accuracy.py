@@ -316,9 +316,10 @@ def main() -> None:
             if args.no_rescale:
                 runs.append(figures(run_real(row, setup), row))
             else:  # the host's speed right before and right after the run, against the profile's
-                before = host_speed(profile, setup.engine_on(row.threads))
+                options = setup.engine_on(row.threads)
+                before = host_speed(profile, options)
                 runs.append(figures(run_real(row, setup), row))
-                speeds.append((before + host_speed(profile, setup.engine_on(row.threads))) / 2)
+                speeds.append((before + host_speed(profile, options)) / 2)
                 profile = profile.at_speed(speeds[-1])
             sims.append(figures(run_sim(row, profile, setup), row))
         real, sim = ({k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims))

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from shoal.sim.servers import running
+from shoal.sim.servers import ProcessCPU, running
 from shoal.sim.step_samples import FIRST_PLAIN_ID
 
 HANDOFF_REPEATS = 3  # handoffs timed of each length
@@ -87,13 +87,8 @@ class ServerCPU:
     `threads` threads, and their host work), read from its /metrics."""
 
     def __init__(self, pid: int, url: str, client, threads: int):
-        import psutil
-
-        self.proc, self.url, self.client, self.threads = psutil.Process(pid), url, client, threads
-
-    def _cpu(self) -> float:
-        t = self.proc.cpu_times()
-        return t.user + t.system
+        self.cpu = ProcessCPU(pid, "the prefill server")
+        self.url, self.client, self.threads = url, client, threads
 
     def _steps(self) -> float:
         from prometheus_client.parser import text_string_to_metric_families
@@ -109,10 +104,10 @@ class ServerCPU:
 
     def start(self) -> tuple[float, float]:
         steps = self._steps()  # the metrics' own request, before the stretch
-        return self._cpu(), steps
+        return self.cpu.seconds(), steps
 
     def stop(self, started: tuple[float, float]) -> float:
-        cpu = self._cpu()
+        cpu = self.cpu.seconds()
         return max(0.0, cpu - started[0] - (self._steps() - started[1]))
 
 

@@ -17,7 +17,7 @@ from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.servers import in_fresh_engine, running
+from shoal.sim.servers import ProcessCPU, in_fresh_engine, running
 from shoal.sim.speed_probe import host_speed, price_probe
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
@@ -290,22 +290,11 @@ class FrontCPU:
     """CPU seconds a gateway's process spends from now (not its replicas', its children)."""
 
     def __init__(self, gateway_pid: int):
-        import psutil
-
-        self.proc = psutil.Process(gateway_pid)
-        self.start = self._used()
-
-    def _used(self) -> float:
-        import psutil
-
-        try:
-            t = self.proc.cpu_times()
-        except psutil.Error as exc:
-            raise RuntimeError(f"the calibration's gateway (pid {self.proc.pid}) ended: {exc}") from exc
-        return t.user + t.system
+        self.cpu = ProcessCPU(gateway_pid, "the calibration's gateway")
+        self.start = self.cpu.seconds()
 
     def seconds(self) -> float:
-        return self._used() - self.start
+        return self.cpu.seconds() - self.start
 
 
 def fold_serving(
@@ -325,8 +314,8 @@ def fold_serving(
     host drifting between the two is not taken for serving, and folded in at the bare steps' speed."""
     at = profile.at_speed(speed)
     _fold_serving(at, measured, prompt, steps, long_prompt)
-    for mine, served in ((profile.decode, at.decode), (profile.mixed, at.mixed)):
-        mine.coef = [c / speed for c in served.coef]
+    back = at.at_speed(1 / speed)
+    profile.decode, profile.mixed = back.decode, back.mixed
     added = {k: at.serving[k] / speed for k in ("per_step_s", "per_row_s")}
     profile.serving = {**at.serving, **added, "speed": speed}
 

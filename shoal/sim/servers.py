@@ -1,5 +1,5 @@
-"""Processes of this host for the profiler's timed runs: a `shoal` server on a free port, and an
-engine in a fresh interpreter."""
+"""Processes of this host for the profiler's timed runs: a `shoal` server on a free port, an
+engine in a fresh interpreter, and the CPU a process spends."""
 
 from __future__ import annotations
 
@@ -66,3 +66,22 @@ def in_fresh_engine(then: str, engine_options: dict, *args: str) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"the engine in a fresh process failed: {proc.stderr.strip()[-400:]}")
     return proc.stdout
+
+
+class ProcessCPU:
+    """The CPU seconds (user and system) a process of this host has spent so far; `name` says
+    which process, should it have ended when read."""
+
+    def __init__(self, pid: int, name: str):
+        import psutil
+
+        self.proc, self.name = psutil.Process(pid), name
+
+    def seconds(self) -> float:
+        import psutil
+
+        try:
+            t = self.proc.cpu_times()
+        except psutil.Error as exc:
+            raise RuntimeError(f"{self.name} (pid {self.proc.pid}) ended: {exc}") from exc
+        return t.user + t.system
