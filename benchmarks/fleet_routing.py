@@ -28,11 +28,14 @@ from shoal.fleet.control.launchers.local import free_port
 REPLICA_ARGS = "--threads 1 --kv-cache-memory 1GiB"
 
 
-def spawn(*args: str) -> tuple[str, subprocess.Popen]:
+def spawn(*args: str, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
     port = free_port()
     log = open(os.path.join(tempfile.gettempdir(), f"shoal-bench-{port}.log"), "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", *args, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "shoal.cli", *args, "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
     return f"http://127.0.0.1:{port}", proc
 

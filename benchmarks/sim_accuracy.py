@@ -14,12 +14,15 @@ autoscaled through a burst, its replica-seconds sampled from the gateway's /repl
 
 This shared host's speed drifts by 10-20 % over minutes, and a fleet near its capacity turns a
 few per cent of speed into tens of per cent of queueing: the same P/D fleet under the same
-arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So right before and
-right after each real run a speed probe (shoal/sim/speed_probe.py: a fixed run of steps on a fresh
-engine) times the host against what the profile's steps price the same steps at, and the
-simulator predicts from the profile rescaled by the mean of the two (`--no-rescale`: as taken);
-and `--repeats N` runs each real fleet N times, each predicted at its own speed, and compares the
-medians, each run beside them.
+arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So each real run is
+predicted at the host's speed during it: the real fleet's engines trace their steps
+(SHOAL_STEP_TRACE_DIR), the profile prices those steps, and their time over that price, against
+the same ratio in the profile's own served runs, is the host's speed times what the fleet's own
+processes took of its workers' cores, which the simulator charges itself, so its own stretch of
+the run's steps is taken out (speed_probe.traced_speed, sim_at_traced below). `--speed probe`:
+at a speed probe's instead (a fixed run of steps on a fresh engine right before and right after
+the run; runs 15-23), `--speed none`: at the profile's. `--repeats N` runs each real fleet N
+times, each predicted at its own speed, and compares the medians, each run beside them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import itertools
 import math
 import random
 import statistics
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -42,13 +46,14 @@ from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.bench.workload import request_lengths
 from shoal.cli import build_parser
 from shoal.cli_options import engine_options
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_step_traces
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profiler import ProfileConfig, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
-from shoal.sim.speed_probe import host_speed
+from shoal.sim.speed_probe import host_speed, traced_speed
 from shoal.sim.workload import SimRequest, tokens
 
 
@@ -120,7 +125,8 @@ def bench_arrivals(n: int, rate: float, seed: int, bursts: tuple[Burst, ...] = (
     return out
 
 
-def run_real(row: Row, setup: Setup) -> dict:
+def run_real(row: Row, setup: Setup, trace_dir: str) -> dict:
+    """The row's real fleet under `shoal bench serve`, its engines tracing their steps to trace_dir."""
     from fleet_routing import spawn, wait_ready  # a sibling script's helpers
 
     flags = f"{setup.flags} --threads {row.threads}"
@@ -129,7 +135,7 @@ def run_real(row: Row, setup: Setup) -> dict:
         size = ["--prefill", str(row.prefill), "--decode", str(row.decode)]
     elif row.pool:
         size = ["--min-replicas", str(row.pool[0]), "--max-replicas", str(row.pool[1]), *POOL_FLAGS]
-    url, proc = spawn("fleet", "up", *size, "--replica-args", flags)
+    url, proc = spawn("fleet", "up", *size, "--replica-args", flags, env={STEP_TRACE_ENV: trace_dir})
     try:
         wait_ready(url, row.prefill + row.decode or (row.pool[0] if row.pool else row.replicas))
         cfg = ServeBenchConfig(
@@ -183,6 +189,17 @@ class ReplicaSampler:
 
     def replica_seconds(self) -> float:
         return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
+
+
+def sim_at_traced(row: Row, profile, setup: Setup, traced: float) -> tuple[dict, float]:
+    """The simulator's run at the host's speed that the real engines' traced steps read (x`traced`
+    the profile's, speed_probe.traced_speed), and that speed: the real steps ran at the host's speed
+    times what the fleet's own processes took of their cores and what loading handed K/V added,
+    which the simulator charges itself (a step's stretch), so its stretch of the same run is taken
+    out (once: it moves little with the speed)."""
+    first = run_sim(row, profile.at_speed(traced), setup)
+    speed = traced / first["step_stretch"]
+    return run_sim(row, profile.at_speed(speed), setup), speed
 
 
 def run_sim(row: Row, profile, setup: Setup, unshared: bool = False) -> dict:
@@ -283,9 +300,11 @@ def main() -> None:
         help="run each real fleet this often, each predicted at its own speed; compare the medians",
     )
     ap.add_argument(
-        "--no-rescale",
-        action="store_true",
-        help="predict from the profile as taken, not rescaled by the speed probe run before each real run",
+        "--speed",
+        choices=("traced", "traced-cpu", "probe", "none"),
+        default="traced",
+        help="the host's speed each run is predicted at: read from the real engines' own steps over "
+        "the run (traced), from speed probes right before and after it (probe), or the profile's (none)",
     )
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -299,7 +318,7 @@ def main() -> None:
         Path(args.save).mkdir(parents=True, exist_ok=True)
     for threads in sorted({r.threads for r in rows}):
         t0 = time.perf_counter()
-        cfg = profile_config(setup, threads, args.quick, gpu, probe=not args.no_rescale)
+        cfg = profile_config(setup, threads, args.quick, gpu, probe=args.speed != "none")
         if args.save:
             cfg.save_to = f"{args.save}/profile-threads{threads}.json"
             cfg.samples_to = f"{args.save}/samples-threads{threads}.jsonl"
@@ -313,20 +332,30 @@ def main() -> None:
         runs, sims, speeds = [], [], []
         for _ in range(args.repeats):
             profile = profiles[row.threads]
-            if args.no_rescale:
-                runs.append(figures(run_real(row, setup), row))
-            else:  # the host's speed right before and right after the run, against the profile's
-                options = setup.engine_on(row.threads)
-                before = host_speed(profile, options)
-                runs.append(figures(run_real(row, setup), row))
-                speeds.append((before + host_speed(profile, options)) / 2)
-                profile = profile.at_speed(speeds[-1])
-            sims.append(figures(run_sim(row, profile, setup), row))
+            options = setup.engine_on(row.threads)
+            probed = host_speed(profile, options) if args.speed == "probe" else None
+            with tempfile.TemporaryDirectory(prefix="shoal-steps-") as trace_dir:
+                runs.append(figures(run_real(row, setup, trace_dir), row))
+                traced = traced_speed(profile, read_step_traces(trace_dir))
+                on_cpu = traced_speed(profile, read_step_traces(trace_dir, "cpu_seconds"), "cpu_seconds")
+            if probed is not None:  # the host's speed right before and right after the run
+                probed = (probed + host_speed(profile, options)) / 2
+            if args.speed == "traced":
+                predicted, speed = sim_at_traced(row, profile, setup, traced)
+            else:
+                speed = {"traced-cpu": on_cpu, "probe": probed, "none": 1.0}[args.speed]
+                predicted = run_sim(row, profile.at_speed(speed), setup)
+            speeds.append((speed, traced, on_cpu, probed))
+            sims.append(figures(predicted, row))
         real, sim = ({k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims))
-        if speeds:
-            ran = ", x".join(f"{v:.3f}" for v in speeds)
-            print(f"{row.name}: the host ran x{ran} the profile's step times")
-        apart = figures(run_sim(row, profile, setup, True), row) if args.also_unshared else None
+        ran = ", ".join(
+            f"x{s:.3f} (steps x{t:.3f}, CPU x{c:.3f}" + (f", probes x{p:.3f})" if p else ")")
+            for s, t, c, p in speeds
+        )
+        print(f"{row.name}: predicted at {ran} the profile's step times")
+        apart = (
+            figures(run_sim(row, profile.at_speed(speed), setup, True), row) if args.also_unshared else None
+        )
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             line = f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%"

@@ -61,10 +61,10 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def start_server(*args: str, timeout: float = 180.0) -> ServerProcess:
+def start_server(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     fd, log_path = tempfile.mkstemp(prefix="shoal-serve-", suffix=".log")
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

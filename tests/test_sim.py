@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from shoal.engine.sampling_params import SamplingParams
+from shoal.engine.step_shape import StepShape
+from shoal.engine.step_trace import read_steps
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
@@ -25,12 +27,11 @@ from shoal.sim.profile import (
     MIXED_FEATURES,
     NodeProfile,
     StepCost,
-    StepShape,
     made_up_profile,
 )
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
-from shoal.sim.step_samples import StepRecorder, merge_decode_runs, read_samples, write_samples
+from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Burst, Lengths, SimRequest, WorkloadSpec, load_trace, tokens
 from tests.fleet_helpers import start_gateway
 
@@ -125,7 +126,11 @@ def test_a_run_of_decode_steps_is_fitted_as_its_mean(tmp_path):
     assert [t for _, t in merged] == pytest.approx([0.005, 0.03, 0.005, 0.002])
     # Written out and read back (a GPU lease's steps, fitted again here), they are the same steps.
     write_samples(steps, tmp_path / "steps.jsonl")
-    assert read_samples(tmp_path / "steps.jsonl") == steps
+    assert read_steps(tmp_path / "steps.jsonl") == steps
+    # An engine's trace cut short mid-line (its replica killed) keeps every whole step.
+    with open(tmp_path / "steps.jsonl", "a") as f:
+        f.write('{"rows": 3, "tok')
+    assert read_steps(tmp_path / "steps.jsonl") == steps
 
 
 def test_kv_aware_routing_in_the_simulator_finds_the_shared_prefixes():

@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
+import tempfile
 
+import httpx
 import numpy as np
 import pytest
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
+from shoal.engine.step_shape import StepShape
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_step_traces
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
-from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, StepShape, made_up_profile
+from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_profile
 from shoal.sim.profiler import (
     ProfileConfig,
     calibration_requests,
@@ -23,7 +28,7 @@ from shoal.sim.profiler import (
     server_start_seconds,
 )
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.speed_probe import host_speed, probe_seconds
+from shoal.sim.speed_probe import probe_seconds, traced_speed
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.server_helpers import start_server
 
@@ -170,18 +175,18 @@ def _node_profile(kv_transfer: bool = True) -> NodeProfile:
 
 def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
     """The real server's figures and the simulator's from `profile` at the host's speed over the
-    run (the speed probe right before and right after it): (measured, predicted, error)."""
-    before = host_speed(profile, ENGINE)
-    server = start_server(*SERVE_FLAGS)
-    try:
-        measured = run_serve_bench(
-            ServeBenchConfig(
-                base_url=server.url, num_requests=32, input_len=128, output_len=48, max_concurrency=8
+    run (its engine's own steps against the profile's prices): (measured, predicted, error)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        server = start_server(*SERVE_FLAGS, env={STEP_TRACE_ENV: trace_dir})
+        try:
+            measured = run_serve_bench(
+                ServeBenchConfig(
+                    base_url=server.url, num_requests=32, input_len=128, output_len=48, max_concurrency=8
+                )
             )
-        )
-    finally:
-        server.stop()
-    profile = profile.at_speed((before + host_speed(profile, ENGINE)) / 2)
+        finally:
+            server.stop()
+        profile = profile.at_speed(traced_speed(profile, read_step_traces(trace_dir)))
     spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
     predicted = FleetSim(profile, shape).run(spec.requests()).summary()
@@ -201,16 +206,17 @@ def _misses(errors: dict[str, float]) -> dict[str, str]:
 
 def test_the_simulator_predicts_a_real_server_within_20_percent(node_profile):
     """32 requests (128 prompt, 48 output tokens) from 8 clients at a time against `shoal serve`, and
-    the same workload simulated from the node's profile at the host's speed over the run (a speed
-    probe right before and right after it). This machine is shared, and its speed moves by 10-20 %
-    between a profile and a run a minute later, either way (the server alone measured 158 to 231
-    tokens/s in rounds back to back). Five rounds, each from a fresh profile, before the probe:
-    throughput -7.5, -4.8, +3.7, +2.5, -2.4 %; TTFT p50 +2.5, +2.6, -6.8, -4.3, -3.1 %; mean ITL
-    +18, +11, 0, -5.3, +10 % (before the calibration priced a served prompt's tokens, TTFT p50 was
-    +34, +11, +12, +31, -19 %). So a round that misses is followed by four more, each from a fresh
-    profile taken right before, and each figure's median error over the five is what must hold:
-    noise moves it both ways, a simulator that is off by itself moves it the same way every round
-    (three rounds were too few: two slow profiles in a row failed one in CI)."""
+    the same workload simulated from the node's profile at the host's speed over the run: the
+    server's own traced steps against the profile's prices (a speed probe right before and after
+    the run until then). This machine is shared, and its speed moves by 10-20 % between a profile
+    and a run a minute later, either way (the server alone measured 158 to 231 tokens/s in rounds
+    back to back). Five rounds, each from a fresh profile, before the probe: throughput -7.5, -4.8,
+    +3.7, +2.5, -2.4 %; TTFT p50 +2.5, +2.6, -6.8, -4.3, -3.1 %; mean ITL +18, +11, 0, -5.3, +10 %
+    (before the calibration priced a served prompt's tokens, TTFT p50 was +34, +11, +12, +31,
+    -19 %). So a round that misses is followed by four more, each from a fresh profile taken right
+    before, and each figure's median error over the five is what must hold: noise moves it both
+    ways, a simulator that is off by itself moves it the same way every round (three rounds were
+    too few: two slow profiles in a row failed one in CI)."""
     rounds = [_errors(node_profile)]
     if _misses({k: e for k, (_, _, e) in rounds[0].items()}):
         rounds += [_errors(_node_profile(kv_transfer=False)) for _ in range(4)]
@@ -240,3 +246,40 @@ def test_the_speed_probe_sees_a_slower_host_and_rescales_a_profile_by_it(node_pr
     for shape in (one, StepShape(4, 4, 1024, 1024)):
         assert slow.step_seconds(shape) == pytest.approx(crowded / alone * node_profile.step_seconds(shape))
     assert slow.serving == node_profile.serving and slow.kv_transfer == node_profile.kv_transfer
+
+
+def test_a_servers_own_steps_read_a_slower_host(node_profile):
+    """A server whose engine traces its steps: one trace line a step it ran (its own count, on
+    /metrics), and the steps it ran with every core of this host also running a busy loop read
+    slower against the profile than the same requests' steps without; the profile's served steps
+    read the host as it was then."""
+    assert "served steps: x" in node_profile.describe()
+    bench = ServeBenchConfig(num_requests=8, input_len=128, output_len=24, max_concurrency=4)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        server = start_server(*SERVE_FLAGS, env={STEP_TRACE_ENV: trace_dir})
+        try:
+            run_serve_bench(dataclasses.replace(bench, base_url=server.url))
+            alone = read_step_traces(trace_dir)
+            assert len(alone) == _metric(server.url, "shoal:engine_steps_total")
+            # The engine thread's CPU in each step: never more than the step took on the clock.
+            on_cpu = read_step_traces(trace_dir, "cpu_seconds")
+            assert all(c <= t + 1e-3 for (_, t), (_, c) in zip(alone, on_cpu, strict=True))
+            spin = [sys.executable, "-c", "while True: pass"]
+            hogs = [subprocess.Popen(spin) for _ in range(len(host_cpus()))]
+            try:
+                run_serve_bench(dataclasses.replace(bench, base_url=server.url, seed=2))
+            finally:
+                for h in hogs:
+                    h.kill()
+                    h.wait()
+            crowded = read_step_traces(trace_dir)[len(alone) :]
+        finally:
+            server.stop()
+    assert traced_speed(node_profile, crowded) > 1.3 * traced_speed(node_profile, alone)
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

@@ -111,3 +111,21 @@ def test_a_replica_starting_up_holds_its_cores_from_the_front():
     starting, decided = itl(2)
     assert not decided_alone and decided[0][1] == 2  # only the second pool asked for another
     assert starting > 1.05 * alone
+
+
+def test_the_simulator_says_how_far_sharing_stretched_its_steps():
+    """What a run's steps took against their price (`step_stretch`: the accuracy benchmark takes it
+    out of the real engines' traced steps to read the host's own speed): exactly 1 with cores of
+    its own; two replicas sharing two cores with their front run steady steps stretched by the
+    front's share (the ITL's stretch), and so the run as a whole."""
+    spec = WorkloadSpec(16, input_len=Lengths("fixed", 64), output_len=Lengths("fixed", 200))
+
+    def run(shared: int | None) -> dict:
+        shape = FleetShape(2, "round_robin", ReplicaShape(16, 2048, 0.0), shared_cores=shared)
+        return FleetSim(_profile(), shape).run(spec.requests()).summary()
+
+    alone, shared = run(None), run(2)
+    assert alone["step_stretch"] == 1.0
+    itl_stretch = shared["itl_s"]["p50"] / alone["itl_s"]["p50"]
+    assert itl_stretch > 1.2
+    assert shared["step_stretch"] == pytest.approx(itl_stretch, rel=0.05)

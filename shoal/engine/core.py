@@ -36,6 +36,7 @@ from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.speculative import SpecDecodeStats
 from shoal.engine.step_pipeline import StepPipeline
 from shoal.engine.step_result import EngineStats, StepResult, StepTimes
+from shoal.engine.step_trace import StepTrace
 from shoal.models.loader import LoadedModel, describe_model, load_model
 from shoal.models.lora_layers import slot_bytes
 from shoal.protocol.block_hash import adapter_keys, root_hash
@@ -117,6 +118,7 @@ class EngineCore:
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self._seeds = random.Random(config.seed)
         self.faults = FaultConfig.from_env()
+        self.step_trace = StepTrace.from_env()
         self._marked: dict[str, str] = {}  # request id -> the fault its prompt triggers
         self._failed_steps = 0
         self.num_failed_requests = 0
@@ -308,7 +310,7 @@ class EngineCore:
         return StepResult(outputs, finished, self.kv.pool.take_events(), stats)
 
     def _step_outputs(self) -> list[EngineCoreOutput]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if self.pipeline is not None:
             so, result, failures = self.pipeline.step()
             if so is None or so.empty:
@@ -333,7 +335,10 @@ class EngineCore:
         self.spec_stats.observe(result.spec_results)
         changed = self.scheduler.update_from_output(so, result)
         outputs = self._core_outputs(changed + failed, result)
-        self.times.add(result, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.times.add(result, elapsed)
+        if self.step_trace is not None:
+            self.step_trace.add(so, elapsed, time.thread_time() - cpu0)
         return outputs
 
     def _core_outputs(self, reqs: list[Request], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -467,6 +472,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.step_trace is not None:
+            self.step_trace.close()
 
 
 def _describe(exc: BaseException) -> str:

@@ -71,11 +71,14 @@ class SimResult:
     duration_s: float  # from the first arrival to the last answer
     replica_seconds: float  # replicas x the time they were up
     steps: int
+    # The steps' time as run over their price: what sharing cores and loading handed K/V added.
+    step_stretch: float = 1.0
 
     def summary(self, slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
         s = summarize(self.records, self.duration_s, slo_ttft, slo_tpot)
         s["replica_seconds"] = self.replica_seconds
         s["steps"] = self.steps
+        s["step_stretch"] = self.step_stretch
         return s
 
 
@@ -305,7 +308,9 @@ class FleetSim:
             rec.chunk_times = [t - first for t in rec.chunk_times]
         duration = max(now - first, 1e-9)
         up = pool.replica_seconds(now) if pool is not None else duration * len(self.replicas)
-        return SimResult(records, duration, up, sum(r.steps for r in self.replicas))
+        priced = sum(r.priced_s for r in self.replicas)
+        stretch = sum(r.stepped_s for r in self.replicas) / priced if priced else 1.0
+        return SimResult(records, duration, up, sum(r.steps for r in self.replicas), stretch)
 
 
 def shared_cores(profile: NodeProfile, cores: int | None) -> SharedCores | None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from shoal.engine.step_shape import StepShape
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape
-from shoal.sim.profile import NodeProfile, StepShape
+from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
 from shoal.sim.workload import WorkloadSpec

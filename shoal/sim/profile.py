@@ -11,41 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+from shoal.engine.step_shape import StepShape
+
 # The features of the two cost models (see StepCost.row). tokens_sq, the square of a step's prompt
 # and decode tokens: per token, a step of several prompts costs more than a lone prompt (here, on
 # one core, 0.98 ms a token for one 512-token prompt, 1.26 for four in one step: the step's
 # activations outgrow the caches). Profiles taken before it have the first four features only.
 DECODE_FEATURES = ("step", "rows", "context")
 MIXED_FEATURES = ("step", "rows", "tokens", "attention", "tokens_sq")
-
-
-@dataclass
-class StepShape:
-    """What a step holds: per row, the tokens it computes now and the context they attend to."""
-
-    rows: int = 0
-    tokens: int = 0  # computed this step, over all rows (a decode row: 1, or 1 + drafts)
-    context: int = 0  # sum over rows of the context length at the row's end
-    attention: int = 0  # sum over rows of tokens x context: the attention work of prefills
-
-    @property
-    def decode_only(self) -> bool:
-        return self.tokens == self.rows
-
-    def add_row(self, tokens: int, start: int) -> None:
-        end = start + tokens
-        self.rows += 1
-        self.tokens += tokens
-        self.context += end
-        self.attention += tokens * end
-
-
-def step_shape(so) -> StepShape:
-    """What a scheduled step (a SchedulerOutput) holds."""
-    shape = StepShape()
-    for sr in so.scheduled:
-        shape.add_row(len(sr.token_ids) + len(sr.spec_token_ids), sr.start_pos)
-    return shape
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -275,6 +248,8 @@ class NodeProfile:
                     else ""
                 )
             )
+        if "step_ratio" in self.serving:
+            lines.append(f"served steps: x{self.serving['step_ratio']:.3f} their price, timed by the engine")
         if "front_cpu_s_per_token" in self.serving:
             lines.append(
                 f"front CPU   : {1e3 * self.serving['front_cpu_s_per_token']:.3f} ms a token streamed "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -13,12 +14,14 @@ from datetime import UTC, datetime
 import numpy as np
 
 from shoal import __version__
+from shoal.engine.step_shape import StepShape
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_step_traces
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
-from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost, StepShape
+from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.servers import ProcessCPU, in_fresh_engine, running
-from shoal.sim.speed_probe import host_speed, price_probe
+from shoal.sim.speed_probe import REFERENCES, host_speed, price_probe, traced_ratio
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
 
@@ -247,7 +250,8 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         command = ["fleet", "up", "--replicas", "1", "--replica-args", " ".join(cfg.serve_flags)]
     else:
         command = ["serve", *cfg.serve_flags]
-    with running(command) as (url, proc):
+    trace = tempfile.TemporaryDirectory(prefix="shoal-profile-steps-")
+    with trace, running(command, env={STEP_TRACE_ENV: trace.name}) as (url, proc):
         front = FrontCPU(proc.pid) if cfg.through_gateway else None
         prompt, steps = 128, 48
         measured = []
@@ -275,7 +279,11 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         longest = min(max(cfg.prompt_lengths, default=prompt), profile.max_num_batched_tokens)
         long_len = min(LONG_PROMPT_TIMES * prompt, longest, profile.max_model_len - 8)
         long_prompt = (long_len, run(1, 4, long_len, 2, seed=LONG_PROMPT_SEED)) if long_len > prompt else None
-    fold_serving(profile, measured, prompt, steps, long_prompt, speed)
+        fold_serving(profile, measured, prompt, steps, long_prompt, speed)
+        # The served steps against the folded costs, at the fit's speed: a fleet's traced steps
+        # against the same costs, over this, are its host's speed (speed_probe.traced_speed).
+        for clock, key in REFERENCES.items():
+            profile.serving[key] = traced_ratio(profile, read_step_traces(trace.name, clock)) / speed
     if front_cpu_s is not None:
         from shoal.fleet.control.cores import host_cpus
 

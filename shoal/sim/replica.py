@@ -15,7 +15,8 @@ from shoal.engine.request import Request, RequestStatus
 from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from shoal.sim.profile import NodeProfile, StepShape, step_shape
+from shoal.engine.step_shape import StepShape, step_shape
+from shoal.sim.profile import NodeProfile
 from shoal.sim.workload import SimRequest
 
 OUTPUT_TOKEN = 999  # what every simulated step "samples"; EOS is never it (requests ignore EOS)
@@ -69,6 +70,8 @@ class SimReplica:
         self.step_ends: float | None = None  # when the step in progress ends (None: idle)
         self._step: SchedulerOutput | None = None
         self.steps = 0
+        # The steps' cost as priced, and as run: stretched by cores shared, plus handoffs loaded.
+        self.priced_s = self.stepped_s = 0.0
         self.last_sampled = 0  # tokens the last step that ended streamed out
         self._last_arrival = -math.inf
         self.shapes: list[StepShape] | None = None  # a list: each step's shape is kept in it
@@ -126,10 +129,13 @@ class SimReplica:
         shape = step_shape(so)
         if self.shapes is not None:
             self.shapes.append(shape)
-        seconds = self.profile.step_seconds(shape) * stretch
+        priced = self.profile.step_seconds(shape)
+        seconds = priced * stretch
         for new in so.new_requests:  # handed K/V: read in by its front, loaded by its engine
             if (tokens := self._arriving.pop(new.request_id, None)) is not None:
                 seconds += self.profile.kv_handoff_cpu_seconds(tokens, "decode")
+        self.priced_s += priced
+        self.stepped_s += seconds
         self._step, self.step_ends = so, now + seconds
         self.steps += 1
         return self.step_ends

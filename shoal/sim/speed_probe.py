@@ -9,7 +9,8 @@ as a host 9 % slow)."""
 
 from __future__ import annotations
 
-from shoal.sim.profile import NodeProfile, StepShape
+from shoal.engine.step_shape import StepShape
+from shoal.sim.profile import NodeProfile
 from shoal.sim.servers import in_fresh_engine
 
 PROBE_PROMPT = 512  # tokens of each lone prompt (less where the context is shorter)
@@ -59,3 +60,27 @@ def host_speed(profile: NodeProfile, engine_options: dict) -> float:
     if profile.probe_s is None:
         raise ValueError("this profile has no speed probe: take it without --no-speed-probe")
     return probe_seconds(engine_options) / profile.probe_s
+
+
+def traced_ratio(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> float:
+    """How many times what `profile` prices them at the traced steps took. The profile's costs
+    hold what serving adds to a step, which the engine's own timing of it does not all see; that
+    part is the same in a calibration's served runs as in a fleet's (profile.serving["step_ratio"])."""
+    if not steps:
+        raise ValueError("no engine steps were traced")
+    return sum(t for _, t in steps) / sum(profile.step_seconds(s) for s, _ in steps)
+
+
+# Each clock's ratio of served steps to their price in a profile's calibration (its `serving`).
+REFERENCES = {"seconds": "step_ratio", "cpu_seconds": "step_cpu_ratio"}
+
+
+def traced_speed(profile: NodeProfile, steps: list[tuple[StepShape, float]], clock: str = "seconds") -> float:
+    """How many times as slow as its profile's steps the host ran a fleet whose engines traced
+    these steps, timed on `clock` (read_step_traces of their SHOAL_STEP_TRACE_DIR): read from the
+    serving processes themselves, over the whole run, where a probe reads a moment before or after
+    it."""
+    reference = profile.serving.get(REFERENCES[clock])
+    if reference is None:
+        raise ValueError("this profile has no traced served steps: take it again (shoal profile)")
+    return traced_ratio(profile, steps) / reference

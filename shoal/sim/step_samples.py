@@ -3,12 +3,11 @@ the samples' file, and the runs of decode steps a fit reads as one sample each."
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from dataclasses import asdict
 
-from shoal.sim.profile import StepShape, step_shape
+from shoal.engine.step_shape import StepShape, step_shape
+from shoal.engine.step_trace import step_line
 
 FIRST_PLAIN_ID = 1000  # ids clear of the special tokens at the start of most vocabularies
 
@@ -80,16 +79,4 @@ def merge_decode_runs(steps: list[tuple[StepShape, float]]) -> list[tuple[StepSh
 
 def write_samples(samples: list[tuple[StepShape, float]], path: str) -> None:
     with open(path, "w") as f:
-        for shape, seconds in samples:
-            f.write(json.dumps({**asdict(shape), "seconds": seconds}) + "\n")
-
-
-def read_samples(path: str) -> list[tuple[StepShape, float]]:
-    """Steps written by write_samples, in their order (merge_decode_runs reads runs from it)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            seconds = row.pop("seconds")
-            out.append((StepShape(**row), seconds))
-    return out
+        f.writelines(step_line(shape, seconds) for shape, seconds in samples)
