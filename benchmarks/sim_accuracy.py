@@ -15,14 +15,16 @@ autoscaled through a burst, its replica-seconds sampled from the gateway's /repl
 This shared host's speed drifts by 10-20 % over minutes, and a fleet near its capacity turns a
 few per cent of speed into tens of per cent of queueing: the same P/D fleet under the same
 arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So each real run is
-predicted at the host's speed during it: the real fleet's engines trace their steps
-(SHOAL_STEP_TRACE_DIR), the profile prices those steps, and their time over that price, against
-the same ratio in the profile's own served runs, is the host's speed times what the fleet's own
-processes took of its workers' cores, which the simulator charges itself, so its own stretch of
-the run's steps is taken out (speed_probe.traced_speed, sim_at_traced below). `--speed probe`:
-at a speed probe's instead (a fixed run of steps on a fresh engine right before and right after
-the run; runs 15-23), `--speed none`: at the profile's. `--repeats N` runs each real fleet N
-times, each predicted at its own speed, and compares the medians, each run beside them.
+predicted at the host's speed during it, read by the real fleet's own engines: they trace their
+steps (SHOAL_STEP_TRACE_DIR), the profile prices those steps, and their time over that price,
+against the same ratio in the profile's own served runs, is the host's speed for those workers
+(speed_probe.traced_speed; a role each: a P/D fleet's prefill workers ran x1.05-1.10 where its
+decode worker ran x0.92-0.97 in the same runs) times what the fleet's own processes took of their
+cores, which the simulator charges itself: so its own stretch of the run's steps is taken out
+(sim_at_traced below). `--speed probe`: at a speed probe's instead (a fixed run of steps on a
+fresh engine right before and right after the run; runs 15-23), `--speed none`: at the
+profile's. `--repeats N` runs each real fleet N times, each predicted at its own speeds, and
+compares the medians, each run beside them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.bench.workload import request_lengths
 from shoal.cli import build_parser
 from shoal.cli_options import engine_options
-from shoal.engine.step_trace import STEP_TRACE_ENV, read_step_traces
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_steps, step_trace_files
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
@@ -191,18 +193,33 @@ class ReplicaSampler:
         return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
-def sim_at_traced(row: Row, profile, setup: Setup, traced: float) -> tuple[dict, float]:
-    """The simulator's run at the host's speed that the real engines' traced steps read (x`traced`
-    the profile's, speed_probe.traced_speed), and that speed: the real steps ran at the host's speed
+def traced_speeds(profile, trace_dir: str) -> dict[str, float]:
+    """Each role's speed (speed_probe.traced_speed) from the steps its engines traced: a P/D
+    fleet's prefill workers are those whose steps all held prompt tokens (each request samples its
+    first token there and leaves), its decode workers the rest; a fleet of whole replicas is one
+    role, "both"."""
+    by_role: dict[str, list] = {}
+    traces = [read_steps(path) for path in step_trace_files(trace_dir)]
+    split = any(steps and all(not s.decode_only for s, _ in steps) for steps in traces)
+    for steps in traces:
+        role = ("prefill" if all(not s.decode_only for s, _ in steps) else "decode") if split else "both"
+        by_role.setdefault(role, []).extend(steps)
+    return {role: traced_speed(profile, steps) for role, steps in by_role.items() if steps}
+
+
+def sim_at_traced(row: Row, profile, setup: Setup, traced: dict[str, float]) -> tuple[dict, dict[str, float]]:
+    """The simulator's run with each role's workers at the host's speed that the real ones' traced
+    steps read (x`traced` the profile's), and those speeds: the real steps ran at the host's speed
     times what the fleet's own processes took of their cores and what loading handed K/V added,
-    which the simulator charges itself (a step's stretch), so its stretch of the same run is taken
-    out (once: it moves little with the speed)."""
-    first = run_sim(row, profile.at_speed(traced), setup)
-    speed = traced / first["step_stretch"]
-    return run_sim(row, profile.at_speed(speed), setup), speed
+    which the simulator charges itself (its steps' stretch), so its stretch of the same run is
+    taken out (once: it moves little with the speed)."""
+    first = run_sim(row, profile, setup, traced)
+    speeds = {role: s / first["step_stretch"].get(role, 1.0) for role, s in traced.items()}
+    return run_sim(row, profile, setup, speeds), speeds
 
 
-def run_sim(row: Row, profile, setup: Setup, unshared: bool = False) -> dict:
+def run_sim(row: Row, profile, setup: Setup, speeds: dict[str, float], unshared: bool = False) -> dict:
+    """The row simulated from `profile`, the workers of each role at their speed in `speeds`."""
     rng = random.Random(7)
     arrivals = bench_arrivals(row.num_requests, row.rate, 1, row.bursts)
     reqs = [
@@ -220,7 +237,8 @@ def run_sim(row: Row, profile, setup: Setup, unshared: bool = False) -> dict:
         # Every row's replicas, gateway and client run on this machine's cores.
         shared_cores=None if unshared else len(host_cpus()),
     )
-    return FleetSim(profile, shape).run(reqs).summary()
+    roles = {role: profile.at_speed(s) for role, s in speeds.items()}
+    return FleetSim(profile, shape, roles).run(reqs).summary()
 
 
 def figures(s: dict, row: Row) -> dict[str, float]:
@@ -301,7 +319,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--speed",
-        choices=("traced", "traced-cpu", "probe", "none"),
+        choices=("traced", "probe", "none"),
         default="traced",
         help="the host's speed each run is predicted at: read from the real engines' own steps over "
         "the run (traced), from speed probes right before and after it (probe), or the profile's (none)",
@@ -336,26 +354,23 @@ def main() -> None:
             probed = host_speed(profile, options) if args.speed == "probe" else None
             with tempfile.TemporaryDirectory(prefix="shoal-steps-") as trace_dir:
                 runs.append(figures(run_real(row, setup, trace_dir), row))
-                traced = traced_speed(profile, read_step_traces(trace_dir))
-                on_cpu = traced_speed(profile, read_step_traces(trace_dir, "cpu_seconds"), "cpu_seconds")
+                traced = traced_speeds(profile, trace_dir)
             if probed is not None:  # the host's speed right before and right after the run
                 probed = (probed + host_speed(profile, options)) / 2
             if args.speed == "traced":
                 predicted, speed = sim_at_traced(row, profile, setup, traced)
             else:
-                speed = {"traced-cpu": on_cpu, "probe": probed, "none": 1.0}[args.speed]
-                predicted = run_sim(row, profile.at_speed(speed), setup)
-            speeds.append((speed, traced, on_cpu, probed))
+                speed = dict.fromkeys(traced, {"probe": probed, "none": 1.0}[args.speed])
+                predicted = run_sim(row, profile, setup, speed)
+            speeds.append((speed, traced))
             sims.append(figures(predicted, row))
         real, sim = ({k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims))
-        ran = ", ".join(
-            f"x{s:.3f} (steps x{t:.3f}, CPU x{c:.3f}" + (f", probes x{p:.3f})" if p else ")")
-            for s, t, c, p in speeds
+        ran = "; ".join(
+            ", ".join(f"{role} x{v:.3f} (steps x{traced[role]:.3f})" for role, v in speed.items())
+            for speed, traced in speeds
         )
         print(f"{row.name}: predicted at {ran} the profile's step times")
-        apart = (
-            figures(run_sim(row, profile.at_speed(speed), setup, True), row) if args.also_unshared else None
-        )
+        apart = figures(run_sim(row, profile, setup, speed, True), row) if args.also_unshared else None
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             line = f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%"

@@ -226,6 +226,27 @@ def test_a_disaggregated_request_is_prefilled_handed_over_and_decoded_by_the_gat
     assert fast.output_tokens == [8, 8]
 
 
+def test_the_workers_of_a_role_can_run_on_a_profile_of_their_own():
+    """A P/D fleet whose decode worker's steps cost twice its profile's (a slower machine, or the
+    same host slower for it): the lone request's prompt step on the prefill worker is priced as
+    before, and its first token comes later by the one step the decode worker computes, each gap
+    after it twice as long. Each role's steps say how far the run stretched them past their price:
+    the prefill worker's not at all, the decode worker's by loading the handed K/V."""
+    profile = made_up_profile()
+    profile.kv_transfer = {"bytes_per_token": 46080.0, "shm_s": 0.008, "shm_s_per_mib": 0.0011}
+    profile.kv_transfer.update(decode_cpu_s=0.0, decode_cpu_s_per_mib=0.001)
+    shape = FleetShape(0, "least_load", ReplicaShape(16, 2048, 0.0), prefill=1, decode=1)
+    request = SimRequest("long", 0.0, tokens(random.Random(3), 512), 8)
+    same = FleetSim(profile, shape).run([request])
+    slow = FleetSim(profile, shape, {"decode": profile.at_speed(2.0)}).run([request])
+    last = StepShape()
+    last.add_row(1, 511)
+    assert slow.records[0].ttft - same.records[0].ttft == pytest.approx(profile.step_seconds(last))
+    gaps = [np.diff(r.records[0].chunk_times) for r in (same, slow)]
+    assert gaps[1] == pytest.approx(2 * gaps[0], rel=1e-9)
+    assert slow.step_stretch["prefill"] == 1.0 and slow.step_stretch["decode"] > 1.0
+
+
 def test_a_prefill_worker_packs_a_handoff_before_its_next_step():
     """A prefill worker's engine packs a finished prompt's K/V between two steps: a second prompt
     that came while the first was computed waits for that too. With packing made to cost a second

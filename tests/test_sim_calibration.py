@@ -15,7 +15,7 @@ import pytest
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.engine.step_shape import StepShape
-from shoal.engine.step_trace import STEP_TRACE_ENV, read_step_traces
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_steps, step_trace_files
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_profile
@@ -186,7 +186,8 @@ def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
             )
         finally:
             server.stop()
-        profile = profile.at_speed(traced_speed(profile, read_step_traces(trace_dir)))
+        (trace,) = step_trace_files(trace_dir)  # the server's one engine
+        profile = profile.at_speed(traced_speed(profile, read_steps(trace)))
     spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
     predicted = FleetSim(profile, shape).run(spec.requests()).summary()
@@ -251,19 +252,17 @@ def test_the_speed_probe_sees_a_slower_host_and_rescales_a_profile_by_it(node_pr
 def test_a_servers_own_steps_read_a_slower_host(node_profile):
     """A server whose engine traces its steps: one trace line a step it ran (its own count, on
     /metrics), and the steps it ran with every core of this host also running a busy loop read
-    slower against the profile than the same requests' steps without; the profile's served steps
-    read the host as it was then."""
-    assert "served steps: x" in node_profile.describe()
+    slower against the profile than the same requests' steps without; the profile keeps what its
+    own served steps read against it, by kind."""
+    assert "served steps: decode x" in node_profile.describe()
     bench = ServeBenchConfig(num_requests=8, input_len=128, output_len=24, max_concurrency=4)
     with tempfile.TemporaryDirectory() as trace_dir:
         server = start_server(*SERVE_FLAGS, env={STEP_TRACE_ENV: trace_dir})
         try:
             run_serve_bench(dataclasses.replace(bench, base_url=server.url))
-            alone = read_step_traces(trace_dir)
+            (trace,) = step_trace_files(trace_dir)
+            alone = read_steps(trace)
             assert len(alone) == _metric(server.url, "shoal:engine_steps_total")
-            # The engine thread's CPU in each step: never more than the step took on the clock.
-            on_cpu = read_step_traces(trace_dir, "cpu_seconds")
-            assert all(c <= t + 1e-3 for (_, t), (_, c) in zip(alone, on_cpu, strict=True))
             spin = [sys.executable, "-c", "while True: pass"]
             hogs = [subprocess.Popen(spin) for _ in range(len(host_cpus()))]
             try:
@@ -272,7 +271,7 @@ def test_a_servers_own_steps_read_a_slower_host(node_profile):
                 for h in hogs:
                     h.kill()
                     h.wait()
-            crowded = read_step_traces(trace_dir)[len(alone) :]
+            crowded = read_steps(trace)[len(alone) :]
         finally:
             server.stop()
     assert traced_speed(node_profile, crowded) > 1.3 * traced_speed(node_profile, alone)

@@ -310,7 +310,7 @@ class EngineCore:
         return StepResult(outputs, finished, self.kv.pool.take_events(), stats)
 
     def _step_outputs(self) -> list[EngineCoreOutput]:
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
         if self.pipeline is not None:
             so, result, failures = self.pipeline.step()
             if so is None or so.empty:
@@ -338,7 +338,7 @@ class EngineCore:
         elapsed = time.perf_counter() - t0
         self.times.add(result, elapsed)
         if self.step_trace is not None:
-            self.step_trace.add(so, elapsed, time.thread_time() - cpu0)
+            self.step_trace.add(so, elapsed)
         return outputs
 
     def _core_outputs(self, reqs: list[Request], result: ModelRunnerOutput) -> list[EngineCoreOutput]:

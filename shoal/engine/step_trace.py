@@ -30,37 +30,33 @@ class StepTrace:
         directory = os.environ.get(STEP_TRACE_ENV)
         return cls(directory) if directory else None
 
-    def add(self, so, seconds: float, cpu_seconds: float) -> None:
-        """A step of `seconds` on the clock, `cpu_seconds` of them on the engine's thread."""
+    def add(self, so, seconds: float) -> None:
         if self._file is None:  # opened by the first step: an engine that never steps leaves no file
             self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (open for the engine's life)
-        self._file.write(step_line(step_shape(so), seconds, cpu_seconds))
+        self._file.write(step_line(step_shape(so), seconds))
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
 
 
-def step_line(shape: StepShape, seconds: float, cpu_seconds: float | None = None) -> str:
-    times = {"seconds": seconds} if cpu_seconds is None else {"seconds": seconds, "cpu_seconds": cpu_seconds}
-    return json.dumps({**asdict(shape), **times}) + "\n"
+def step_line(shape: StepShape, seconds: float) -> str:
+    return json.dumps({**asdict(shape), "seconds": seconds}) + "\n"
 
 
-def read_steps(path: str | Path, clock: str = "seconds") -> list[tuple[StepShape, float]]:
-    """The steps of one file of step_line's lines, in their order, each with its time on `clock`
-    ("seconds", or "cpu_seconds": the engine thread's); a line cut short is skipped."""
+def read_steps(path: str | Path) -> list[tuple[StepShape, float]]:
+    """The steps of one file of step_line's lines, in their order; a line cut short is skipped."""
     steps = []
     for line in Path(path).read_text().splitlines():
         try:
             row = json.loads(line)
-            times = {k: row.pop(k) for k in ("seconds", "cpu_seconds") if k in row}
-            steps.append((StepShape(**row), times[clock]))
+            seconds = row.pop("seconds")
+            steps.append((StepShape(**row), seconds))
         except (ValueError, KeyError, TypeError):
             continue
     return steps
 
 
-def read_step_traces(directory: str | Path, clock: str = "seconds") -> list[tuple[StepShape, float]]:
-    """Every step traced in `directory`, by any engine (see read_steps)."""
-    paths = sorted(Path(directory).glob("steps-*.jsonl"))
-    return [step for path in paths for step in read_steps(path, clock)]
+def step_trace_files(directory: str | Path) -> list[Path]:
+    """The files of every engine that traced its steps in `directory`, one an engine."""
+    return sorted(Path(directory).glob("steps-*.jsonl"))

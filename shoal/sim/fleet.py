@@ -71,8 +71,9 @@ class SimResult:
     duration_s: float  # from the first arrival to the last answer
     replica_seconds: float  # replicas x the time they were up
     steps: int
-    # The steps' time as run over their price: what sharing cores and loading handed K/V added.
-    step_stretch: float = 1.0
+    # Each role's steps' time as run over their price: what sharing cores and loading handed K/V
+    # added ("prefill", "decode", or "both": whole replicas).
+    step_stretch: dict[str, float] = field(default_factory=dict)
 
     def summary(self, slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
         s = summarize(self.records, self.duration_s, slo_ttft, slo_tpot)
@@ -83,7 +84,12 @@ class SimResult:
 
 
 class FleetSim:
-    def __init__(self, profile: NodeProfile, shape: FleetShape):
+    def __init__(
+        self, profile: NodeProfile, shape: FleetShape, role_profiles: dict[str, NodeProfile] | None = None
+    ):
+        """`role_profiles`: the step costs of the workers of a role ("prefill", "decode", or "both":
+        a whole replica) where they are not `profile`'s (another machine, or the same host at a
+        speed of their own); `profile` holds the fleet's handoffs, start-up and front."""
         if shape.prefill and not shape.decode:
             raise ValueError("a disaggregated fleet needs decode workers too")
         if shape.prefill and shape.scaling:
@@ -95,9 +101,13 @@ class FleetSim:
         # The gateway reads the prefix index to route by it, and to split a P/D fleet's prompts.
         kv_events = shape.routing == "kv_aware" or bool(shape.prefill)
         self.roles = shape.roles
+        self.role_profiles = role_profiles or {}
         self.replicas = [
             SimReplica(
-                f"sim-{role}-{i}" if shape.prefill else f"sim-replica-{i}", profile, shape.replica, kv_events
+                f"sim-{role}-{i}" if shape.prefill else f"sim-replica-{i}",
+                self.role_profiles.get(role, profile),
+                shape.replica,
+                kv_events,
             )
             for i, role in enumerate(self.roles)
         ]
@@ -140,8 +150,9 @@ class FleetSim:
     def _stopped(self, i: int) -> None:
         """Replica i went down (idle): it comes back, if it does, with an empty cache."""
         old = self.replicas[i]
-        fresh = SimReplica(old.name, self.profile, self.shape.replica, old.pool.enable_events)
+        fresh = SimReplica(old.name, old.profile, self.shape.replica, old.pool.enable_events)
         fresh.steps, fresh.shapes = old.steps, old.shapes
+        fresh.priced_s, fresh.stepped_s = old.priced_s, old.stepped_s
         self.replicas[i] = self.by_name[old.name] = fresh
         self.index.reset(old.name)
 
@@ -308,8 +319,11 @@ class FleetSim:
             rec.chunk_times = [t - first for t in rec.chunk_times]
         duration = max(now - first, 1e-9)
         up = pool.replica_seconds(now) if pool is not None else duration * len(self.replicas)
-        priced = sum(r.priced_s for r in self.replicas)
-        stretch = sum(r.stepped_s for r in self.replicas) / priced if priced else 1.0
+        stretch = {}
+        for role in set(self.roles):
+            mine = [r for r, of in zip(self.replicas, self.roles, strict=True) if of == role]
+            priced = sum(r.priced_s for r in mine)
+            stretch[role] = sum(r.stepped_s for r in mine) / priced if priced else 1.0
         return SimResult(records, duration, up, sum(r.steps for r in self.replicas), stretch)
 
 

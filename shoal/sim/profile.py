@@ -248,8 +248,11 @@ class NodeProfile:
                     else ""
                 )
             )
-        if "step_ratio" in self.serving:
-            lines.append(f"served steps: x{self.serving['step_ratio']:.3f} their price, timed by the engine")
+        if "decode_step_ratio" in self.serving:
+            lines.append(
+                f"served steps: decode x{self.serving['decode_step_ratio']:.3f}, prompt "
+                f"x{self.serving['prompt_step_ratio']:.3f} their price, timed by the engine"
+            )
         if "front_cpu_s_per_token" in self.serving:
             lines.append(
                 f"front CPU   : {1e3 * self.serving['front_cpu_s_per_token']:.3f} ms a token streamed "

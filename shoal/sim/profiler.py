@@ -15,13 +15,13 @@ import numpy as np
 
 from shoal import __version__
 from shoal.engine.step_shape import StepShape
-from shoal.engine.step_trace import STEP_TRACE_ENV, read_step_traces
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_steps, step_trace_files
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.servers import ProcessCPU, in_fresh_engine, running
-from shoal.sim.speed_probe import REFERENCES, host_speed, price_probe, traced_ratio
+from shoal.sim.speed_probe import host_speed, price_probe, served_ratios
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
 
@@ -282,8 +282,12 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         fold_serving(profile, measured, prompt, steps, long_prompt, speed)
         # The served steps against the folded costs, at the fit's speed: a fleet's traced steps
         # against the same costs, over this, are its host's speed (speed_probe.traced_speed).
-        for clock, key in REFERENCES.items():
-            profile.serving[key] = traced_ratio(profile, read_step_traces(trace.name, clock)) / speed
+        steps = [step for path in step_trace_files(trace.name) for step in read_steps(path)]
+        ratios = served_ratios(profile, steps)
+        if not ratios:
+            raise RuntimeError("the calibration's server traced no steps")
+        for kind in ("decode", "prompt"):  # a kind the runs lacked: as the other
+            profile.serving[f"{kind}_step_ratio"] = ratios.get(kind, next(iter(ratios.values()))) / speed
     if front_cpu_s is not None:
         from shoal.fleet.control.cores import host_cpus
 

@@ -62,25 +62,33 @@ def host_speed(profile: NodeProfile, engine_options: dict) -> float:
     return probe_seconds(engine_options) / profile.probe_s
 
 
-def traced_ratio(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> float:
-    """How many times what `profile` prices them at the traced steps took. The profile's costs
-    hold what serving adds to a step, which the engine's own timing of it does not all see; that
-    part is the same in a calibration's served runs as in a fleet's (profile.serving["step_ratio"])."""
+def step_kind(shape: StepShape) -> str:
+    return "decode" if shape.decode_only else "prompt"
+
+
+def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> dict[str, float]:
+    """Of each kind of step (decode-only, with prompt tokens), how many times what `profile` prices
+    them at the traced steps took. The profile's costs hold what serving adds to a step, which the
+    engine's own timing of it does not all see, and not alike for both kinds (here prompt steps
+    ran 5-10 % over their price against their decode steps); each kind's part is the same in a
+    calibration's served runs as in a fleet's (profile.serving's `decode_step_ratio`, ...)."""
+    out = {}
+    for kind in ("decode", "prompt"):
+        mine = [(s, t) for s, t in steps if step_kind(s) == kind]
+        if mine:
+            out[kind] = sum(t for _, t in mine) / sum(profile.step_seconds(s) for s, _ in mine)
+    return out
+
+
+def traced_speed(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> float:
+    """How many times as slow as its profile's steps the host ran an engine that traced these steps
+    (read_steps of a file in its SHOAL_STEP_TRACE_DIR): read from the serving process itself, over
+    the whole run, where a probe reads a moment before or after it. Each step is set against its
+    kind's ratio in the profile's calibration (a kind it had none of, against the other's)."""
+    refs = {k: profile.serving.get(f"{k}_step_ratio") for k in ("decode", "prompt")}
+    if None in refs.values():
+        raise ValueError("this profile has no traced served steps: take it again (shoal profile)")
     if not steps:
         raise ValueError("no engine steps were traced")
-    return sum(t for _, t in steps) / sum(profile.step_seconds(s) for s, _ in steps)
-
-
-# Each clock's ratio of served steps to their price in a profile's calibration (its `serving`).
-REFERENCES = {"seconds": "step_ratio", "cpu_seconds": "step_cpu_ratio"}
-
-
-def traced_speed(profile: NodeProfile, steps: list[tuple[StepShape, float]], clock: str = "seconds") -> float:
-    """How many times as slow as its profile's steps the host ran a fleet whose engines traced
-    these steps, timed on `clock` (read_step_traces of their SHOAL_STEP_TRACE_DIR): read from the
-    serving processes themselves, over the whole run, where a probe reads a moment before or after
-    it."""
-    reference = profile.serving.get(REFERENCES[clock])
-    if reference is None:
-        raise ValueError("this profile has no traced served steps: take it again (shoal profile)")
-    return traced_ratio(profile, steps) / reference
+    priced = sum(profile.step_seconds(s) * refs[step_kind(s)] for s, _ in steps)
+    return sum(t for _, t in steps) / priced
