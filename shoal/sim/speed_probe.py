@@ -69,9 +69,11 @@ def step_kind(shape: StepShape) -> str:
 def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> dict[str, float]:
     """Of each kind of step (decode-only, with prompt tokens), how many times what `profile` prices
     them at the traced steps took. The profile's costs hold what serving adds to a step, which the
-    engine's own timing of it does not all see, and not alike for both kinds (here prompt steps
-    ran 5-10 % over their price against their decode steps); each kind's part is the same in a
-    calibration's served runs as in a fleet's (profile.serving's `decode_step_ratio`, ...)."""
+    engine's own timing of it does not all see, and not alike for both kinds (here decode steps
+    ran 3-4 % under their price, prompt steps 5-20 % over); each kind's part is taken to be the same
+    in a calibration's served runs as in a fleet's (profile.serving's `decode_step_ratio`, ...).
+    A calibration holds few prompt steps (20 here, half their time in two steps of 16 prompts), so
+    that ratio is the rougher; its lone prompts alone as the reference did no better (run 28)."""
     out = {}
     for kind in ("decode", "prompt"):
         mine = [(s, t) for s, t in steps if step_kind(s) == kind]
