@@ -38,6 +38,7 @@ class StepTrace:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+            self._file = None
 
 
 def step_line(shape: StepShape, seconds: float) -> str:

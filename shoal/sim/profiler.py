@@ -282,8 +282,8 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         fold_serving(profile, measured, prompt, steps, long_prompt, speed)
         # The served steps against the folded costs, at the fit's speed: a fleet's traced steps
         # against the same costs, over this, are its host's speed (speed_probe.traced_speed).
-        steps = [step for path in step_trace_files(trace.name) for step in read_steps(path)]
-        ratios = served_ratios(profile, steps)
+        served = [step for path in step_trace_files(trace.name) for step in read_steps(path)]
+        ratios = served_ratios(profile, served)
         if not ratios:
             raise RuntimeError("the calibration's server traced no steps")
         for kind in ("decode", "prompt"):  # a kind the runs lacked: as the other
