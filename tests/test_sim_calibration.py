@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 
-import httpx
 import numpy as np
 import pytest
 
@@ -30,6 +29,7 @@ from shoal.sim.profiler import (
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.speed_probe import probe_seconds, traced_speed
 from shoal.sim.workload import Lengths, WorkloadSpec
+from tests.fleet_helpers import metric
 from tests.server_helpers import start_server
 
 
@@ -262,7 +262,7 @@ def test_a_servers_own_steps_read_a_slower_host(node_profile):
             run_serve_bench(dataclasses.replace(bench, base_url=server.url))
             (trace,) = step_trace_files(trace_dir)
             alone = read_steps(trace)
-            assert len(alone) == _metric(server.url, "shoal:engine_steps_total")
+            assert len(alone) == metric(server.url, "shoal:engine_steps_total")
             spin = [sys.executable, "-c", "while True: pass"]
             hogs = [subprocess.Popen(spin) for _ in range(len(host_cpus()))]
             try:
@@ -275,10 +275,3 @@ def test_a_servers_own_steps_read_a_slower_host(node_profile):
         finally:
             server.stop()
     assert traced_speed(node_profile, crowded) > 1.3 * traced_speed(node_profile, alone)
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)

@@ -101,11 +101,11 @@ class FleetSim:
         # The gateway reads the prefix index to route by it, and to split a P/D fleet's prompts.
         kv_events = shape.routing == "kv_aware" or bool(shape.prefill)
         self.roles = shape.roles
-        self.role_profiles = role_profiles or {}
+        role_profiles = role_profiles or {}
         self.replicas = [
             SimReplica(
                 f"sim-{role}-{i}" if shape.prefill else f"sim-replica-{i}",
-                self.role_profiles.get(role, profile),
+                role_profiles.get(role, profile),
                 shape.replica,
                 kv_events,
             )

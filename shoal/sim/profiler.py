@@ -21,7 +21,7 @@ from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.servers import ProcessCPU, in_fresh_engine, running
-from shoal.sim.speed_probe import host_speed, price_probe, served_ratios
+from shoal.sim.speed_probe import STEP_KINDS, host_speed, price_probe, served_ratios
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
 
@@ -286,7 +286,7 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         ratios = served_ratios(profile, served)
         if not ratios:
             raise RuntimeError("the calibration's server traced no steps")
-        for kind in ("decode", "prompt"):  # a kind the runs lacked: as the other
+        for kind in STEP_KINDS:  # a kind the runs lacked: as the other
             profile.serving[f"{kind}_step_ratio"] = ratios.get(kind, next(iter(ratios.values()))) / speed
     if front_cpu_s is not None:
         from shoal.fleet.control.cores import host_cpus

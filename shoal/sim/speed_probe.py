@@ -62,6 +62,9 @@ def host_speed(profile: NodeProfile, engine_options: dict) -> float:
     return probe_seconds(engine_options) / profile.probe_s
 
 
+STEP_KINDS = ("decode", "prompt")  # decode-only steps, and steps with prompt tokens
+
+
 def step_kind(shape: StepShape) -> str:
     return "decode" if shape.decode_only else "prompt"
 
@@ -75,7 +78,7 @@ def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) ->
     A calibration holds few prompt steps (20 here, half their time in two steps of 16 prompts), so
     that ratio is the rougher; its lone prompts alone as the reference did no better (run 28)."""
     out = {}
-    for kind in ("decode", "prompt"):
+    for kind in STEP_KINDS:
         mine = [(s, t) for s, t in steps if step_kind(s) == kind]
         if mine:
             out[kind] = sum(t for _, t in mine) / sum(profile.step_seconds(s) for s, _ in mine)
@@ -87,7 +90,7 @@ def traced_speed(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> 
     (read_steps of a file in its SHOAL_STEP_TRACE_DIR): read from the serving process itself, over
     the whole run, where a probe reads a moment before or after it. Each step is set against its
     kind's ratio in the profile's calibration (a kind it had none of, against the other's)."""
-    refs = {k: profile.serving.get(f"{k}_step_ratio") for k in ("decode", "prompt")}
+    refs = {k: profile.serving.get(f"{k}_step_ratio") for k in STEP_KINDS}
     if None in refs.values():
         raise ValueError("this profile has no traced served steps: take it again (shoal profile)")
     if not steps:
