@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from shoal.sim.profile import (
     made_up_profile,
 )
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.scaling import ScalingShape
+from shoal.sim.scaling import STARTING, TICK_S, Load, ScalingShape, SimPool
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Burst, Lengths, SimRequest, WorkloadSpec, load_trace, tokens
 from tests.fleet_helpers import start_gateway
@@ -440,11 +441,33 @@ def test_a_pool_at_zero_starts_cold_for_its_first_request(simulator):
     assert [d for _, d, _ in sim.pool.decisions] == [1, 0, 1]
 
 
+def test_a_pool_scaling_up_under_load_waits_for_a_start_beside_busy_replicas():
+    """The profile times a start alone and beside a busy replica (on this 2-core host 4.0 and 5.4
+    s): a pool with an active replica adds one at the busy start's pace, a pool at zero starts its
+    first at the lone start's; either takes traffic at the gateway's next probe after that."""
+    profile = made_up_profile()
+    profile.startup_s = {"first": 6.0, "again": 2.0, "busy": 5.0}
+    auto = AutoscaleConfig(target_inflight=1.0, scale_up_delay_s=0.0)
+    found = ScalingShape().probe_interval_s / 2
+    busy = Load([3, 0], [2, 0], [0.1, 0.0], 0, None, 0.0)  # its one replica has three in flight
+    waiting = Load([0, 0], [0, 0], [0.0, 0.0], 1, None, 0.0)  # a request waits at the gateway
+    for low, load, start in ((1, busy, 5.0), (0, waiting, 2.0)):
+        pool = SimPool.of(ScalingShape(low, 2, 0, auto, scale_to_zero_after_s=60.0), profile)
+        pool.start(0.0)
+        pool.tick(1.0, load)
+        assert pool.with_state(STARTING) and pool.next_ready() == pytest.approx(1.0 + start + found)
+    # The shape's own figure stands for both.
+    pool = SimPool.of(ScalingShape(1, 2, 0, auto, start_s=3.0), profile)
+    assert pool.start_s == pool.busy_start_s == 3.0 + found
+
+
 @pytest.mark.parametrize("simulator", [FleetSim, FastFleet])
 def test_a_replica_started_again_holds_nothing_of_its_old_cache(simulator):
     """Two requests 30 s apart share a 512-token prefix. A pool that stays up serves the second
     from the cached prefix; one that went to zero in between starts a new replica, which
-    computes the whole prompt again (0.2 ms a token in the made-up profile)."""
+    computes the whole prompt again (0.2 ms a token in the made-up profile), after its start and
+    the gateway's probe that finds it ready (half a probe interval on average), at the
+    controller's next tick."""
     rng = random.Random(2)
     head = tokens(rng, 512)
     prompts = [head + tokens(rng, 16) for _ in range(2)]
@@ -457,7 +480,8 @@ def test_a_replica_started_again_holds_nothing_of_its_old_cache(simulator):
         scaling = ScalingShape(1 if zero_after is None else 0, 1, 0, AutoscaleConfig(), zero_after, 3.0)
         sim = simulator(made_up_profile(), FleetShape(replica=ReplicaShape(16, 2048, 0.0), scaling=scaling))
         second[zero_after] = first_tokens(sim.run(reqs))[1][1]
-    assert second[5.0] - 3.0 == pytest.approx(second[None] + 512 * 0.0002, rel=0.05)
+    started = math.ceil((3.0 + scaling.probe_interval_s / 2) / TICK_S - 1e-6) * TICK_S
+    assert second[5.0] - started == pytest.approx(second[None] + 512 * 0.0002, rel=0.05)
 
 
 def test_the_fast_simulator_scales_a_pool_as_the_exact_one_does():

@@ -21,13 +21,12 @@ from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_pr
 from shoal.sim.profiler import (
     ProfileConfig,
     calibration_requests,
-    engine_start_seconds,
     fold_serving,
     measure,
-    server_start_seconds,
 )
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.speed_probe import probe_seconds, traced_speed
+from shoal.sim.startup_timing import busy_start_seconds, engine_start_seconds, server_start_seconds
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.fleet_helpers import metric
 from tests.server_helpers import start_server
@@ -159,10 +158,17 @@ def test_the_profile_times_kv_handoffs_by_their_size(node_profile, hf_bundled):
 
 def test_a_replicas_start_is_timed_to_its_servers_first_ready_answer():
     """What a fleet waits for before it routes to a replica it started: the server's process up to
-    its first ready answer, its engine's start and more (imports, the HTTP front)."""
+    its first ready answer, its engine's start and more (imports, the HTTP front); alone, and
+    beside a busy replica."""
     server_start_seconds(SERVE_FLAGS)  # both find the model's cached weights from here on
     engine = engine_start_seconds(ENGINE)
     assert server_start_seconds(SERVE_FLAGS) > engine > 0
+    # A pool's scale-up: a one-core start beside a replica on the other cores that serves clients
+    # (BusyClients raises if they were refused), where the host has other cores for it.
+    cores = len(host_cpus())
+    if cores > 1:
+        assert busy_start_seconds([*SERVE_FLAGS, "--threads", "1"]) > engine
+    assert busy_start_seconds([*SERVE_FLAGS, "--threads", str(cores)]) is None
 
 
 def _node_profile(kv_transfer: bool = True) -> NodeProfile:

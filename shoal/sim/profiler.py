@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import tempfile
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -20,8 +19,9 @@ from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.servers import ProcessCPU, in_fresh_engine, running
+from shoal.sim.servers import ProcessCPU, running
 from shoal.sim.speed_probe import STEP_KINDS, host_speed, price_probe, served_ratios
+from shoal.sim.startup_timing import time_startup
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
 
@@ -37,7 +37,6 @@ LONG_PROMPT_SEED = 1000  # its prompts' seed: apart from the seeds of the runs b
 # ... priced only where the bare engine's long prompt costs at least this part more than its short
 # one: on a GPU both cost about the launches of a step, and their difference is noise.
 MIN_PROMPT_SPREAD = 0.25
-STARTUP_POLL_S = 0.05  # how often a timed server start asks whether it is ready
 
 
 def calibration_requests(clients: int) -> int:
@@ -57,7 +56,7 @@ class ProfileConfig:
     prompt_groups: tuple[int, ...] = (2, 4)
     decode_steps: int = 10  # decode steps timed per batch
     repeats: int = 2  # each scenario run this often (the median of noisy steps is what the fit sees)
-    startup: bool = True  # time a replica's start in a fresh process, twice
+    startup: bool = True  # time a replica's start in a fresh process (startup_timing.py)
     # `shoal serve` flags for the same engine: when given, a server is started with them and the
     # profile is calibrated to what serving adds to each step (streams, HTTP) and to each request.
     serve_flags: list[str] | None = None
@@ -116,42 +115,6 @@ def run_scenarios(
             for _ in range(b):
                 rec.add(256, 16)
             rec.run(inject={2: [64], 5: [512], 9: [min(1024, max_len - 8)]})
-
-
-def time_startup(cfg: ProfileConfig) -> dict[str, float]:
-    """Seconds until a new replica takes requests, twice: the first start may read the weights from
-    disk, the second finds them in the page cache. With `serve_flags`, a `shoal serve` process from
-    its spawn to its first ready answer, which is what a fleet waits for before it routes to a
-    replica it started (here 4.2 s, where the engine alone was ready in 2.0: the server's imports
-    and start are the rest; an autoscaled pool simulated with the engine's time took its second
-    replica too early); without, an engine in a fresh interpreter."""
-    out = {}
-    for label in ("first", "again"):
-        if cfg.serve_flags is not None:
-            out[label] = server_start_seconds(cfg.serve_flags)
-        else:
-            out[label] = engine_start_seconds(cfg.engine_options)
-    return out
-
-
-def engine_start_seconds(engine_options: dict) -> float:
-    t0 = time.perf_counter()
-    in_fresh_engine("", engine_options)
-    return time.perf_counter() - t0
-
-
-def server_start_seconds(serve_flags: list[str]) -> float:
-    """A server's start as a fleet starts a replica of these flags: with `--threads N`, pinned to N
-    of this host's cores with that many threads (on one of two cores here a start took 5.9 s, and
-    7.9 s with the threads left to size themselves from the machine; 5.7 s free to use both)."""
-    from shoal.fleet.control.cores import host_cpus, thread_env, threads_flag
-
-    threads, cpus = threads_flag(serve_flags), host_cpus()
-    pinned = threads is not None and threads < len(cpus)
-    env, pin = (thread_env(threads), cpus[-threads:]) if pinned else (None, None)
-    t0 = time.perf_counter()
-    with running(["serve", *serve_flags], env, poll_s=STARTUP_POLL_S, cpus=pin):
-        return time.perf_counter() - t0
 
 
 def measure(cfg: ProfileConfig) -> NodeProfile:
@@ -228,7 +191,7 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
             profile.kv_transfer = {**profile.kv_transfer, **arrival}
             _save(profile, cfg)
     if cfg.startup:
-        profile.startup_s = time_startup(cfg)
+        profile.startup_s = time_startup(cfg.serve_flags, cfg.engine_options)
         _save(profile, cfg)
     return profile
 

@@ -1,0 +1,133 @@
+"""A replica's start, timed as a fleet sees it: from its process's spawn to its first ready answer,
+alone on the host and beside a replica that serves (as an autoscaled pool starts one: its replicas
+are busy, or it would not want another)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from shoal.sim.servers import in_fresh_engine, running
+
+STARTUP_POLL_S = 0.05  # how often a timed server start asks whether it is ready
+# The load beside a busy start: clients that never pause, each streaming a prompt of this many
+# words and that many tokens out (the pool's rows scale up at 4 in flight a replica, and hold 9 to
+# 20 on the busy one while the new one starts).
+BUSY_CLIENTS = 8
+BUSY_PROMPT_WORDS = 200
+BUSY_OUTPUT_TOKENS = 64
+BUSY_STARTS = 3  # starts timed beside it: one swings by 50 % with what the busy one computes then
+
+
+def time_startup(serve_flags: list[str] | None, engine_options: dict) -> dict[str, float]:
+    """Seconds until a new replica takes requests: "first" may read the weights from disk, "again"
+    finds them in the page cache, "busy" is the mean of starts beside a replica serving clients
+    (only where the flags pin a replica to fewer cores than the host has: the busy one takes the
+    others).
+    With `serve_flags`, a `shoal serve` process from its spawn to its first ready answer, which is
+    what a fleet waits for before it routes to a replica it started (here 4.2 s, where the engine
+    alone was ready in 2.0: the server's imports and start are the rest; an autoscaled pool
+    simulated with the engine's time took its second replica too early); without, an engine in a
+    fresh interpreter."""
+    if serve_flags is None:
+        return {label: engine_start_seconds(engine_options) for label in ("first", "again")}
+    out = {label: server_start_seconds(serve_flags) for label in ("first", "again")}
+    busy = busy_start_seconds(serve_flags)
+    if busy is not None:
+        out["busy"] = busy
+    return out
+
+
+def engine_start_seconds(engine_options: dict) -> float:
+    t0 = time.perf_counter()
+    in_fresh_engine("", engine_options)
+    return time.perf_counter() - t0
+
+
+def _placement(serve_flags: list[str]) -> tuple[dict | None, list[int] | None, list[int]]:
+    """The thread variables and cores a fleet gives a replica of these flags (with `--threads N`
+    below the host's cores: N threads pinned to the last N), and the host's other cores."""
+    from shoal.fleet.control.cores import host_cpus, thread_env, threads_flag
+
+    threads, cpus = threads_flag(serve_flags), host_cpus()
+    if threads is None or threads >= len(cpus):
+        return None, None, []
+    return thread_env(threads), cpus[-threads:], cpus[:-threads]
+
+
+def server_start_seconds(serve_flags: list[str]) -> float:
+    """A server's start as a fleet starts a replica of these flags: with `--threads N`, pinned to N
+    of this host's cores with that many threads (on one of two cores here a start took 5.9 s, and
+    7.9 s with the threads left to size themselves from the machine; 5.7 s free to use both)."""
+    env, pin, _ = _placement(serve_flags)
+    t0 = time.perf_counter()
+    with running(["serve", *serve_flags], env, poll_s=STARTUP_POLL_S, cpus=pin):
+        return time.perf_counter() - t0
+
+
+def busy_start_seconds(serve_flags: list[str]) -> float | None:
+    """The mean of BUSY_STARTS server starts on their cores (as server_start_seconds) while another
+    replica of the same flags, on the host's other cores, serves clients that never pause: a pool's
+    scale-up. On this 2-core host six such one-core starts took 4.4 to 6.8 s (mean 5.2) where
+    alone they took 4.0 to 4.3; an autoscaled pool's second replica, started in a burst, went
+    from its slot's start to ready in 4.8 to 6.1 s, the gateway's probe that found it included (its
+    model's load 3.3-4.2 s, against 2.6 alone: the busy replica computes beside it, on a sibling
+    of its core or through the same memory). None: no other cores to run the busy
+    replica on."""
+    env, pin, others = _placement(serve_flags)
+    if not others:
+        return None
+    with running(["serve", *serve_flags], env, cpus=others[-len(pin) :]) as (url, _), BusyClients(url):
+        return sum(server_start_seconds(serve_flags) for _ in range(BUSY_STARTS)) / BUSY_STARTS
+
+
+class BusyClients:
+    """BUSY_CLIENTS threads streaming completions from `url` one after another until the exit,
+    which says what went wrong if a request was refused (a load that never ran times nothing)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.model = ""
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(BUSY_CLIENTS)
+        ]
+
+    def __enter__(self) -> BusyClients:
+        import httpx
+
+        self.model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+        if self.errors and exc[0] is None:
+            raise RuntimeError(f"the busy replica refused its load: {self.errors[0]}")
+
+    def _client(self, seed: int) -> None:
+        import httpx
+
+        rng = random.Random(seed)
+        words = ["river", "stone", "lamp", "orbit", "cedar", "mosaic", "tundra", "signal", "velvet"]
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            while not self._stop.is_set():
+                # Words drawn afresh each time: no prompt finds another's prefix in the cache.
+                prompt = " ".join(rng.choice(words) for _ in range(BUSY_PROMPT_WORDS))
+                body = {"model": self.model, "prompt": prompt, "max_tokens": BUSY_OUTPUT_TOKENS}
+                try:
+                    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                        if resp.status_code != 200:
+                            self.errors.append(f"{resp.status_code} {resp.read().decode()[:300]}")
+                            return
+                        for _ in resp.iter_bytes():
+                            if self._stop.is_set():
+                                break
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    return
