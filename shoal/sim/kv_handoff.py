@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from shoal.sim.servers import ProcessCPU, running
+from shoal.sim.servers import ProcessCPU, fleet_placement, running
 from shoal.sim.step_samples import FIRST_PLAIN_ID
 
 HANDOFF_REPEATS = 3  # handoffs timed of each length
@@ -46,8 +46,11 @@ def time_kv_transfer(
     spent: list[tuple[float, float]] = []  # (MiB, the prefill worker's CPU beyond its steps)
     per_token = []
     prefill = ["serve", *serve_flags, "--role", "prefill"]
+    # Placed as a fleet places a prefill worker of these flags (pinned, its threads sized): what
+    # it spends beyond its steps then comes off the cores its engine computes on.
+    threads_env, cpus, _ = fleet_placement(serve_flags)
     with (
-        running(prefill, {KV_TRANSFER_KEY_ENV: key}) as (url, proc),
+        running(prefill, {**(threads_env or {}), KV_TRANSFER_KEY_ENV: key}, cpus=cpus) as (url, proc),
         httpx.Client(timeout=300, headers={KV_TRANSFER_KEY_HEADER: key}) as client,
     ):
         beyond = ServerCPU(proc.pid, url, client, cpu_threads) if cpu_threads else None

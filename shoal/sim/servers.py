@@ -1,5 +1,6 @@
-"""Processes of this host for the profiler's timed runs: a `shoal` server on a free port, an
-engine in a fresh interpreter, and the CPU a process spends."""
+"""Processes of this host for the profiler's timed runs: a `shoal` server on a free port, placed
+on the cores a fleet would give it, an engine in a fresh interpreter, and the CPU a process
+spends."""
 
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ def running(
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def fleet_placement(serve_flags: list[str]) -> tuple[dict | None, list[int] | None, list[int]]:
+    """The thread variables and cores a fleet gives a replica of these flags (with `--threads N`
+    below the host's cores: N threads pinned to the last N; else neither), and the host's other
+    cores."""
+    from shoal.fleet.control.cores import host_cpus, thread_env, threads_flag
+
+    threads, cpus = threads_flag(serve_flags), host_cpus()
+    if threads is None or threads >= len(cpus):
+        return None, None, []
+    return thread_env(threads), cpus[-threads:], cpus[:-threads]
 
 
 def wait_for(url: str, proc: subprocess.Popen, timeout: float = 300, poll_s: float = 0.25) -> None:

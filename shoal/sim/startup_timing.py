@@ -8,7 +8,7 @@ import random
 import threading
 import time
 
-from shoal.sim.servers import in_fresh_engine, running
+from shoal.sim.servers import fleet_placement, in_fresh_engine, running
 
 STARTUP_POLL_S = 0.05  # how often a timed server start asks whether it is ready
 # The load beside a busy start: clients that never pause, each streaming a prompt of this many
@@ -45,22 +45,11 @@ def engine_start_seconds(engine_options: dict) -> float:
     return time.perf_counter() - t0
 
 
-def _placement(serve_flags: list[str]) -> tuple[dict | None, list[int] | None, list[int]]:
-    """The thread variables and cores a fleet gives a replica of these flags (with `--threads N`
-    below the host's cores: N threads pinned to the last N), and the host's other cores."""
-    from shoal.fleet.control.cores import host_cpus, thread_env, threads_flag
-
-    threads, cpus = threads_flag(serve_flags), host_cpus()
-    if threads is None or threads >= len(cpus):
-        return None, None, []
-    return thread_env(threads), cpus[-threads:], cpus[:-threads]
-
-
 def server_start_seconds(serve_flags: list[str]) -> float:
     """A server's start as a fleet starts a replica of these flags: with `--threads N`, pinned to N
     of this host's cores with that many threads (on one of two cores here a start took 5.9 s, and
     7.9 s with the threads left to size themselves from the machine; 5.7 s free to use both)."""
-    env, pin, _ = _placement(serve_flags)
+    env, pin, _ = fleet_placement(serve_flags)
     t0 = time.perf_counter()
     with running(["serve", *serve_flags], env, poll_s=STARTUP_POLL_S, cpus=pin):
         return time.perf_counter() - t0
@@ -75,7 +64,7 @@ def busy_start_seconds(serve_flags: list[str]) -> float | None:
     model's load 3.3-4.2 s, against 2.6 alone: the busy replica computes beside it, on a sibling
     of its core or through the same memory). None: no other cores to run the busy
     replica on."""
-    env, pin, others = _placement(serve_flags)
+    env, pin, others = fleet_placement(serve_flags)
     if not others:
         return None
     with running(["serve", *serve_flags], env, cpus=others[-len(pin) :]) as (url, _), BusyClients(url):
