@@ -1,7 +1,7 @@
 """shoal/sim: the simulated replica steps as the engine schedules, the profile's fit, the gateway's
 routing and P/D split inside the simulator, a server's front end and its clients, and a gateway
-trace replayed. Autoscaled pools: test_sim_pool.py. The profile's calibration against a real server, and the
-simulator's accuracy against one: test_sim_calibration.py."""
+trace replayed. Autoscaled pools: test_sim_pool.py. The profile's calibration against a real
+server, and the simulator's accuracy against one: test_sim_calibration.py."""
 
 from __future__ import annotations
 

@@ -24,12 +24,11 @@ def time_startup(serve_flags: list[str] | None, engine_options: dict) -> dict[st
     """Seconds until a new replica takes requests: "first" may read the weights from disk, "again"
     finds them in the page cache, "busy" is the mean of starts beside a replica serving clients
     (only where the flags pin a replica to fewer cores than the host has: the busy one takes the
-    others).
-    With `serve_flags`, a `shoal serve` process from its spawn to its first ready answer, which is
-    what a fleet waits for before it routes to a replica it started (here 4.2 s, where the engine
-    alone was ready in 2.0: the server's imports and start are the rest; an autoscaled pool
-    simulated with the engine's time took its second replica too early); without, an engine in a
-    fresh interpreter."""
+    others). With `serve_flags`, a `shoal serve` process from its spawn to its first ready
+    answer, which is what a fleet waits for before it routes to a replica it started (here 4.2 s,
+    where the engine alone was ready in 2.0: the server's imports and start are the rest; an
+    autoscaled pool simulated with the engine's time took its second replica too early);
+    without, an engine in a fresh interpreter."""
     if serve_flags is None:
         return {label: engine_start_seconds(engine_options) for label in ("first", "again")}
     out = {label: server_start_seconds(serve_flags) for label in ("first", "again")}
@@ -61,9 +60,8 @@ def busy_start_seconds(serve_flags: list[str]) -> float | None:
     scale-up. On this 2-core host six such one-core starts took 4.4 to 6.8 s (mean 5.2) where
     alone they took 4.0 to 4.3; an autoscaled pool's second replica, started in a burst, went
     from its slot's start to ready in 4.8 to 6.1 s, the gateway's probe that found it included (its
-    model's load 3.3-4.2 s, against 2.6 alone: the busy replica computes beside it, on a sibling
-    of its core or through the same memory). None: no other cores to run the busy
-    replica on."""
+    model's load 3.3-4.2 s, against 2.6 alone, the busy replica computing beside it). None: no
+    other cores to run the busy replica on."""
     env, pin, others = fleet_placement(serve_flags)
     if not others:
         return None
