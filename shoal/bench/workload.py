@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.bench.synthetic_ids import random_ids
 from shoal.models.tokenizer import Tokenizer
-
-# Ids well clear of the special tokens at the start of most vocabularies.
-FIRST_PLAIN_ID = 1000
 
 
 @dataclass
@@ -25,18 +23,14 @@ class BenchRequest:
 def exact_length_text(tok: Tokenizer, n: int, rng: random.Random) -> str:
     """Random text that the tokenizer encodes to exactly n tokens (round trip checked)."""
     vocab = tok.vocab_size
-    ids = [rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(n)]
+    ids = random_ids(rng, n, vocab)
     text = tok.decode(ids)
     for _ in range(50):
         again = tok.encode(text, add_special_tokens=False)
         if len(again) == n:
             return text
         # Merges across token boundaries change the count; re-draw the tail and try again.
-        ids = (
-            again[:n]
-            if len(again) > n
-            else again + [rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(n - len(again))]
-        )
+        ids = again[:n] if len(again) > n else again + random_ids(rng, n - len(again), vocab)
         text = tok.decode(ids)
     raise RuntimeError(f"could not build a prompt of exactly {n} tokens")
 

@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
+from shoal.bench.synthetic_ids import random_ids
 from shoal.sim.servers import ProcessCPU, fleet_placement, running
-from shoal.sim.step_samples import FIRST_PLAIN_ID
 
 HANDOFF_REPEATS = 3  # handoffs timed of each length
 
@@ -57,7 +57,7 @@ def time_kv_transfer(
         model = client.get(url + "/v1/models").json()["data"][0]["id"]
         for n in (n for n in lengths if n < max_len):
             for _ in range(HANDOFF_REPEATS):
-                prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
+                prompt = random_ids(rng, n)  # nothing cached
                 hold = {"do_remote_decode": True}
                 body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": hold}
                 window = beyond.start() if beyond else None
@@ -136,7 +136,7 @@ def time_handoff_cpu(engine, lengths: tuple[int, ...], seed: int) -> dict[str, f
     for n in (n for n in lengths if n < engine.max_model_len):
         for i in range(HANDOFF_REPEATS):
             rid = f"handoff-{n}-{i}"
-            prompt = [FIRST_PLAIN_ID + rng.randrange(20_000) for _ in range(n)]  # nothing cached
+            prompt = random_ids(rng, n)  # nothing cached
             engine.add_request(rid, prompt, params, hold_kv=True)
             while engine.has_unfinished_requests():
                 engine.step()

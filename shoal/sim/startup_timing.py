@@ -8,14 +8,15 @@ import random
 import threading
 import time
 
+from shoal.bench.synthetic_ids import random_ids
 from shoal.sim.servers import fleet_placement, in_fresh_engine, running
 
 STARTUP_POLL_S = 0.05  # how often a timed server start asks whether it is ready
 # The load beside a busy start: clients that never pause, each streaming a prompt of this many
-# words and that many tokens out (the pool's rows scale up at 4 in flight a replica, and hold 9 to
-# 20 on the busy one while the new one starts).
+# tokens and that many tokens out (the pool's rows scale up at 4 in flight a replica, and hold 9 to
+# 20 on the busy one while the new one starts; their prompts are 256 tokens).
 BUSY_CLIENTS = 8
-BUSY_PROMPT_WORDS = 200
+BUSY_PROMPT_TOKENS = 256
 BUSY_OUTPUT_TOKENS = 64
 BUSY_STARTS = 3  # starts timed beside it: one swings by 50 % with what the busy one computes then
 
@@ -101,11 +102,9 @@ class BusyClients:
         import httpx
 
         rng = random.Random(seed)
-        words = ["river", "stone", "lamp", "orbit", "cedar", "mosaic", "tundra", "signal", "velvet"]
         with httpx.Client(base_url=self.url, timeout=60) as client:
             while not self._stop.is_set():
-                # Words drawn afresh each time: no prompt finds another's prefix in the cache.
-                prompt = " ".join(rng.choice(words) for _ in range(BUSY_PROMPT_WORDS))
+                prompt = random_ids(rng, BUSY_PROMPT_TOKENS)  # drawn afresh: nothing cached
                 body = {"model": self.model, "prompt": prompt, "max_tokens": BUSY_OUTPUT_TOKENS}
                 try:
                     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:

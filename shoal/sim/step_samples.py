@@ -6,10 +6,9 @@ from __future__ import annotations
 import random
 import time
 
+from shoal.bench.synthetic_ids import random_ids
 from shoal.engine.step_shape import StepShape, step_shape
 from shoal.engine.step_trace import step_line
-
-FIRST_PLAIN_ID = 1000  # ids clear of the special tokens at the start of most vocabularies
 
 
 class StepRecorder:
@@ -23,8 +22,7 @@ class StepRecorder:
         self._ids = 0
 
     def prompt(self, n: int) -> list[int]:
-        # Random ids, so no two prompts share a cached prefix.
-        return [self.rng.randrange(FIRST_PLAIN_ID, self.vocab) for _ in range(n)]
+        return random_ids(self.rng, n, self.vocab)
 
     def add(self, prompt_len: int, max_tokens: int) -> None:
         from shoal.engine.sampling_params import SamplingParams

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.bench.arrivals import Burst, arrival_times
-
-FIRST_PLAIN_ID = 1000
-TOKEN_SPACE = 40_000  # synthetic token ids are drawn from [FIRST_PLAIN_ID, FIRST_PLAIN_ID + this)
+from shoal.bench.synthetic_ids import random_ids
 
 
 @dataclass
@@ -131,7 +129,7 @@ def paused_gc():
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
-    return [FIRST_PLAIN_ID + rng.randrange(TOKEN_SPACE) for _ in range(n)]
+    return random_ids(rng, n)
 
 
 def block_tokens(block_hash: int, block_size: int) -> list[int]:
