@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import json
 import subprocess
 import sys
 import tempfile
@@ -269,6 +271,11 @@ def test_a_servers_own_steps_read_a_slower_host(node_profile):
             (trace,) = step_trace_files(trace_dir)
             alone = read_steps(trace)
             assert len(alone) == metric(server.url, "shoal:engine_steps_total")
+            # Each line says when its step ended: one step starts after the one before it ended,
+            # so the gaps between them are what the engine did between its steps.
+            lines = [json.loads(line) for line in trace.read_text().splitlines()]
+            gaps = [b["ended"] - b["seconds"] - a["ended"] for a, b in itertools.pairwise(lines)]
+            assert min(gaps) >= 0 and len(gaps) == len(alone) - 1
             spin = [sys.executable, "-c", "while True: pass"]
             hogs = [subprocess.Popen(spin) for _ in range(len(host_cpus()))]
             try:

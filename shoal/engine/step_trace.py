@@ -1,4 +1,4 @@
-"""The engine's steps, each as a line of JSON (what it held and how long it took), when the
+"""The engine's steps, each as a line of JSON (what it held, how long it took and when it ended), when the
 environment names a directory for them (SHOAL_STEP_TRACE_DIR, inherited by every replica a fleet
 starts): the serving processes' own record of how fast their steps ran, which a profile prices
 (shoal/sim/speed_probe.py) to read the host's speed during a run without a probe beside it."""
@@ -33,7 +33,7 @@ class StepTrace:
     def add(self, so, seconds: float) -> None:
         if self._file is None:  # opened by the first step: an engine that never steps leaves no file
             self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (open for the engine's life)
-        self._file.write(step_line(step_shape(so), seconds))
+        self._file.write(step_line(step_shape(so), seconds, ended=time.perf_counter()))
 
     def close(self) -> None:
         if self._file is not None:
@@ -41,8 +41,13 @@ class StepTrace:
             self._file = None
 
 
-def step_line(shape: StepShape, seconds: float) -> str:
-    return json.dumps({**asdict(shape), "seconds": seconds}) + "\n"
+def step_line(shape: StepShape, seconds: float, ended: float | None = None) -> str:
+    """`ended`: when the step ended, on the clock its seconds are timed on (time.perf_counter):
+    what the engine did between two steps is then the gap between one's end and the next's start."""
+    line = {**asdict(shape), "seconds": seconds}
+    if ended is not None:
+        line["ended"] = ended
+    return json.dumps(line) + "\n"
 
 
 def read_steps(path: str | Path) -> list[tuple[StepShape, float]]:
@@ -52,6 +57,7 @@ def read_steps(path: str | Path) -> list[tuple[StepShape, float]]:
         try:
             row = json.loads(line)
             seconds = row.pop("seconds")
+            row.pop("ended", None)
             steps.append((StepShape(**row), seconds))
         except (ValueError, KeyError, TypeError):
             continue
