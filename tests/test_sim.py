@@ -154,6 +154,52 @@ def test_kv_aware_routing_in_the_simulator_finds_the_shared_prefixes():
     assert hit["kv_aware"] > 0.65 > 0.4 > hit["round_robin"], hit
 
 
+def test_the_simulated_gateway_routes_on_queues_as_it_last_polled_them():
+    """As the real gateway does, between its polls of each replica's /load it knows the queues only
+    as that poll found them (and its own count of requests in flight, exact): every route sees the
+    last poll's queues, and a burst sees them out of date."""
+    spec = WorkloadSpec(
+        num_requests=200, rate=40.0, input_len=Lengths("fixed", 256), output_len=Lengths("fixed", 32), seed=2
+    )
+    sim = FleetSim(synthetic_profile(), FleetShape(2, "least_load", load_poll_interval_s=0.25))
+    events = []  # in order: ("poll", queues) and ("route", queues seen, queues then)
+
+    def queues(names):
+        return {
+            n: {
+                "running": len(sim.by_name[n].scheduler.running),
+                "waiting": len(sim.by_name[n].scheduler.waiting),
+            }
+            for n in names
+        }
+
+    poll, choose = sim._poll_loads, sim.policy.choose
+
+    def polling():
+        poll()
+        events.append(("poll", queues(sim.by_name)))
+
+    def choosing(candidates, req):
+        names = [c.name for c in candidates]
+        events.append(("route", {c.name: dict(c.load) for c in candidates}, queues(names)))
+        return choose(candidates, req)
+
+    sim._poll_loads, sim.policy.choose = polling, choosing
+    result = sim.run(spec.requests())
+    assert result.summary()["completed"] == 200
+    last, stale = None, 0
+    for event in events:
+        if event[0] == "poll":
+            last = event[1]
+            continue
+        _, seen, then = event
+        assert seen == {n: last[n] for n in seen}
+        stale += seen != then
+    polls = sum(e[0] == "poll" for e in events)
+    assert polls <= result.duration_s / 0.25 + 2
+    assert stale > 20, stale
+
+
 def test_the_fast_simulator_agrees_with_the_exact_one():
     """The fast simulator's aggregate rules against the engine's own scheduler, on fleets with
     shared prefixes, a pool small enough to preempt, and both routing kinds."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from shoal.bench.report import RequestRecord, summarize
+from shoal.fleet.config import GatewayConfig
 from shoal.fleet.replicas.prefix_index import PrefixIndex
 from shoal.fleet.replicas.replica import Health, Replica
 from shoal.fleet.routing.policies import RouteRequest, make_policy
@@ -49,6 +50,9 @@ class FleetShape:
     # tested on one machine), each replica pinned to the profile's threads: the front's work is
     # then taken from the replicas' steps (cores.py). None: the front has cores of its own.
     shared_cores: int | None = None
+    # How often the gateway polls each replica's queue (/load); between polls it routes on its own
+    # count of requests in flight and the queues as last polled.
+    load_poll_interval_s: float = GatewayConfig.load_poll_interval_s
 
     def handoff_seconds(self, profile: NodeProfile, tokens: int) -> float:
         """From a prompt's last step on the prefill worker to its K/V at the decode worker: the
@@ -136,9 +140,7 @@ class FleetSim:
             view = candidates[0]
         else:
             for view in candidates:
-                r = self.by_name[view.name]
-                view.inflight = r.outstanding
-                view.load = {"running": len(r.scheduler.running), "waiting": len(r.scheduler.waiting)}
+                view.inflight = self.by_name[view.name].outstanding  # the gateway's own count
             view, _reason = self.policy.choose(candidates, RouteRequest(hashes=hashes))
         view.requests_total += 1
         cached = 0
@@ -146,6 +148,12 @@ class FleetSim:
             cached = self.index.matched_blocks(hashes, [view.name])[view.name]
             self.index.routed(view.name, hashes)
         return self.by_name[view.name], cached
+
+    def _poll_loads(self) -> None:
+        """The gateway's poll of every replica's /load: its view of their queues until the next."""
+        for r in self.replicas:
+            view = self.views[r.name]
+            view.load = {"running": len(r.scheduler.running), "waiting": len(r.scheduler.waiting)}
 
     def _stopped(self, i: int) -> None:
         """Replica i went down (idle): it comes back, if it does, with an empty cache."""
@@ -204,6 +212,7 @@ class FleetSim:
         pool = self.pool
         gateway: deque[tuple[SimRequest, RequestRecord, float]] = deque()  # waiting for a replica
         next_tick = first if pool is not None else math.inf
+        next_poll = first
         last_arrival = first
         if pool is not None:
             pool.start(first)
@@ -257,6 +266,17 @@ class FleetSim:
             next_arrival = pending[0].arrival if pending else math.inf
             next_handoff = handoffs[0][0] if handoffs else math.inf
             next_step = steps[0][0] if steps else math.inf
+            # The replicas' queues as the gateway last polled them: what they held at the poll,
+            # before the next event changes them.
+            upcoming = (
+                now if held and in_flight < cap else min(next_tick, next_arrival, next_handoff, next_step)
+            )
+            if releases:
+                upcoming = min(upcoming, releases[0])
+            if next_poll <= upcoming < math.inf:
+                self._poll_loads()
+                every = self.shape.load_poll_interval_s
+                next_poll += every * (math.floor((upcoming - next_poll) / every) + 1)
             if held and in_flight < cap:
                 send(held.popleft(), now)
                 continue
