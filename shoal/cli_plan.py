@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+from shoal.cli_types import NON_NEGATIVE, POSITIVE, whole
 from shoal.cli_workload import SIM_DEFAULT_PROFILE, add_workload_args, workload_spec
+from shoal.fleet.routing.policies import POLICIES
 
 
 def plan_for(profile, spec, cfg, args):
@@ -125,21 +127,23 @@ def add_plan_parser(sub) -> None:
         default=None,
         help="a node profile (repeat for one per parallel shape; default: " + SIM_DEFAULT_PROFILE + ")",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT p99 bound")
-    p.add_argument("--slo-itl-ms", type=float, default=None, help="ITL p99 bound")
-    p.add_argument("--users", type=int, default=None, help="closed-loop users instead of --rate")
+    p.add_argument("--slo-ttft-ms", type=POSITIVE, default=2000.0, help="TTFT p99 bound")
+    p.add_argument("--slo-itl-ms", type=POSITIVE, default=None, help="ITL p99 bound")
+    p.add_argument("--users", type=whole(1), default=None, help="closed-loop users instead of --rate")
     p.add_argument(
-        "--think-s", type=float, default=10.0, help="each user's pause between answer and next request"
+        "--think-s", type=NON_NEGATIVE, default=10.0, help="each user's pause between answer and next request"
     )
-    p.add_argument("--routing", default="least_load")
-    p.add_argument("--what-if", type=float, default=2.0, help="also simulate this multiple of the load")
+    p.add_argument("--routing", choices=tuple(POLICIES), default="least_load")
+    p.add_argument(
+        "--what-if", type=NON_NEGATIVE, default=2.0, help="also simulate this multiple of the load (0: not)"
+    )
     p.add_argument("--no-pd", action="store_true", help="leave out P/D fleets")
     p.add_argument(
         "--no-autoscale", action="store_true", help="skip sizing an autoscaled pool of the cheapest fleet"
     )
     p.add_argument(
         "--disagg-min-prompt-tokens",
-        type=int,
+        type=whole(0),
         default=256,
         help="a P/D fleet prefills prompts with fewer uncached tokens on their decode worker",
     )

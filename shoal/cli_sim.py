@@ -8,7 +8,9 @@ import time
 
 from shoal.cli_options import add_engine_args, engine_options
 from shoal.cli_plan import add_plan_parser
+from shoal.cli_types import NON_NEGATIVE, POSITIVE, whole, whole_list
 from shoal.cli_workload import SIM_DEFAULT_PROFILE, add_workload_args, workload_spec
+from shoal.fleet.routing.policies import POLICIES
 
 AUTO_FAST_FROM = 20_000  # requests past which `shoal sim --mode auto` runs the fast simulator
 
@@ -34,7 +36,7 @@ def cmd_profile(args) -> int:
             1,
         )
     if args.decode_batches:
-        cfg.decode_batches = tuple(int(b) for b in args.decode_batches.split(","))
+        cfg.decode_batches = args.decode_batches
     profile = measure(cfg)
     print(profile.describe())
     print(f"saved to {args.out}")
@@ -105,6 +107,12 @@ def cmd_sim(args) -> int:
     if disaggregated and (not args.prefill or not args.decode):
         print("shoal: a P/D fleet takes --prefill N and --decode M", file=sys.stderr)
         return 2
+    if args.max_replicas is not None and args.min_replicas > args.max_replicas:
+        print("shoal: --min-replicas is above --max-replicas", file=sys.stderr)
+        return 2
+    if disaggregated and args.max_replicas is not None:
+        print("shoal: the simulator scales a pool of whole replicas, not a P/D fleet", file=sys.stderr)
+        return 2
     if args.shared_cores is not None and args.mode == "fast":
         print("shoal: --shared-cores needs the exact simulator (--mode exact)", file=sys.stderr)
         return 2
@@ -172,6 +180,7 @@ def add_sim_parsers(sub, wanted) -> None:
     )
     p.add_argument(
         "--decode-batches",
+        type=whole_list(1),
         metavar="B,B,...",
         help="decode batch sizes to time (default 1,2,4,...,64; a GPU serves larger ones: add 128,256 "
         "with --max-num-seqs 256)",
@@ -202,26 +211,28 @@ def add_sim_parsers(sub, wanted) -> None:
 
     p = sub.add_parser("sim", help="simulate a fleet serving a workload, from a node profile")
     p.add_argument("--profile", default=SIM_DEFAULT_PROFILE)
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--prefill", type=int, default=None, help="a P/D fleet: this many prefill workers")
-    p.add_argument("--decode", type=int, default=None, help="... and this many decode workers")
+    p.add_argument("--replicas", type=whole(1), default=1)
+    p.add_argument("--prefill", type=whole(1), default=None, help="a P/D fleet: this many prefill workers")
+    p.add_argument("--decode", type=whole(1), default=None, help="... and this many decode workers")
     p.add_argument(
         "--disagg-min-prompt-tokens",
-        type=int,
+        type=whole(0),
         default=256,
         help="prompts with fewer uncached tokens are prefilled on their decode worker",
     )
     p.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="a P/D fleet's K/V handoff")
     g = p.add_argument_group("an autoscaled pool (instead of --replicas)")
-    g.add_argument("--max-replicas", type=int, default=None, help="scale between --min-replicas and this")
-    g.add_argument("--min-replicas", type=int, default=1)
-    g.add_argument("--warm-standby", type=int, default=0, help="loaded replicas out of traffic")
-    g.add_argument("--scale-to-zero-after", type=float, default=None, metavar="S")
-    g.add_argument("--target-inflight", type=float, default=8.0, help="requests in flight per replica")
-    g.add_argument("--scale-up-delay", type=float, default=1.0, metavar="S")
-    g.add_argument("--scale-down-delay", type=float, default=30.0, metavar="S")
-    g.add_argument("--start-s", type=float, default=None, help="a cold start (default: the profile's)")
-    p.add_argument("--routing", default="least_load")
+    g.add_argument(
+        "--max-replicas", type=whole(1), default=None, help="scale between --min-replicas and this"
+    )
+    g.add_argument("--min-replicas", type=whole(0), default=1)
+    g.add_argument("--warm-standby", type=whole(0), default=0, help="loaded replicas out of traffic")
+    g.add_argument("--scale-to-zero-after", type=NON_NEGATIVE, default=None, metavar="S")
+    g.add_argument("--target-inflight", type=POSITIVE, default=8.0, help="requests in flight per replica")
+    g.add_argument("--scale-up-delay", type=NON_NEGATIVE, default=1.0, metavar="S")
+    g.add_argument("--scale-down-delay", type=NON_NEGATIVE, default=30.0, metavar="S")
+    g.add_argument("--start-s", type=NON_NEGATIVE, default=None, help="a cold start (default: the profile's)")
+    p.add_argument("--routing", choices=tuple(POLICIES), default="least_load")
     p.add_argument(
         "--mode",
         choices=("auto", "exact", "fast"),
@@ -229,12 +240,14 @@ def add_sim_parsers(sub, wanted) -> None:
         help=f"exact: the engine's own scheduler per replica; fast: its rules in aggregate, for "
         f"large fleets (auto: fast past {AUTO_FAST_FROM:,} requests)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-concurrency", type=int, default=None, help="the clients' cap on requests in flight")
+    p.add_argument("--max-num-seqs", type=whole(1), default=None)
+    p.add_argument("--max-num-batched-tokens", type=whole(1), default=None)
+    p.add_argument(
+        "--max-concurrency", type=whole(1), default=None, help="the clients' cap on requests in flight"
+    )
     p.add_argument(
         "--shared-cores",
-        type=int,
+        type=whole(1),
         default=None,
         metavar="N",
         help="the replicas (pinned to the profile's threads), the gateway and the clients all run on "
@@ -243,12 +256,12 @@ def add_sim_parsers(sub, wanted) -> None:
     )
     p.add_argument(
         "--request-overhead-ms",
-        type=float,
+        type=NON_NEGATIVE,
         default=None,
         help="time a request spends outside the engine (default: the profile's, from a real server)",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-ttft-ms", type=POSITIVE, default=None)
+    p.add_argument("--slo-tpot-ms", type=POSITIVE, default=None)
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--plot", dest="plot_path", default=None, help="a PNG of latencies over the run")
     add_workload_args(p)

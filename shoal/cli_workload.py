@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from shoal.cli_types import POSITIVE, whole
+
 SIM_DEFAULT_PROFILE = "shoal-profile.json"
 
 
@@ -21,9 +23,9 @@ def burst_flag(text: str):
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (or --trace)")
     g.add_argument("--trace", default=None, help="a trace the gateway recorded (JSON lines)")
-    g.add_argument("--num-requests", type=int, default=1000)
+    g.add_argument("--num-requests", type=whole(1), default=1000)
     g.add_argument(
-        "--rate", type=float, default=math.inf, help="mean arrivals per second (default: all at once)"
+        "--rate", type=POSITIVE, default=math.inf, help="mean arrivals per second (default: all at once)"
     )
     g.add_argument(
         "--burst",
@@ -36,8 +38,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--input-len", default="256", help="N, uniform:MEAN:SPREAD or lognormal:MEAN:SIGMA")
     g.add_argument("--output-len", default="128", help="as --input-len")
-    g.add_argument("--num-prefixes", type=int, default=0, help="shared prompt prefixes")
-    g.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix")
+    g.add_argument("--num-prefixes", type=whole(0), default=0, help="shared prompt prefixes")
+    g.add_argument("--prefix-len", type=whole(0), default=0, help="tokens of each shared prefix")
     g.add_argument("--seed", type=int, default=0)
 
 
