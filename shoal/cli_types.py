@@ -7,14 +7,18 @@ import argparse
 import math
 
 
+def _converted(text: str, convert, what: str):
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def whole(least: int):
     """An integer of at least `least`."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        value = _converted(text, int, "a whole number")
         if value < least:
             raise argparse.ArgumentTypeError(f"{value} is below {least}")
         return value
@@ -27,10 +31,7 @@ def number(positive: bool):
     """A finite-or-infinite number above 0 (`positive`) or at least 0; never NaN."""
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        value = _converted(text, float, "a number")
         if math.isnan(value) or value < 0 or (positive and value == 0):
             raise argparse.ArgumentTypeError(f"{text} is not {'above' if positive else 'at least'} 0")
         return value
