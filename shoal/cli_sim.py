@@ -110,9 +110,6 @@ def cmd_sim(args) -> int:
     if args.max_replicas is not None and args.min_replicas > args.max_replicas:
         print("shoal: --min-replicas is above --max-replicas", file=sys.stderr)
         return 2
-    if disaggregated and args.max_replicas is not None:
-        print("shoal: the simulator scales a pool of whole replicas, not a P/D fleet", file=sys.stderr)
-        return 2
     if args.shared_cores is not None and args.mode == "fast":
         print("shoal: --shared-cores needs the exact simulator (--mode exact)", file=sys.stderr)
         return 2
@@ -136,11 +133,6 @@ def cmd_sim(args) -> int:
         scaling=scaling_shape(args),
         shared_cores=args.shared_cores,
     )
-    if shape.scaling is not None and disaggregated:
-        print(
-            "shoal: an autoscaled pool is of whole replicas, not prefill and decode workers", file=sys.stderr
-        )
-        return 2
     try:
         sim = (FastFleet if fast else FleetSim)(profile, shape)
     except ValueError as exc:
