@@ -17,6 +17,7 @@ from shoal.cli_options import (
     serve_flag_sets,
 )
 from shoal.cli_sim import add_sim_parsers
+from shoal.cli_types import whole
 from shoal.protocol.secrets import api_key_from
 
 
@@ -27,10 +28,11 @@ def _make_llm(args):
 
 
 def cmd_generate(args) -> int:
+    params = sampling_params(args)  # checked before the model loads
     with _make_llm(args) as llm:  # the exit stops a parallel engine's ranks
         for prompt in args.prompt:
             sys.stdout.write(prompt)
-            for piece in llm.stream(prompt, sampling_params(args)):
+            for piece in llm.stream(prompt, params):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -38,11 +40,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    params = sampling_params(args)  # checked before the model loads
     with _make_llm(args) as llm:
-        return _chat(llm, args)
+        return _chat(llm, args, params)
 
 
-def _chat(llm, args) -> int:
+def _chat(llm, args, params) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -51,7 +54,7 @@ def _chat(llm, args) -> int:
         messages.append({"role": "user", "content": user_text})
         ids = llm.tokenizer.encode_chat(messages)
         reply = []
-        for piece in llm.stream(ids, sampling_params(args)):
+        for piece in llm.stream(ids, params):
             reply.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -78,16 +81,16 @@ def cmd_serve(args) -> int:
     from shoal.server.launch import serve
 
     server_flags, front_flags, kv_flags = serve_flag_sets()
-    try:
-        kv = build(args, kv_flags)
+    model = args.model_pos or args.model
+    options = {"enable_kv_events": True, **engine_options(args)}  # a fleet router may subscribe
+    try:  # every config's own checks, before the model loads
+        server = build(args, server_flags, front=build(args, front_flags), kv=build(args, kv_flags))
+        engine = build_engine_config(model, **options)
     except ValueError as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
-    server = build(args, server_flags, front=build(args, front_flags), kv=kv)
     server.api_key = api_key_from(server.api_key)  # a key in argv is public: $SHOAL_API_KEY is not
-    model = args.model_pos or args.model
-    options = {"enable_kv_events": True, **engine_options(args)}  # a fleet router may subscribe
-    return serve(build_engine_config(model, **options), server)
+    return serve(engine, server)
 
 
 def cmd_worker(args) -> int:
@@ -124,7 +127,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="one rank of a tensor/pipeline-parallel engine, on another host")
     p.add_argument("--driver", required=True, help="HOST:PORT of the engine (its --distributed-port)")
-    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--rank", type=whole(0), required=True)
     p.add_argument(
         "--advertise-host",
         default=None,
@@ -158,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([a for a in argv if not a.startswith("-")][:2])  # "": none, build no options
     args = build_parser(command).parse_args(argv)
     args.argv = argv  # as typed: `shoal profile` passes its engine flags on to the server it starts
+    from shoal.engine.sampling_params import InvalidParamError
     from shoal.models.checkpoint import ModelNotFoundError
 
     try:
         return args.func(args)
-    except ModelNotFoundError as e:
+    except (ModelNotFoundError, InvalidParamError) as e:
         print(f"shoal: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ import sys
 
 from shoal.cli_flags import Flag, FlagSet, add_flags, given
 from shoal.cli_options import format_size, parse_size
+from shoal.cli_types import POSITIVE, fraction, whole
 from shoal.protocol.secrets import api_key_from
 
 
@@ -234,6 +235,11 @@ def cmd_gateway(args) -> int:
     if not fleet.gateway.backends:
         print("shoal: give at least one --backend URL (or backends in --config)", file=sys.stderr)
         return 2
+    try:
+        fleet.gateway.check()
+    except ValueError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
     if _trace_refused(fleet.gateway.record_trace):
         return 2
     return _run_gateway(Gateway(fleet.gateway), f"gateway over {len(fleet.gateway.backends)} backends")
@@ -355,11 +361,14 @@ def add_fleet_parsers(sub, full: bool = True) -> None:
     p = fleet.add_parser("up", help="start N local replicas behind one gateway, restarting any that die")
     p.add_argument("model_pos", nargs="?", metavar="MODEL")
     p.add_argument("--model", "-m", default=None)
-    p.add_argument("--replicas", type=int, default=None, help="a fixed fleet of this many")
+    p.add_argument("--replicas", type=whole(1), default=None, help="a fixed fleet of this many")
     p.add_argument(
-        "--prefill", type=int, default=None, help="prefill workers (with --decode: a disaggregated fleet)"
+        "--prefill",
+        type=whole(1),
+        default=None,
+        help="prefill workers (with --decode: a disaggregated fleet)",
     )
-    p.add_argument("--decode", type=int, default=None, help="decode workers (with --prefill)")
+    p.add_argument("--decode", type=whole(1), default=None, help="decode workers (with --prefill)")
     if full:
         size, autoscale, disagg = fleet_flag_sets()
         add_flags(p, disagg)
@@ -371,13 +380,13 @@ def add_fleet_parsers(sub, full: bool = True) -> None:
     p.add_argument("--address", default=None, help="the Ray cluster (--launcher ray): HOST:PORT, or auto")
     p.add_argument(
         "--cores-per-replica",
-        type=int,
+        type=whole(1),
         default=None,
         help="cores (and compute threads) each replica gets (default: the host's cores over the replicas)",
     )
     p.add_argument(
         "--ray-cpus-per-replica",
-        type=float,
+        type=POSITIVE,
         default=None,
         help="CPUs a replica's placement reserves (default: --cores-per-replica, else 1)",
     )
@@ -409,14 +418,14 @@ def add_fleet_parsers(sub, full: bool = True) -> None:
             p.add_argument("--model", default=None, help="the new checkpoint")
             p.add_argument("--replica-args", default=None, help="the new `shoal serve` flags")
             p.add_argument(
-                "--canary", type=float, default=0.0, help="share of requests to the first new replica"
+                "--canary", type=fraction, default=0.0, help="share of requests to the first new replica"
             )
             p.add_argument(
-                "--canary-seconds", type=float, default=30.0, help="how long the canary is watched"
+                "--canary-seconds", type=POSITIVE, default=30.0, help="how long the canary is watched"
             )
             p.add_argument(
                 "--shadow",
-                type=float,
+                type=fraction,
                 default=None,
                 help="share of requests also copied to the new version, compared and discarded; its "
                 "first replica takes only copies for --canary-seconds (default: [rollout] shadow)",

@@ -14,17 +14,22 @@ def _converted(text: str, convert, what: str):
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
 
 
-def whole(least: int):
-    """An integer of at least `least`."""
+def whole(least: int, most: int | None = None):
+    """An integer of at least `least` (and at most `most`)."""
 
     def parse(text: str) -> int:
         value = _converted(text, int, "a whole number")
         if value < least:
             raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{value} is above {most}")
         return value
 
-    parse.__name__ = f"whole number of at least {least}"
+    parse.__name__ = f"whole number of at least {least}" + ("" if most is None else f" and at most {most}")
     return parse
+
+
+PORT = whole(0, 65535)  # 0: any free port
 
 
 def number(positive: bool):
@@ -42,6 +47,14 @@ def number(positive: bool):
 
 POSITIVE = number(True)
 NON_NEGATIVE = number(False)
+
+
+def fraction(text: str) -> float:
+    """A share from 0 to 1."""
+    value = NON_NEGATIVE(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} is above 1")
+    return value
 
 
 def whole_list(least: int):

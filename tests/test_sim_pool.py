@@ -127,3 +127,18 @@ def test_the_fast_simulator_scales_a_pool_as_the_exact_one_does():
             e, f = exact[key][q], fast[key][q]
             assert abs(f - e) <= within * e, (key, q, e, f)
     assert abs(fast["replica_seconds"] - exact["replica_seconds"]) <= 0.1 * exact["replica_seconds"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "said"),
+    [
+        ({"min_replicas": 3, "max_replicas": 2}, r"min_replicas \(3\) <= max_replicas \(2\)"),
+        ({"min_replicas": 0, "max_replicas": 0}, "max_replicas of at least 1"),
+        ({"warm_standby": -1}, "warm_standby must be at least 0"),
+        ({"autoscale": AutoscaleConfig(target_inflight=0)}, "target_inflight must be above 0"),
+    ],
+)
+def test_a_pool_shape_out_of_range_is_refused_where_it_is_built(shape, said):
+    """Not found later as an IndexError or a division by zero inside a run."""
+    with pytest.raises(ValueError, match=said):
+        ScalingShape(**shape)

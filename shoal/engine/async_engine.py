@@ -28,6 +28,7 @@ from shoal.engine.outputs import EngineCoreOutput, RequestOutput
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.step_result import EngineStats, StepResult
+from shoal.protocol.bounds import check_bounds
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,11 @@ class AsyncEngineConfig:
     kv_event_log_size: int = 200_000
     # K/V held for another engine (disaggregation) is freed if nobody takes it within this.
     kv_hold_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        # 0 waiting: every request is refused (a replica that sheds all it is sent)
+        least = {"max_waiting_requests": 0, "max_waiting_tokens": 0, "kv_event_log_size": 1}
+        check_bounds(self, least, above={"stall_timeout_s": 0, "kv_hold_timeout_s": 0})
 
 
 @dataclass

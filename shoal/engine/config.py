@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from shoal.engine.lora_manager import LoRAConfig
 from shoal.engine.speculative import SpeculativeConfig
+from shoal.protocol.bounds import check_bounds
 from shoal.protocol.sizes import parse_size
 
 GiB = 1 << 30
@@ -40,8 +41,7 @@ class CacheConfig:
             if len(self.kv_offload_disk) != 2:
                 raise ValueError("kv_offload_disk is (PATH, SIZE)")
             parse_size(self.kv_offload_disk[1])  # refused now, not at the first eviction
-        if self.kv_offload_memory < 0:
-            raise ValueError("kv_offload_memory must be at least 0")
+        check_bounds(self, {"block_size": 1, "kv_cache_memory": 1, "num_blocks": 1, "kv_offload_memory": 0})
 
     @property
     def offload_disk_path(self) -> str | None:
@@ -60,6 +60,10 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # Fraction of blocks kept free when admitting new requests, so decodes do not preempt at once.
     admission_watermark: float = 0.01
+
+    def __post_init__(self):
+        least = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1, "admission_watermark": 0}
+        check_bounds(self, least, most={"admission_watermark": 0.5})
 
 
 EXPERT_DISPATCH = ("all-reduce", "all-to-all")
@@ -94,6 +98,18 @@ class ParallelConfig:
     startup_timeout_s: float = 300.0
 
     def __post_init__(self):
+        sizes = (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "expert_parallel_size",
+            "expert_rebalance_steps",
+        )
+        check_bounds(
+            self,
+            {**dict.fromkeys(sizes, 1), "expert_spare_slots": 0, "distributed_port": 0},
+            above={"step_timeout_s": 0, "startup_timeout_s": 0},
+            most={"distributed_port": 65534},  # the rendezvous takes the next port
+        )
         if self.expert_dispatch not in EXPERT_DISPATCH:
             choices = ", ".join(EXPERT_DISPATCH)
             raise ValueError(f"expert_dispatch must be one of {choices}, not {self.expert_dispatch!r}")
@@ -140,5 +156,6 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        check_bounds(self, {"num_threads": 1})
         if self.decode_ahead not in DECODE_AHEAD:
             raise ValueError(f"decode_ahead is auto, on or off, not {self.decode_ahead!r}")

@@ -15,6 +15,7 @@ from shoal.fleet.control.cores import CoresConfig
 from shoal.fleet.routing.policies import POLICIES
 from shoal.fleet.routing.tiers import TierConfig
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
+from shoal.protocol.bounds import check_bounds
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 from shoal.retrieval.router import RetrievalIndexConfig
 
@@ -142,6 +143,27 @@ class GatewayConfig:
     batch_poll_interval_s: float = 0.2
     batch_max_file_bytes: int = 200 << 20  # an uploaded batch input file (OpenAI's limit)
 
+    def check(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        whole = ("max_body_bytes", "route_tokenize_max_chars", "max_inflight_per_replica", "probe_misses")
+        whole += ("eject_after_errors", "adapter_busy_at", "block_size", "rebalance_max_moves")
+        whole += ("batch_max_inflight", "batch_max_file_bytes")
+        waits = ("lease_ttl_s", "queue_timeout_s", "cold_start_timeout_s", "connect_timeout_s")
+        waits += ("first_byte_timeout_s", "stream_idle_timeout_s", "request_timeout_s", "probe_interval_s")
+        waits += ("probe_timeout_s", "load_poll_interval_s", "kv_poll_interval_s", "prefill_timeout_s")
+        waits += ("rebalance_interval_s", "batch_poll_interval_s")
+        none_below_0 = ("port", "replica_lifeline_s", "max_queue", "max_retries", "retry_budget")
+        none_below_0 += ("shutdown_timeout_s", "poison_ttl_s", "eject_for_s", "load_weight")
+        none_below_0 += ("imbalance_limit", "adapter_unload_drain_s", "disagg_min_prompt_tokens")
+        none_below_0 += ("peer_fetch_min_tokens", "rebalance_cooldown_s", "rebalance_kv_low")
+        check_bounds(
+            self,
+            {**dict.fromkeys(whole, 1), **dict.fromkeys(none_below_0, 0)},
+            above={**dict.fromkeys(waits, 0), "rebalance_kv_high": self.rebalance_kv_low},
+            most={"port": 65535, "rebalance_kv_high": 1},
+        )
+
     @property
     def replica_key(self) -> str | None:
         return self.replica_api_key if self.replica_api_key is not None else self.api_key
@@ -180,6 +202,8 @@ class ModelConfig:
             )
         if self.max_replicas == 0 and not self.prefill:
             raise ValueError(f"model {self.key}: max_replicas must be at least 1")
+        check_bounds(self, {"memory_mb": 0, "scale_to_zero_after_s": 0})
+        self.autoscale.check()
 
     @property
     def autoscaled(self) -> bool:
@@ -250,8 +274,16 @@ class FleetConfig:
             raise ValueError("each [[models]] table needs its own name (the model id clients send)")
         for m in self.model_configs():
             m.check()
+        waits = ("restart_backoff_s", "restart_backoff_max_s", "restart_reset_after_s", "drain_timeout_s")
+        check_bounds(
+            self,
+            {"base_port": 0, "memory_budget_mb": 0, **dict.fromkeys(waits, 0)},
+            above={"update_ready_timeout_s": 0},
+            most={"base_port": 65535},
+        )
         self.cores.check()
         self.canary.check()
+        self.gateway.check()
 
 
 def _fill(cls, data: dict[str, Any]):
@@ -293,6 +325,4 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
         t.key_hash()  # a key that cannot be read fails now, not at the first request
         if t.priority >= gateway.batch_priority:
             raise ValueError(f"tenant {t.name}: priority {t.priority} must be below batch_priority")
-    if gateway.policy not in POLICIES:
-        raise ValueError(f"unknown policy {gateway.policy!r}; choose from {', '.join(POLICIES)}")
     return cfg

@@ -23,6 +23,7 @@ from shoal.models.pooling_config import checkpoint_pooling
 from shoal.models.tool_formats import tool_format
 from shoal.protocol import tracing
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
+from shoal.protocol.bounds import check_bounds
 from shoal.protocol.errors import EXIT_ENGINE_DEAD, EXIT_RANK_LOST
 from shoal.protocol.secrets import kv_salt
 from shoal.protocol.supervision import LIFELINE_ENV, PARENT_PID_ENV
@@ -58,6 +59,10 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     # OpenTelemetry spans go here over OTLP/HTTP (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT).
     otlp_traces_endpoint: str | None = None
+
+    def __post_init__(self):
+        least = {"port": 0, "max_request_bytes": 1, "peer_timeout_s": 0, "shutdown_timeout_s": 0}
+        check_bounds(self, least, most={"port": 65535})
 
 
 def load_serving_context(engine_config: EngineConfig, server_config: ServerConfig) -> ServingContext:

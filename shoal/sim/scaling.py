@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.control.autoscaler import AutoscaleConfig, Autoscaler, Signals
+from shoal.protocol.bounds import check_bounds
 from shoal.sim.profile import NodeProfile
 
 TICK_S = 0.1  # as often as the controller reconciles
@@ -30,6 +31,16 @@ class ScalingShape:
     # How often the gateway probes a replica for readiness: a started one takes traffic at the
     # first probe after its server is ready, half an interval later on average.
     probe_interval_s: float = GatewayConfig.probe_interval_s
+
+    def __post_init__(self):
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(
+                f"need 0 <= min_replicas ({self.min_replicas}) <= max_replicas ({self.max_replicas}), "
+                "and max_replicas of at least 1"
+            )
+        least = {"warm_standby": 0, "scale_to_zero_after_s": 0, "start_s": 0}
+        check_bounds(self, least, above={"probe_interval_s": 0})
+        self.autoscale.check()
 
     @property
     def slots(self) -> int:

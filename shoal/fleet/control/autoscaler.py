@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shoal.protocol.bounds import check_bounds
+
 
 @dataclass
 class AutoscaleConfig:
@@ -24,6 +26,14 @@ class AutoscaleConfig:
     scale_up_delay_s: float = 1.0
     scale_down_delay_s: float = 30.0
     max_step: int = 2  # replicas added or removed by one decision
+
+    def check(self) -> None:
+        check_bounds(
+            self,
+            {"tolerance": 0, "scale_up_delay_s": 0, "scale_down_delay_s": 0, "max_step": 1},
+            above={"target_inflight": 0, "target_waiting": 0, "target_kv_usage": 0, "target_ttft_s": 0},
+            most={"target_kv_usage": 1},
+        )
 
 
 @dataclass
