@@ -16,12 +16,12 @@ This shared host's speed drifts by 10-20 % over minutes, and a fleet near its ca
 few per cent of speed into tens of per cent of queueing: the same P/D fleet under the same
 arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So each real run is
 predicted at the host's speed during it, read by the real fleet's own engines: they trace their
-steps (SHOAL_STEP_TRACE_DIR), the profile prices those steps, and their time over that price,
-against the same ratio in the profile's own served runs, is the host's speed for those workers
-(speed_probe.traced_speed; a role each: a P/D fleet's prefill workers ran x1.05-1.10 where its
-decode worker ran x0.92-0.97 in the same runs) times what the fleet's own processes took of their
-cores, which the simulator charges itself: so its own stretch of the run's steps is taken out
-(sim_at_traced below). `--speed probe`: at a speed probe's instead (a fixed run of steps on a
+steps and when each ended (SHOAL_STEP_TRACE_DIR), the profile prices those steps, and the time the
+engine was busy on them (each step, and its work between two steps) over that price is the speed
+of those workers (speed_probe.traced_speed; a role each: a P/D fleet's prefill worker ran x1.10
+where its decode worker ran x1.23 in run 36): the host's speed times what the fleet's own processes
+took of their cores, which the simulator charges itself: so its own stretch of the run's steps is
+taken out (sim_at_traced below). `--speed probe`: at a speed probe's instead (a fixed run of steps on a
 fresh engine right before and right after the run; runs 15-23), `--speed none`: at the
 profile's. `--repeats N` runs each real fleet N times, each predicted at its own speeds, and
 compares the medians, each run beside them.
@@ -48,7 +48,7 @@ from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.bench.workload import request_lengths
 from shoal.cli import build_parser
 from shoal.cli_options import engine_options
-from shoal.engine.step_trace import STEP_TRACE_ENV, read_steps, step_trace_files
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_gaps, read_steps, step_trace_files
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
@@ -193,18 +193,26 @@ class ReplicaSampler:
         return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
-def traced_speeds(profile, trace_dir: str) -> dict[str, float]:
-    """Each role's speed (speed_probe.traced_speed) from the steps its engines traced: a P/D
-    fleet's prefill workers are those whose steps all held prompt tokens (each request samples its
-    first token there and leaves), its decode workers the rest; a fleet of whole replicas is one
-    role, "both"."""
-    by_role: dict[str, list] = {}
-    traces = [read_steps(path) for path in step_trace_files(trace_dir)]
-    split = any(steps and all(not s.decode_only for s, _ in steps) for steps in traces)
-    for steps in traces:
+def traced_speeds(profile, trace_dir: str, handed: list[int] = ()) -> dict[str, float]:
+    """Each role's speed (speed_probe.traced_speed) from the steps its engines traced and the gaps
+    between them: a P/D fleet's prefill workers are those whose steps all held prompt tokens (each
+    request samples its first token there and leaves), its decode workers the rest; a fleet of
+    whole replicas is one role, "both". `handed`: the prompts' lengths whose K/V the prefill
+    workers handed on, whose packing the simulator charges between their steps."""
+    by_role: dict[str, tuple[list, list]] = {}
+    traces = [(read_steps(path), read_gaps(path)) for path in step_trace_files(trace_dir)]
+    split = any(steps and all(not s.decode_only for s, _ in steps) for steps, _ in traces)
+    for steps, gaps in traces:
         role = ("prefill" if all(not s.decode_only for s, _ in steps) else "decode") if split else "both"
-        by_role.setdefault(role, []).extend(steps)
-    return {role: traced_speed(profile, steps) for role, steps in by_role.items() if steps}
+        mine = by_role.setdefault(role, ([], []))
+        mine[0].extend(steps)
+        mine[1].extend(gaps)
+    packing = sum(profile.kv_handoff_cpu_seconds(n, "prefill") for n in handed)
+    return {
+        role: traced_speed(profile, steps, gaps, packing if role == "prefill" else 0.0)
+        for role, (steps, gaps) in by_role.items()
+        if steps
+    }
 
 
 def sim_at_traced(row: Row, profile, setup: Setup, traced: dict[str, float]) -> tuple[dict, dict[str, float]]:
@@ -354,7 +362,8 @@ def main() -> None:
             probed = host_speed(profile, options) if args.speed == "probe" else None
             with tempfile.TemporaryDirectory(prefix="shoal-steps-") as trace_dir:
                 runs.append(figures(run_real(row, setup, trace_dir), row))
-                traced = traced_speeds(profile, trace_dir)
+                handed = [prompt for prompt, _ in row.lengths()] if row.prefill else []
+                traced = traced_speeds(profile, trace_dir, handed)
             if probed is not None:  # the host's speed right before and right after the run
                 probed = (probed + host_speed(profile, options)) / 2
             if args.speed == "traced":

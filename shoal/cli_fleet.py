@@ -7,7 +7,7 @@ import sys
 
 from shoal.cli_flags import Flag, FlagSet, add_flags, given
 from shoal.cli_options import format_size, parse_size
-from shoal.cli_types import POSITIVE, fraction, whole
+from shoal.cli_types import NON_NEGATIVE, POSITIVE, fraction, whole
 from shoal.protocol.secrets import api_key_from
 
 
@@ -421,7 +421,7 @@ def add_fleet_parsers(sub, full: bool = True) -> None:
                 "--canary", type=fraction, default=0.0, help="share of requests to the first new replica"
             )
             p.add_argument(
-                "--canary-seconds", type=POSITIVE, default=30.0, help="how long the canary is watched"
+                "--canary-seconds", type=NON_NEGATIVE, default=30.0, help="how long the canary is watched"
             )
             p.add_argument(
                 "--shadow",

@@ -37,7 +37,7 @@ def exit_status(argv: list[str]) -> int:
         ([*UP, "--launcher", "ray", "--ray-cpus-per-replica", "nan"], "--ray-cpus-per-replica: nan"),
         (["fleet", "update", "--canary", "1.5"], "argument --canary: 1.5 is above 1"),
         (["fleet", "update", "--canary", "-0.1"], "argument --canary: -0.1 is not at least 0"),
-        (["fleet", "update", "--canary-seconds", "0"], "argument --canary-seconds: 0 is not above 0"),
+        (["fleet", "update", "--canary-seconds", "-1"], "argument --canary-seconds: -1 is not at least 0"),
         (["fleet", "update", "--shadow", "inf"], "argument --shadow: inf is above 1"),
         ([*BUILD, "--shards", "0"], "argument --shards: 0 is below 1"),
         ([*BUILD, "--nlist", "-4"], "argument --nlist: -4 is below 0"),

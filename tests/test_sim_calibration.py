@@ -16,7 +16,7 @@ import pytest
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.engine.step_shape import StepShape
-from shoal.engine.step_trace import STEP_TRACE_ENV, read_steps, step_trace_files
+from shoal.engine.step_trace import STEP_TRACE_ENV, read_gaps, read_steps, step_trace_files
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_profile
@@ -126,6 +126,22 @@ def test_a_host_that_ran_the_served_runs_slower_is_not_taken_for_serving():
     assert bare.mixed.coef == pytest.approx(made_up_profile().mixed.coef, rel=0.01)
 
 
+def test_a_traced_engines_speed_is_its_busy_time_over_the_steps_prices():
+    """Steps that took 1.2 times their price, 4 ms between two while work waited and 3 s once while
+    none did: the engine was busy 1.2 times their price and 4 ms after each step; what the
+    simulator charges itself between steps (a prefill worker's packing) is not counted twice."""
+    profile = made_up_profile()
+    shapes = [StepShape(4, 4, 512, 512), StepShape(1, 256, 256, 256 * 257 // 2), StepShape(8, 8, 900, 900)]
+    steps = [(s, 1.2 * profile.step_seconds(s)) for s in shapes]
+    priced = sum(profile.step_seconds(s) for s in shapes)
+    assert traced_speed(profile, steps) == pytest.approx(1.2)
+    assert traced_speed(profile, steps, [0.004, 3.0]) == pytest.approx(1.2 + 3 * 0.004 / priced)
+    packing = 0.01
+    assert traced_speed(profile, steps, [0.004, 3.0], packing) == pytest.approx(
+        1.2 + (3 * 0.004 - packing) / priced
+    )
+
+
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)
 SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16"]
 
@@ -195,7 +211,7 @@ def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
         finally:
             server.stop()
         (trace,) = step_trace_files(trace_dir)  # the server's one engine
-        profile = profile.at_speed(traced_speed(profile, read_steps(trace)))
+        profile = profile.at_speed(traced_speed(profile, read_steps(trace), read_gaps(trace)))
     spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
     predicted = FleetSim(profile, shape).run(spec.requests()).summary()
@@ -276,6 +292,7 @@ def test_a_servers_own_steps_read_a_slower_host(node_profile):
             lines = [json.loads(line) for line in trace.read_text().splitlines()]
             gaps = [b["ended"] - b["seconds"] - a["ended"] for a, b in itertools.pairwise(lines)]
             assert min(gaps) >= 0 and len(gaps) == len(alone) - 1
+            assert read_gaps(trace) == pytest.approx(gaps)
             spin = [sys.executable, "-c", "while True: pass"]
             hogs = [subprocess.Popen(spin) for _ in range(len(host_cpus()))]
             try:

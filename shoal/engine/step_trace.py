@@ -64,6 +64,23 @@ def read_steps(path: str | Path) -> list[tuple[StepShape, float]]:
     return steps
 
 
+def read_gaps(path: str | Path) -> list[float]:
+    """The seconds between each step's end and the next one's start in one file of step_line's
+    lines (lines without their end are skipped, and the gap across them)."""
+    gaps, last_end = [], None
+    for line in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+            started, ended = row["ended"] - row["seconds"], row["ended"]
+        except (ValueError, KeyError, TypeError):
+            last_end = None
+            continue
+        if last_end is not None:
+            gaps.append(started - last_end)
+        last_end = ended
+    return gaps
+
+
 def step_trace_files(directory: str | Path) -> list[Path]:
     """The files of every engine that traced its steps in `directory`, one an engine."""
     return sorted(Path(directory).glob("steps-*.jsonl"))

@@ -243,8 +243,8 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         long_len = min(LONG_PROMPT_TIMES * prompt, longest, profile.max_model_len - 8)
         long_prompt = (long_len, run(1, 4, long_len, 2, seed=LONG_PROMPT_SEED)) if long_len > prompt else None
         fold_serving(profile, measured, prompt, steps, long_prompt, speed)
-        # The served steps against the folded costs, at the fit's speed: a fleet's traced steps
-        # against the same costs, over this, are its host's speed (speed_probe.traced_speed).
+        # The served steps against the folded costs, at the fit's speed: how far serving's own
+        # work (streams, HTTP) beside a step stretched it, by kind, as the profile describes it.
         served = [step for path in step_trace_files(trace.name) for step in read_steps(path)]
         ratios = served_ratios(profile, served)
         if not ratios:

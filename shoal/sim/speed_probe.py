@@ -71,12 +71,9 @@ def step_kind(shape: StepShape) -> str:
 
 def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> dict[str, float]:
     """Of each kind of step (decode-only, with prompt tokens), how many times what `profile` prices
-    them at the traced steps took. The profile's costs hold what serving adds to a step, which the
-    engine's own timing of it does not all see, and not alike for both kinds (here decode steps
-    ran 3-4 % under their price, prompt steps 5-20 % over); each kind's part is taken to be the same
-    in a calibration's served runs as in a fleet's (profile.serving's `decode_step_ratio`, ...).
-    A calibration holds few prompt steps (20 here, half their time in two steps of 16 prompts), so
-    that ratio is the rougher; its lone prompts alone as the reference did no better (run 28)."""
+    them at the traced steps took: in a calibration's served runs, what serving's own work beside
+    a step (streams, HTTP) stretched it by (here decode steps 3-4 % under their price, the inter-step
+    work being in it, prompt steps 5-20 % over), which a profile keeps to describe itself."""
     out = {}
     for kind in STEP_KINDS:
         mine = [(s, t) for s, t in steps if step_kind(s) == kind]
@@ -85,15 +82,31 @@ def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) ->
     return out
 
 
-def traced_speed(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> float:
-    """How many times as slow as its profile's steps the host ran an engine that traced these steps
-    (read_steps of a file in its SHOAL_STEP_TRACE_DIR): read from the serving process itself, over
-    the whole run, where a probe reads a moment before or after it. Each step is set against its
-    kind's ratio in the profile's calibration (a kind it had none of, against the other's)."""
-    refs = {k: profile.serving.get(f"{k}_step_ratio") for k in STEP_KINDS}
-    if None in refs.values():
-        raise ValueError("this profile has no traced served steps: take it again (shoal profile)")
+# A gap between two traced steps under this is the engine's own work between them (its outputs,
+# a prefill worker's handoffs: 0.3 ms a decode step, 20-24 ms after a 512-token prefill here);
+# over it, the engine waited for work.
+BUSY_GAP_S = 0.05
+
+
+def traced_speed(
+    profile: NodeProfile,
+    steps: list[tuple[StepShape, float]],
+    gaps: list[float] = (),
+    charged_s: float = 0.0,
+) -> float:
+    """How many times its profile's prices an engine that traced these steps (read_steps and
+    read_gaps of a file in its SHOAL_STEP_TRACE_DIR) was busy on them: their own seconds and, after
+    each, the engine's work between two steps (the mean of the gaps under BUSY_GAP_S), less what
+    the simulator charges for that work beside the steps' prices (`charged_s`: a prefill worker's
+    packing of its handoffs). The simulator pricing the same steps at this is as busy as the real
+    engine was, and a queue's wait follows that. Read from the serving process itself, over the
+    whole run, where a probe reads a moment before or after it. The calibration's served-step
+    ratios (served_ratios) are not taken out: set against them (prompt steps ran 6-10 % over their
+    price there, mostly beside streams), a P/D fleet's prefill worker was priced 8 % under its
+    busy time and its TTFT p50 came out 19 % low (README, run 36)."""
     if not steps:
         raise ValueError("no engine steps were traced")
-    priced = sum(profile.step_seconds(s) * refs[step_kind(s)] for s, _ in steps)
-    return sum(t for _, t in steps) / priced
+    busy = [g for g in gaps if 0 <= g < BUSY_GAP_S]
+    between = len(steps) * sum(busy) / len(busy) if busy else 0.0
+    priced = sum(profile.step_seconds(s) for s, _ in steps)
+    return (sum(t for _, t in steps) + between - charged_s) / priced
