@@ -18,13 +18,13 @@ arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So e
 predicted at the host's speed during it, read by the real fleet's own engines: they trace their
 steps and when each ended (SHOAL_STEP_TRACE_DIR), the profile prices those steps, and the time the
 engine was busy on them (each step, and its work between two steps) over that price is the speed
-of those workers (speed_probe.traced_speed; a role each: a P/D fleet's prefill worker ran x1.10
-where its decode worker ran x1.23 in run 36): the host's speed times what the fleet's own processes
-took of their cores, which the simulator charges itself: so its own stretch of the run's steps is
-taken out (sim_at_traced below). `--speed probe`: at a speed probe's instead (a fixed run of steps on a
-fresh engine right before and right after the run; runs 15-23), `--speed none`: at the
-profile's. `--repeats N` runs each real fleet N times, each predicted at its own speeds, and
-compares the medians, each run beside them.
+of those workers (speed_probe.traced_speed; a role each: a P/D fleet's prefill and decode workers
+ran x1.11-1.23 and x1.09-1.22 in run 36's three runs): the host's speed times what the fleet's
+own processes took of their cores, which the simulator charges itself: so its own stretch of the
+run's steps is taken out (sim_at_traced below). `--speed probe`: at a speed probe's instead (a
+fixed run of steps on a fresh engine right before and right after the run; runs 15-23),
+`--speed none`: at the profile's. `--repeats N` runs each real fleet N times, each predicted at
+its own speeds, and compares the medians, each run beside them.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def traced_speed(
     engine was, and a queue's wait follows that. Read from the serving process itself, over the
     whole run, where a probe reads a moment before or after it. The calibration's served-step
     ratios (served_ratios) are not taken out: set against them (prompt steps ran 6-10 % over their
-    price there, mostly beside streams), a P/D fleet's prefill worker was priced 8 % under its
-    busy time and its TTFT p50 came out 19 % low (README, run 36)."""
+    price there, mostly beside streams), a P/D fleet's simulated prefill worker was busy 11 % less
+    than the real one and its TTFT p50 came out 19 % low (README, run 36)."""
     if not steps:
         raise ValueError("no engine steps were traced")
     busy = [g for g in gaps if 0 <= g < BUSY_GAP_S]
