@@ -63,6 +63,7 @@ class SchedulerConfig:
 
     def __post_init__(self):
         least = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1, "admission_watermark": 0}
+        # A watermark keeping most of the pool free would admit next to nothing.
         check_bounds(self, least, most={"admission_watermark": 0.5})
 
 
