@@ -107,9 +107,6 @@ def cmd_sim(args) -> int:
     if disaggregated and (not args.prefill or not args.decode):
         print("shoal: a P/D fleet takes --prefill N and --decode M", file=sys.stderr)
         return 2
-    if args.max_replicas is not None and args.min_replicas > args.max_replicas:
-        print("shoal: --min-replicas is above --max-replicas", file=sys.stderr)
-        return 2
     if args.shared_cores is not None and args.mode == "fast":
         print("shoal: --shared-cores needs the exact simulator (--mode exact)", file=sys.stderr)
         return 2
@@ -117,23 +114,24 @@ def cmd_sim(args) -> int:
     fast = args.mode == "fast" or auto_fast
     if reqs is None:
         reqs = spec.requests(with_tokens=not fast)
-    shape = FleetShape(
-        args.replicas,
-        args.routing,
-        ReplicaShape(
-            args.max_num_seqs or profile.max_num_seqs,
-            args.max_num_batched_tokens or profile.max_num_batched_tokens,
-            None if args.request_overhead_ms is None else args.request_overhead_ms / 1000,
-        ),
-        args.max_concurrency,
-        prefill=args.prefill or 0,
-        decode=args.decode or 0,
-        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
-        kv_transport=args.kv_transport,
-        scaling=scaling_shape(args),
-        shared_cores=args.shared_cores,
+    replica = ReplicaShape(
+        args.max_num_seqs or profile.max_num_seqs,
+        args.max_num_batched_tokens or profile.max_num_batched_tokens,
+        None if args.request_overhead_ms is None else args.request_overhead_ms / 1000,
     )
-    try:
+    try:  # the pool's shape and the simulators check what does not go together
+        shape = FleetShape(
+            args.replicas,
+            args.routing,
+            replica,
+            args.max_concurrency,
+            prefill=args.prefill or 0,
+            decode=args.decode or 0,
+            disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+            kv_transport=args.kv_transport,
+            scaling=scaling_shape(args),
+            shared_cores=args.shared_cores,
+        )
         sim = (FastFleet if fast else FleetSim)(profile, shape)
     except ValueError as exc:
         print(f"shoal: {exc}", file=sys.stderr)

@@ -57,7 +57,7 @@ def test_a_flag_out_of_range_is_refused_by_name(profile_path, tmp_path, capsys, 
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--max-replicas", "1", "--min-replicas", "3"], "--min-replicas is above --max-replicas"),
+        (["--max-replicas", "1", "--min-replicas", "3"], "need 0 <= min_replicas (3) <= max_replicas (1)"),
         (
             ["--prefill", "1", "--decode", "1", "--max-replicas", "2"],
             "a pool of whole replicas, not a P/D fleet",
