@@ -21,6 +21,7 @@ from shoal.engine.step_trace import read_steps
 from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim, SimResult
+from shoal.sim.kv_handoff import merge_handoff_readings
 from shoal.sim.profile import (
     DECODE_FEATURES,
     MIXED_FEATURES,
@@ -313,6 +314,26 @@ def test_a_prefill_worker_packs_a_handoff_before_its_next_step():
     # The second prompt's step starts once the first one's K/V is packed; its own is packed next.
     assert exact[1] > 2 * step + 2 * 1.0
     assert fast_firsts == pytest.approx(exact, rel=1e-9)
+
+
+def test_a_prefill_servers_handoff_cpu_is_never_priced_below_its_engines_packing():
+    """The prefill server's CPU beyond its steps holds its engine's packing; where contention made
+    the server's reading flat (as in one CI run), the engine's own line keeps a big handoff dearer
+    than a small one. Its transports' times and the decode side are taken as read."""
+    engine = {"bytes_per_token": 46080.0, "prefill_cpu_s": 0.001, "prefill_cpu_s_per_mib": 4e-4}
+    engine.update(decode_cpu_s=0.002, decode_cpu_s_per_mib=3e-4)
+    flat = {"bytes_per_token": 46080.0, "shm_s": 0.01, "shm_s_per_mib": 1e-3}
+    flat.update(prefill_cpu_s=0.015, prefill_cpu_s_per_mib=0.0)
+    profile = made_up_profile()
+    profile.kv_transfer = merge_handoff_readings(engine, flat)
+    small, big = (profile.kv_handoff_cpu_seconds(n, "prefill") for n in (64, 1024))
+    assert small == pytest.approx(0.015 + 4e-4 * 64 * 46080 / 2**20)
+    assert big - small == pytest.approx(4e-4 * (1024 - 64) * 46080 / 2**20)
+    assert profile.kv_handoff_cpu_seconds(1024, "decode") == pytest.approx(0.002 + 3e-4 * 45)
+    assert profile.kv_transfer["shm_s_per_mib"] == 1e-3
+    # A server reading above the engine's at every size is kept whole.
+    steep = {**flat, "prefill_cpu_s_per_mib": 9e-4}
+    assert merge_handoff_readings(engine, steep)["prefill_cpu_s_per_mib"] == 9e-4
 
 
 def test_the_fast_simulator_splits_a_pd_fleet_as_the_exact_one_does():

@@ -23,6 +23,20 @@ def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
     return float(fixed), float(per_mib)
 
 
+def merge_handoff_readings(engine: dict[str, float], server: dict[str, float]) -> dict[str, float]:
+    """The readings of a prefill server (time_kv_transfer) over those of the engine alone
+    (time_handoff_cpu), keeping the server's prefill CPU line at or above the engine's at every
+    size: the engine's packing and writing is part of what the server spends. The server's reading
+    subtracts its steps' forward passes as wall time on every thread; on a contended host those
+    threads wait, so it subtracts too much, most beside the longest prompts, and its line can tilt
+    flat (seen in CI: a 1,024-token handoff priced as a 64-token one)."""
+    out = {**engine, **server}
+    for part in ("prefill_cpu_s", "prefill_cpu_s_per_mib"):
+        if part in engine and part in server:
+            out[part] = max(engine[part], server[part])
+    return out
+
+
 def time_kv_transfer(
     serve_flags: list[str], lengths: tuple[int, ...], max_len: int, seed: int, cpu_threads: int | None = None
 ) -> dict[str, float]:
@@ -121,7 +135,8 @@ def time_handoff_cpu(engine, lengths: tuple[int, ...], seed: int) -> dict[str, f
     into the request's blocks in the step that admits it. Each pair is a line through (MiB,
     seconds), as `prefill_cpu_s(_per_mib)` and `decode_cpu_s(_per_mib)` (none: an engine whose K/V
     does not move, a parallel one). Where a prefill server is timed too (time_kv_transfer), its
-    reading of the prefill side, which holds the requests' HTTP as well, replaces this one's."""
+    reading of the prefill side, which holds the requests' HTTP as well, is taken over this one's
+    where it is the higher (merge_handoff_readings)."""
     from shoal.engine.kv_connector.transports import transport_named
     from shoal.engine.sampling_params import SamplingParams
 
