@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from shoal.engine.pooling import PromptPooler
 from shoal.engine.sampling_params import SamplingParams
 from shoal.llm import LLM
-from shoal.models.pooling_config import checkpoint_pooling
+from shoal.models.hf_loader import load_hf_config
 from tests.server_helpers import start_server
 from tests.test_hf_parity import make_random_checkpoint
 
@@ -146,10 +146,10 @@ def test_bad_embedding_input_is_refused_and_leaves_nothing(server, body, param):
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_random_checkpoints_embed_as_hf_and_their_pooling_config_is_read(arch, tmp_path):
     hf = make_random_checkpoint(arch, tmp_path)
-    assert checkpoint_pooling(tmp_path) is None
+    assert load_hf_config(tmp_path).pooling is None
     (tmp_path / "1_Pooling").mkdir()  # sentence-transformers' pooling config beside the weights
     (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
-    assert checkpoint_pooling(tmp_path) == "mean"
+    assert load_hf_config(tmp_path).pooling == "mean"
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (3, 40, 90)]
     with LLM(str(tmp_path), num_blocks=64, max_num_batched_tokens=32) as llm:

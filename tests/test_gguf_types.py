@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
+from gguf import GGUFWriter, PoolingType
 from gguf.quants import quantize
 
 from shoal import LLM, SamplingParams
@@ -43,9 +43,11 @@ def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return quantize(w.astype(np.float32), qtype)
 
 
-def write_gguf(path, qtype: Q) -> None:
+def write_gguf(path, qtype: Q, pooling: PoolingType | None = None) -> None:
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "llama")
+    if pooling is not None:
+        w.add_pooling_type(pooling)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -111,13 +113,13 @@ def test_the_conversion_cache_loads_the_same_model(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("SHOAL_CACHE_DIR", str(cache))
     path = tmp_path / "m.gguf"
-    write_gguf(path, Q.Q4_K)
+    write_gguf(path, Q.Q4_K, PoolingType.MEAN)
     cold = load_model(str(path))
     assert len(list(cache.iterdir())) == 1
     warm = load_model(str(path))  # read back from the cache
     a, b = cold.model.state_dict(), warm.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert cold.config == warm.config
+    assert cold.config == warm.config and warm.config.pooling == "mean"  # as the file's metadata says
     text = "some text 42"
     assert cold.tokenizer.encode(text) == warm.tokenizer.encode(text)
     assert cold.tokenizer.eos_token_ids == warm.tokenizer.eos_token_ids

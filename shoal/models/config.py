@@ -72,6 +72,9 @@ class ModelConfig:
     # all-reduce sums the experts' outputs, or each rank routes its own share of the tokens and
     # trades them with the experts' ranks by all-to-all (models/moe_dispatch.py).
     expert_all_to_all: bool = False
+    # How the checkpoint says its embeddings pool, "mean" or "last" (models/pooling_config.py);
+    # None where it names neither.
+    pooling: str | None = None
 
     @property
     def q_size(self) -> int:

@@ -33,7 +33,7 @@ from shoal.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4  # 4: the config holds the checkpoint's pooling
 
 
 def _entry(path: Path, dtype: torch.dtype) -> Path | None:

@@ -13,6 +13,7 @@ from gguf.quants import dequantize
 
 from shoal.models.config import ModelConfig, RopeScaling
 from shoal.models.gguf_meta import field_value, open_gguf  # noqa: F401  (open_gguf re-exported)
+from shoal.models.pooling_config import gguf_pooling
 from shoal.models.quant import BlockWeights
 
 # GGUF architecture name -> ours. Mistral files are written with the llama architecture, and so
@@ -148,6 +149,7 @@ def load_gguf_config(reader: GGUFReader) -> ModelConfig:
         qk_norm_per_head=q_norm is None or int(q_norm.shape[0]) == head_dim,
         sliding_window=int(sliding) if sliding else None,
         rope_freq_factors=factors,
+        pooling=gguf_pooling(key("pooling_type")),
         **moe,
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,11 +12,13 @@ from safetensors import safe_open
 
 from shoal.models.config import ModelConfig
 from shoal.models.parallel import ModelShard
+from shoal.models.pooling_config import hf_dir_pooling
 from shoal.models.sharded_read import read_slice
 
 
 def load_hf_config(model_dir: Path) -> ModelConfig:
-    return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    return replace(cfg, pooling=hf_dir_pooling(model_dir))
 
 
 def iter_hf_weights(

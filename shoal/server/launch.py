@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import uvicorn
 
@@ -19,7 +18,7 @@ from shoal.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from shoal.engine.config import EngineConfig
 from shoal.engine.core import EngineCore
 from shoal.engine.parallel.executor import ExecutorDeadError
-from shoal.models.pooling_config import checkpoint_pooling
+from shoal.models.config import ModelConfig
 from shoal.models.tool_formats import tool_format
 from shoal.protocol import tracing
 from shoal.protocol.bodies import DEFAULT_MAX_BODY_BYTES
@@ -83,15 +82,15 @@ def load_serving_context(engine_config: EngineConfig, server_config: ServerConfi
         tool_format=tool_format(server_config.tool_call_parser, engine.tokenizer.chat_template),
         kv=KVConnector(kv, front, metrics.registry, server_config.api_key),
         adapters=None if engine.lora is None else {n: a.path for n, a in engine.lora.adapters.items()},
-        pooling=_pooling(server_config.embedding_pooling, engine.loaded.path),
+        pooling=_pooling(server_config.embedding_pooling, engine.loaded.config),
         embedding_width=engine.loaded.config.hidden_size,
     )
 
 
-def _pooling(flag: str, checkpoint: Path) -> str:
+def _pooling(flag: str, model: ModelConfig) -> str:
     if flag != "auto":
         return flag
-    return checkpoint_pooling(checkpoint) or "last"  # a causal model's last position has seen all
+    return model.pooling or "last"  # a causal model's last position has seen all
 
 
 def create_server(
