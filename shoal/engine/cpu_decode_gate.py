@@ -76,6 +76,7 @@ MODEL_FEATURES: dict[str, Callable[[Any], bool]] = {
     "expert_offset": _any,
     "num_local_experts": _any,
     "expert_all_to_all": _any,
+    "pooling": _any,  # an embedding pools the final hidden states, after the layers
 }
 # The children of a DecoderLayer the C layer reads; another child (q_norm, an adapter) refuses.
 LAYER_CHILDREN = {"input_layernorm", "post_attention_layernorm", *PROJECTIONS}
