@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -20,6 +22,22 @@ SHARED_REPLICA_ARGS = "--kv-cache-memory 256MiB --threads 1"
 # fixture name -> the node id of its last user in this run.
 _STARTED = pytest.StashKey[dict]()
 _LAST_USER = pytest.StashKey[dict]()
+_STATE_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """The gateways the tests start keep their state (batch jobs, usage) in a folder of this run's,
+    removed after it, not in the user's cache one folder a port."""
+    if "SHOAL_STATE_DIR" not in os.environ:
+        made = tempfile.mkdtemp(prefix="shoal-test-state-")
+        config.stash[_STATE_DIR] = os.environ["SHOAL_STATE_DIR"] = made
+
+
+def pytest_unconfigure(config):
+    made = config.stash.get(_STATE_DIR, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+        del os.environ["SHOAL_STATE_DIR"]
 
 
 def pytest_collection_finish(session):

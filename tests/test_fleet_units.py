@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from shoal.fleet.admission.usage_store import state_dir
 from shoal.fleet.config import FleetConfig, load_fleet_config
 from shoal.fleet.control.launchers.local import port_in_use
 from shoal.fleet.control.replica_set import ReplicaSet, Slot
@@ -108,6 +109,17 @@ def test_fleet_config_file(tmp_path):
 class _Attempt:
     def __init__(self, tokens: int = 0):
         self.tokens = tokens
+
+
+def test_a_gateways_state_goes_where_it_is_configured_else_under_the_state_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path / "cache"))
+    assert state_dir(None, 8123) == tmp_path / "state" / "gateway-8123"  # one folder a port
+    assert state_dir(str(tmp_path / "mine"), 8123) == tmp_path / "mine"
+    monkeypatch.delenv("SHOAL_STATE_DIR")
+    assert state_dir(None, 8123) == tmp_path / "cache" / "gateway-8123"
+    monkeypatch.setenv("SHOAL_NO_CACHE", "1")
+    assert state_dir(None, 8123) is None  # the gateway then keeps it in a temporary folder
 
 
 def test_a_kill_costs_one_strike_and_a_second_death_convicts():

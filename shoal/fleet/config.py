@@ -133,8 +133,8 @@ class GatewayConfig:
     retrieval: list[RetrievalIndexConfig] = field(default_factory=list)
     # Tiers routes ([[tiers]] tables): a model id that answers from a cheap model or a strong one.
     tiers: list[TierConfig] = field(default_factory=list)
-    # Where the gateway keeps what must survive it (batch jobs, usage totals); default: the
-    # shoal cache directory, per port.
+    # Where the gateway keeps what must survive it (batch jobs, usage totals); default:
+    # $SHOAL_STATE_DIR, else the shoal cache directory, per port.
     state_dir: str | None = None
     # The batch lane: its requests run at this priority (after every interactive class) and at
     # most this many at once, only on spare capacity (see batch/runner.py).

@@ -10,17 +10,17 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from shoal.cache_dir import cache_root
+from shoal.cache_dir import state_root
 from shoal.fleet.admission.tenants import Usage
 
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "rate_limited")
 
 
 def state_dir(configured: str | None, port: int) -> Path | None:
-    """Where this gateway keeps its state: as configured, else the cache directory, per port."""
+    """Where this gateway keeps its state: as configured, else under the state root, per port."""
     if configured:
         return Path(configured).expanduser()
-    root = cache_root()
+    root = state_root()
     return root / f"gateway-{port}" if root is not None else None
 
 
