@@ -110,16 +110,19 @@ def cmd_sim(args) -> int:
     if args.shared_cores is not None and args.mode == "fast":
         print("shoal: --shared-cores needs the exact simulator (--mode exact)", file=sys.stderr)
         return 2
-    auto_fast = args.mode == "auto" and n > AUTO_FAST_FROM and args.shared_cores is None
+    noisy = bool(args.decode_step_noise or args.prompt_step_noise)
+    auto_fast = args.mode == "auto" and n > AUTO_FAST_FROM and args.shared_cores is None and not noisy
     fast = args.mode == "fast" or auto_fast
     if reqs is None:
         reqs = spec.requests(with_tokens=not fast)
-    replica = ReplicaShape(
-        args.max_num_seqs or profile.max_num_seqs,
-        args.max_num_batched_tokens or profile.max_num_batched_tokens,
-        None if args.request_overhead_ms is None else args.request_overhead_ms / 1000,
-    )
     try:  # the pool's shape and the simulators check what does not go together
+        replica = ReplicaShape(
+            args.max_num_seqs or profile.max_num_seqs,
+            args.max_num_batched_tokens or profile.max_num_batched_tokens,
+            None if args.request_overhead_ms is None else args.request_overhead_ms / 1000,
+            args.decode_step_noise,
+            args.prompt_step_noise,
+        )
         shape = FleetShape(
             args.replicas,
             args.routing,
@@ -250,6 +253,15 @@ def add_sim_parsers(sub, wanted) -> None:
         default=None,
         help="time a request spends outside the engine (default: the profile's, from a real server)",
     )
+    for kind, what in (("decode", "decodes only"), ("prompt", "prompt tokens")):
+        p.add_argument(
+            f"--{kind}-step-noise",
+            type=NON_NEGATIVE,
+            default=0.0,
+            metavar="SD",
+            help=f"how far a step of {what} strays from its price, step to step: the standard "
+            "deviation of log(seconds / price), as a real run's traced steps show it (exact simulator)",
+        )
     p.add_argument("--slo-ttft-ms", type=POSITIVE, default=None)
     p.add_argument("--slo-tpot-ms", type=POSITIVE, default=None)
     p.add_argument("--json", dest="json_path", default=None)

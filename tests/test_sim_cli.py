@@ -24,6 +24,9 @@ def test_a_simulation_runs_from_a_saved_profile_and_writes_its_summary(profile_p
     assert main([*argv, "--json", str(out)]) == 0
     assert "simulated 2 replica(s)" in capsys.readouterr().out
     assert json.loads(out.read_text())["completed"] == 40
+    # Steps drawn around their prices: the exact simulator draws them.
+    assert main([*argv, "--decode-step-noise", "0.15", "--json", str(out)]) == 0
+    assert "(exact)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -43,6 +46,7 @@ def test_a_simulation_runs_from_a_saved_profile_and_writes_its_summary(profile_p
         (["--routing", "bogus"], "argument --routing: invalid choice: 'bogus'"),
         (["--slo-ttft-ms", "0"], "argument --slo-ttft-ms: 0 is not above 0"),
         (["--prefix-len", "-1"], "argument --prefix-len: -1 is below 0"),
+        (["--decode-step-noise", "-0.1"], "argument --decode-step-noise: -0.1 is not at least 0"),
     ],
 )
 def test_a_flag_out_of_range_is_refused_by_name(profile_path, tmp_path, capsys, flags, said):
@@ -63,6 +67,7 @@ def test_a_flag_out_of_range_is_refused_by_name(profile_path, tmp_path, capsys, 
             "a pool of whole replicas, not a P/D fleet",
         ),
         (["--prefill", "1"], "a P/D fleet takes --prefill N and --decode M"),
+        (["--mode", "fast", "--prompt-step-noise", "0.1"], "prices each step as its profile does"),
     ],
 )
 def test_flags_that_do_not_go_together_are_refused(profile_path, tmp_path, capsys, flags, said):

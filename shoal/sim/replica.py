@@ -5,6 +5,7 @@ replaced by the profile's cost of each step. Time is the simulator's, never the 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from shoal.bench.report import RequestRecord
@@ -16,6 +17,7 @@ from shoal.engine.sampling_params import SamplingParams
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.step_shape import StepShape, step_shape
+from shoal.protocol.bounds import check_bounds
 from shoal.sim.profile import NodeProfile
 from shoal.sim.workload import SimRequest
 
@@ -31,6 +33,16 @@ class ReplicaShape:
     # Seconds a request spends outside the engine on its way in and out (HTTP, tokenizing, the
     # gateway's hop), added to its latencies; None: what the profile measured of a real server.
     request_overhead_s: float | None = None
+    # How far a real step's time strays from its price, step to step (a shared host's scheduling,
+    # caches): the standard deviation of log(seconds / price), for steps of decodes only and for
+    # steps with prompt tokens. Each step is drawn around its price, one on average, from a
+    # generator seeded by the replica's name, so a run repeats. 0: every step costs its price.
+    decode_step_noise: float = 0.0
+    prompt_step_noise: float = 0.0
+
+    def __post_init__(self):
+        least = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "request_overhead_s": 0}
+        check_bounds(self, {**least, "decode_step_noise": 0, "prompt_step_noise": 0})
 
 
 @dataclass
@@ -75,6 +87,8 @@ class SimReplica:
         self.last_sampled = 0  # tokens the last step that ended streamed out
         self._last_arrival = -math.inf
         self.shapes: list[StepShape] | None = None  # a list: each step's shape is kept in it
+        noisy = shape.decode_step_noise or shape.prompt_step_noise
+        self._noise = random.Random(name) if noisy else None
 
     @property
     def outstanding(self) -> int:
@@ -131,6 +145,9 @@ class SimReplica:
             self.shapes.append(shape)
         priced = self.profile.step_seconds(shape)
         seconds = priced * stretch
+        if self._noise is not None:
+            sd = self.shape.decode_step_noise if shape.decode_only else self.shape.prompt_step_noise
+            seconds *= self._noise.lognormvariate(-sd * sd / 2, sd)  # a mean of one
         for new in so.new_requests:  # handed K/V: read in by its front, loaded by its engine
             if (tokens := self._arriving.pop(new.request_id, None)) is not None:
                 seconds += self.profile.kv_handoff_cpu_seconds(tokens, "decode")
