@@ -24,7 +24,13 @@ own processes took of their cores, which the simulator charges itself: so its ow
 run's steps is taken out (sim_at_traced below). `--speed probe`: at a speed probe's instead (a
 fixed run of steps on a fresh engine right before and right after the run; runs 15-23),
 `--speed none`: at the profile's. `--repeats N` runs each real fleet N times, each predicted at
-its own speeds, and compares the medians, each run beside them.
+its own speeds, and compares the runs pooled: each percentile over every run's requests (a p99 of
+128 requests is their second slowest, which moved 793-1,051 ms between three runs of one fleet in
+run 36), throughput over the runs' time together; the error of the runs' medians and each run are
+printed beside it. The traces also say how far each kind of step strayed from its price, step to
+step (speed_probe.traced_noise: decode steps of 16 streams 0.15 in log), and the simulator draws its
+steps around their prices by that (ReplicaShape's step noise); `--also-priced-exactly` prints its
+prediction without.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import math
 import random
 import statistics
@@ -44,6 +51,7 @@ from pathlib import Path
 import httpx
 
 from shoal.bench.arrivals import Burst, arrival_times
+from shoal.bench.report import RequestRecord, summarize
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.bench.workload import request_lengths
 from shoal.cli import build_parser
@@ -55,7 +63,7 @@ from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profiler import ProfileConfig, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
-from shoal.sim.speed_probe import host_speed, traced_speed
+from shoal.sim.speed_probe import host_speed, traced_noise, traced_speed
 from shoal.sim.workload import SimRequest, tokens
 
 
@@ -151,10 +159,13 @@ def run_real(row: Row, setup: Setup, trace_dir: str) -> dict:
             max_concurrency=row.concurrency,
             seed=1,
             tokenizer=setup.engine.get("model"),
+            json_path=f"{trace_dir}/requests.json",
         )
         with ReplicaSampler(url) as sampler:
             summary = run_serve_bench(cfg)
         summary["replica_seconds"] = sampler.replica_seconds()
+        raw = json.loads(Path(cfg.json_path).read_text())["records"]
+        summary["records"] = [RequestRecord(**r) for r in raw]
         return summary
     finally:
         proc.terminate()
@@ -215,19 +226,30 @@ def traced_speeds(profile, trace_dir: str, handed: list[int] = ()) -> dict[str, 
     }
 
 
-def sim_at_traced(row: Row, profile, setup: Setup, traced: dict[str, float]) -> tuple[dict, dict[str, float]]:
+def step_noise(profile, trace_dir: str) -> dict[str, float]:
+    """How far the run's traced steps of each kind strayed from their price (traced_noise), every
+    engine's steps together."""
+    return traced_noise(profile, [s for path in step_trace_files(trace_dir) for s in read_steps(path)])
+
+
+def sim_at_traced(
+    row: Row, profile, setup: Setup, traced: dict[str, float], noise: dict[str, float]
+) -> tuple[dict, dict[str, float]]:
     """The simulator's run with each role's workers at the host's speed that the real ones' traced
     steps read (x`traced` the profile's), and those speeds: the real steps ran at the host's speed
     times what the fleet's own processes took of their cores and what loading handed K/V added,
     which the simulator charges itself (its steps' stretch), so its stretch of the same run is
     taken out (once: it moves little with the speed)."""
-    first = run_sim(row, profile, setup, traced)
+    first = run_sim(row, profile, setup, traced, noise)
     speeds = {role: s / first["step_stretch"].get(role, 1.0) for role, s in traced.items()}
-    return run_sim(row, profile, setup, speeds), speeds
+    return run_sim(row, profile, setup, speeds, noise), speeds
 
 
-def run_sim(row: Row, profile, setup: Setup, speeds: dict[str, float], unshared: bool = False) -> dict:
-    """The row simulated from `profile`, the workers of each role at their speed in `speeds`."""
+def run_sim(
+    row: Row, profile, setup: Setup, speeds: dict[str, float], noise: dict[str, float], unshared: bool = False
+) -> dict:
+    """The row simulated from `profile`, the workers of each role at their speed in `speeds`, each
+    kind of step strayed from its price as `noise` says (traced_noise; empty: priced exactly)."""
     rng = random.Random(7)
     arrivals = bench_arrivals(row.num_requests, row.rate, 1, row.bursts)
     reqs = [
@@ -237,7 +259,11 @@ def run_sim(row: Row, profile, setup: Setup, speeds: dict[str, float], unshared:
     shape = FleetShape(
         row.replicas,
         "kv_aware",
-        ReplicaShape(setup.engine["max_num_seqs"]),
+        ReplicaShape(
+            setup.engine["max_num_seqs"],
+            decode_step_noise=noise.get("decode", 0.0),
+            prompt_step_noise=noise.get("prompt", 0.0),
+        ),
         row.concurrency,
         prefill=row.prefill,
         decode=row.decode,
@@ -246,7 +272,18 @@ def run_sim(row: Row, profile, setup: Setup, speeds: dict[str, float], unshared:
         shared_cores=None if unshared else len(host_cpus()),
     )
     roles = {role: profile.at_speed(s) for role, s in speeds.items()}
-    return FleetSim(profile, shape, roles).run(reqs).summary()
+    result = FleetSim(profile, shape, roles).run(reqs)
+    return {**result.summary(), "records": result.records}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """The runs' summaries as one: every run's requests in each percentile, throughput over their
+    time together, a run's mean time and replica-seconds."""
+    records = [r for s in runs for r in s["records"]]
+    out = summarize(records, sum(s["duration_s"] for s in runs), None, None)
+    out["duration_s"] = statistics.mean(s["duration_s"] for s in runs)
+    out["replica_seconds"] = statistics.mean(s["replica_seconds"] for s in runs)
+    return out
 
 
 def figures(s: dict, row: Row) -> dict[str, float]:
@@ -323,7 +360,7 @@ def main() -> None:
         "--repeats",
         type=int,
         default=1,
-        help="run each real fleet this often, each predicted at its own speed; compare the medians",
+        help="run each real fleet this often, each predicted at its own speed; compare them pooled",
     )
     ap.add_argument(
         "--speed",
@@ -331,6 +368,11 @@ def main() -> None:
         default="traced",
         help="the host's speed each run is predicted at: read from the real engines' own steps over "
         "the run (traced), from speed probes right before and after it (probe), or the profile's (none)",
+    )
+    ap.add_argument(
+        "--also-priced-exactly",
+        action="store_true",
+        help="also print what the simulator predicts with every step at its price (no step noise)",
     )
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -353,40 +395,54 @@ def main() -> None:
         print(f"(profiled in {time.perf_counter() - t0:.0f} s)\n")
     ranged = args.repeats > 1
     head = f"{'row':<34} {'figure':<17} {'measured':>10} {'predicted':>10} {'error':>7}"
-    print(head + ("   measured / predicted, each run" if ranged else ""))
+    print(head + ("   median's  measured / predicted, each run" if ranged else ""))
     for row in rows:
-        runs, sims, speeds = [], [], []
+        runs, sims, speeds, real_runs, sim_runs, exact_runs = [], [], [], [], [], []
         for _ in range(args.repeats):
             profile = profiles[row.threads]
             options = setup.engine_on(row.threads)
             probed = host_speed(profile, options) if args.speed == "probe" else None
             with tempfile.TemporaryDirectory(prefix="shoal-steps-") as trace_dir:
-                runs.append(figures(run_real(row, setup, trace_dir), row))
+                real_runs.append(run_real(row, setup, trace_dir))
+                runs.append(figures(real_runs[-1], row))
                 handed = [prompt for prompt, _ in row.lengths()] if row.prefill else []
                 traced = traced_speeds(profile, trace_dir, handed)
+                noise = step_noise(profile, trace_dir)
             if probed is not None:  # the host's speed right before and right after the run
                 probed = (probed + host_speed(profile, options)) / 2
             if args.speed == "traced":
-                predicted, speed = sim_at_traced(row, profile, setup, traced)
+                predicted, speed = sim_at_traced(row, profile, setup, traced, noise)
             else:
                 speed = dict.fromkeys(traced, {"probe": probed, "none": 1.0}[args.speed])
-                predicted = run_sim(row, profile, setup, speed)
-            speeds.append((speed, traced))
+                predicted = run_sim(row, profile, setup, speed, noise)
+            if args.also_priced_exactly:
+                exact_runs.append(run_sim(row, profile, setup, speed, {}))
+            speeds.append((speed, traced, noise))
+            sim_runs.append(predicted)
             sims.append(figures(predicted, row))
-        real, sim = ({k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims))
+        real, sim = figures(pooled(real_runs), row), figures(pooled(sim_runs), row)
+        medians = [{k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims)]
         ran = "; ".join(
             ", ".join(f"{role} x{v:.3f} (steps x{traced[role]:.3f})" for role, v in speed.items())
-            for speed, traced in speeds
+            + " "
+            + "/".join(f"{noise.get(k, 0):.3f}" for k in ("decode", "prompt"))
+            for speed, traced, noise in speeds
         )
-        print(f"{row.name}: predicted at {ran} the profile's step times")
-        apart = figures(run_sim(row, profile, setup, speed, True), row) if args.also_unshared else None
+        print(f"{row.name}: predicted at {ran} the profile's step times (and step noise decode/prompt)")
+        apart = figures(run_sim(row, profile, setup, speed, noise, True), row) if args.also_unshared else None
+        exact = figures(pooled(exact_runs), row) if exact_runs else None
         for k in real:
             err = (sim[k] - real[k]) / real[k]
             line = f"{row.name:<34} {k:<17} {real[k]:>10.1f} {sim[k]:>10.1f} {100 * err:>6.1f}%"
             if ranged:
-                line += "   " + ", ".join(f"{r[k]:.1f} / {p[k]:.1f}" for r, p in zip(runs, sims, strict=True))
+                median_err = 100 * (medians[1][k] - medians[0][k]) / medians[0][k]
+                line += f"   {median_err:>6.1f}%   " + ", ".join(
+                    f"{r[k]:.1f} / {p[k]:.1f}" for r, p in zip(runs, sims, strict=True)
+                )
             if apart is not None:
                 line += f"   (cores not shared: {apart[k]:.1f}, {100 * (apart[k] - real[k]) / real[k]:+.1f}%)"
+            if exact is not None:
+                line += f"   (priced exactly: {exact[k]:.1f}, {100 * (exact[k] - real[k]) / real[k]:+.1f}%)"
             print(line)
         print()
 
