@@ -21,7 +21,7 @@ from shoal.engine.step_trace import read_steps
 from shoal.llm import LLM
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim, SimResult
-from shoal.sim.kv_handoff import merge_handoff_readings
+from shoal.sim.kv_handoff import fit_line
 from shoal.sim.profile import (
     DECODE_FEATURES,
     MIXED_FEATURES,
@@ -317,23 +317,24 @@ def test_a_prefill_worker_packs_a_handoff_before_its_next_step():
 
 
 def test_a_prefill_servers_handoff_cpu_is_never_priced_below_its_engines_packing():
-    """The prefill server's CPU beyond its steps holds its engine's packing; where contention made
-    the server's reading flat (as in one CI run), the engine's own line keeps a big handoff dearer
-    than a small one. Its transports' times and the decode side are taken as read."""
-    engine = {"bytes_per_token": 46080.0, "prefill_cpu_s": 0.001, "prefill_cpu_s_per_mib": 4e-4}
-    engine.update(decode_cpu_s=0.002, decode_cpu_s_per_mib=3e-4)
-    flat = {"bytes_per_token": 46080.0, "shm_s": 0.01, "shm_s_per_mib": 1e-3}
-    flat.update(prefill_cpu_s=0.015, prefill_cpu_s_per_mib=0.0)
+    """The prefill server's CPU beyond its steps holds its engine's packing. Where contention made
+    the server's readings flat (as in one CI run), the line takes the engine's slope at the
+    readings' own level, so a big handoff stays dearer than a small one; a steeper reading stays."""
+    mib = [2.8, 11.25, 45.0]
+    flat = [(m, 0.015 + noise) for m, noise in zip(mib * 3, [0.002, -0.001, 0.0, 0.0, 0.001, -0.002] * 2)]
+    packing = 4e-4  # seconds a MiB, the engine alone
+    fixed, per_mib = fit_line(flat)
+    assert per_mib < packing  # as read: nearly flat
+    fixed, per_mib = fit_line(flat, least_per_mib=packing)
+    assert per_mib == packing
+    assert fixed + per_mib * np.mean(mib) == pytest.approx(np.mean([t for _, t in flat]))
     profile = made_up_profile()
-    profile.kv_transfer = merge_handoff_readings(engine, flat)
+    profile.kv_transfer = {"bytes_per_token": 46080.0, "prefill_cpu_s": fixed}
+    profile.kv_transfer["prefill_cpu_s_per_mib"] = per_mib
     small, big = (profile.kv_handoff_cpu_seconds(n, "prefill") for n in (64, 1024))
-    assert small == pytest.approx(0.015 + 4e-4 * 64 * 46080 / 2**20)
-    assert big - small == pytest.approx(4e-4 * (1024 - 64) * 46080 / 2**20)
-    assert profile.kv_handoff_cpu_seconds(1024, "decode") == pytest.approx(0.002 + 3e-4 * 45)
-    assert profile.kv_transfer["shm_s_per_mib"] == 1e-3
-    # A server reading above the engine's at every size is kept whole.
-    steep = {**flat, "prefill_cpu_s_per_mib": 9e-4}
-    assert merge_handoff_readings(engine, steep)["prefill_cpu_s_per_mib"] == 9e-4
+    assert big - small == pytest.approx(packing * (45.0 - 2.8125))
+    steep = [(m, 0.002 + 9e-4 * m) for m in mib]
+    assert fit_line(steep, least_per_mib=packing) == pytest.approx((0.002, 9e-4))
 
 
 def test_steps_stray_from_their_price_as_the_step_noise_says_and_a_run_repeats():

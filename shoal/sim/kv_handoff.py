@@ -16,29 +16,24 @@ from shoal.sim.servers import ProcessCPU, fleet_placement, running
 HANDOFF_REPEATS = 3  # handoffs timed of each length
 
 
-def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed seconds, seconds per MiB) through (MiB, seconds) samples, neither below zero."""
+def fit_line(samples: list[tuple[float, float]], least_per_mib: float = 0.0) -> tuple[float, float]:
+    """(fixed seconds, seconds per MiB) through (MiB, seconds) samples, neither below zero, and
+    the slope at least `least_per_mib` (then the line keeps the samples' mean level)."""
     mib, seconds = (np.array(v, dtype=float) for v in zip(*samples, strict=True))
-    per_mib, fixed = np.clip(np.polyfit(mib, seconds, 1), 0, None)
-    return float(fixed), float(per_mib)
-
-
-def merge_handoff_readings(engine: dict[str, float], server: dict[str, float]) -> dict[str, float]:
-    """The readings of a prefill server (time_kv_transfer) over those of the engine alone
-    (time_handoff_cpu), keeping the server's prefill CPU line at or above the engine's at every
-    size: the engine's packing and writing is part of what the server spends. The server's reading
-    subtracts its steps' forward passes as wall time on every thread; on a contended host those
-    threads wait, so it subtracts too much, most beside the longest prompts, and its line can tilt
-    flat (seen in CI: a 1,024-token handoff priced as a 64-token one)."""
-    out = {**engine, **server}
-    for part in ("prefill_cpu_s", "prefill_cpu_s_per_mib"):
-        if part in engine and part in server:
-            out[part] = max(engine[part], server[part])
-    return out
+    per_mib, fixed = np.polyfit(mib, seconds, 1)
+    if per_mib < least_per_mib:
+        per_mib = least_per_mib
+        fixed = float(np.mean(seconds - per_mib * mib))
+    return max(0.0, float(fixed)), max(0.0, float(per_mib))
 
 
 def time_kv_transfer(
-    serve_flags: list[str], lengths: tuple[int, ...], max_len: int, seed: int, cpu_threads: int | None = None
+    serve_flags: list[str],
+    lengths: tuple[int, ...],
+    max_len: int,
+    seed: int,
+    cpu_threads: int | None = None,
+    least_cpu_per_mib: float = 0.0,
 ) -> dict[str, float]:
     """What handing a prompt's K/V to a decode worker costs, by its size: a real `shoal serve
     --role prefill` of the same engine prefills prompts of several lengths, and each one's K/V is
@@ -49,7 +44,11 @@ def time_kv_transfer(
     its process's CPU over the prefill request, the pull and the release, less its engine's steps
     (their forward passes on every thread, and the host work around them), which the profile's
     step costs price. That is more than the packing and writing alone (time_handoff_cpu): the
-    requests' HTTP and the prompt's tokens are handled on the worker's cores too."""
+    requests' HTTP and the prompt's tokens are handled on the worker's cores too. Its slope is kept
+    at least `least_cpu_per_mib`, the engine's own packing and writing (time_handoff_cpu), a part
+    of it: the steps are subtracted as wall time on every thread, and on a contended host those
+    threads wait, so the subtraction overshoots most beside the longest prompts and can tilt the
+    line flat (seen in CI: a 1,024-token handoff priced as a 64-token one)."""
     import httpx
 
     from shoal.engine.kv_connector.transports import transport_named
@@ -95,7 +94,7 @@ def time_kv_transfer(
     for name, got in samples.items():
         out[f"{name}_s"], out[f"{name}_s_per_mib"] = fit_line(got)
     if spent:
-        out["prefill_cpu_s"], out["prefill_cpu_s_per_mib"] = fit_line(spent)
+        out["prefill_cpu_s"], out["prefill_cpu_s_per_mib"] = fit_line(spent, least_cpu_per_mib)
     return out
 
 
@@ -135,8 +134,8 @@ def time_handoff_cpu(engine, lengths: tuple[int, ...], seed: int) -> dict[str, f
     into the request's blocks in the step that admits it. Each pair is a line through (MiB,
     seconds), as `prefill_cpu_s(_per_mib)` and `decode_cpu_s(_per_mib)` (none: an engine whose K/V
     does not move, a parallel one). Where a prefill server is timed too (time_kv_transfer), its
-    reading of the prefill side, which holds the requests' HTTP as well, is taken over this one's
-    where it is the higher (merge_handoff_readings)."""
+    reading of the prefill side, which holds the requests' HTTP as well, replaces this one's, at
+    this one's slope or steeper."""
     from shoal.engine.kv_connector.transports import transport_named
     from shoal.engine.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ from shoal import __version__
 from shoal.engine.step_shape import StepShape
 from shoal.engine.step_trace import STEP_TRACE_ENV, read_steps, step_trace_files
 from shoal.sim.fleet import FleetShape, FleetSim
-from shoal.sim.kv_handoff import merge_handoff_readings, time_handoff_cpu, time_kv_transfer
+from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.servers import ProcessCPU, running
@@ -187,8 +187,9 @@ def measure(cfg: ProfileConfig) -> NodeProfile:
 
             # On a CPU, the server's CPU beyond its steps (a GPU's forward passes are not CPU).
             threads = (profile.num_threads or len(host_cpus())) if profile.device == "cpu" else None
-            arrival = time_kv_transfer(cfg.serve_flags, lengths, max_len, cfg.seed, threads)
-            profile.kv_transfer = merge_handoff_readings(profile.kv_transfer, arrival)
+            packing = profile.kv_transfer.get("prefill_cpu_s_per_mib", 0.0)
+            arrival = time_kv_transfer(cfg.serve_flags, lengths, max_len, cfg.seed, threads, packing)
+            profile.kv_transfer = {**profile.kv_transfer, **arrival}
             _save(profile, cfg)
     if cfg.startup:
         profile.startup_s = time_startup(cfg.serve_flags, cfg.engine_options)
