@@ -28,7 +28,7 @@ from shoal.sim.profiler import (
 )
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.speed_probe import probe_seconds, traced_speed
-from shoal.sim.startup_timing import busy_start_seconds, engine_start_seconds, server_start_seconds
+from shoal.sim.startup_timing import busy_start_seconds, server_start_seconds
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.fleet_helpers import metric
 from tests.server_helpers import start_server
@@ -176,16 +176,18 @@ def test_the_profile_times_kv_handoffs_by_their_size(node_profile, hf_bundled):
 
 def test_a_replicas_start_is_timed_to_its_servers_first_ready_answer():
     """What a fleet waits for before it routes to a replica it started: the server's process up to
-    its first ready answer, its engine's start and more (imports, the HTTP front); alone, and
-    beside a busy replica."""
-    server_start_seconds(SERVE_FLAGS)  # both find the model's cached weights from here on
-    engine = engine_start_seconds(ENGINE)
-    assert server_start_seconds(SERVE_FLAGS) > engine > 0
+    its first ready answer; alone, and beside a busy replica. (It once was the engine's start and
+    more; since a start stopped reading the GGUF a second time, the server loads its model while
+    its front starts, and here was ready within the engine's own time, 5.5 s, give or take.)"""
+    assert server_start_seconds(SERVE_FLAGS) > 0
     # A pool's scale-up: a one-core start beside a replica on the other cores that serves clients
-    # (BusyClients raises if they were refused), where the host has other cores for it.
+    # (BusyClients raises if they were refused) is slower than the same start alone, where the
+    # host has other cores for it.
     cores = len(host_cpus())
     if cores > 1:
-        assert busy_start_seconds([*SERVE_FLAGS, "--threads", "1"]) > engine
+        one_core = [*SERVE_FLAGS, "--threads", "1"]
+        alone = min(server_start_seconds(one_core) for _ in range(2))
+        assert busy_start_seconds(one_core) > alone
     assert busy_start_seconds([*SERVE_FLAGS, "--threads", str(cores)]) is None
 
 
