@@ -18,9 +18,7 @@ import httpx
 import pytest
 
 from shoal.testing.hosts import Host
-from tests.fleet_helpers import auth, metric, replicas
-from tests.server_helpers import ServerProcess
-from tests.test_cross_host_fleet import (
+from tests.cross_host_helpers import (
     assert_streams_exact,
     expected_on,
     host_cluster,
@@ -28,6 +26,8 @@ from tests.test_cross_host_fleet import (
     streams_with_fault,
     wait_idle,
 )
+from tests.fleet_helpers import auth, metric, replicas
+from tests.server_helpers import ServerProcess
 
 pytest.importorskip("ray")
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from shoal.retrieval.shard import IndexShard, IndexSpec, unit_rows
+from tests.cross_host_helpers import host_cluster
 from tests.server_helpers import ServerProcess, wait_ready
-from tests.test_cross_host_fleet import host_cluster
 from tests.test_retrieval import gateway_with
 
 pytest.importorskip("faiss")
