@@ -38,7 +38,7 @@ class FastFleet:
         if shape.shared_cores is not None:
             # A fleet of a few replicas on one host: the exact simulator is quick enough for it.
             raise ValueError("the fast simulator has no model of shared cores; use the exact one")
-        if shape.replica.decode_step_noise or shape.replica.prompt_step_noise:
+        if shape.replica.noisy:
             raise ValueError("the fast simulator prices each step as its profile does; use the exact one")
         self.profile = profile
         self.shape = shape

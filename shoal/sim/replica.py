@@ -44,6 +44,11 @@ class ReplicaShape:
         least = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "request_overhead_s": 0}
         check_bounds(self, {**least, "decode_step_noise": 0, "prompt_step_noise": 0})
 
+    @property
+    def noisy(self) -> bool:
+        """Whether its steps are drawn around their price rather than priced exactly."""
+        return bool(self.decode_step_noise or self.prompt_step_noise)
+
 
 @dataclass
 class HandedKV:
@@ -87,8 +92,7 @@ class SimReplica:
         self.last_sampled = 0  # tokens the last step that ended streamed out
         self._last_arrival = -math.inf
         self.shapes: list[StepShape] | None = None  # a list: each step's shape is kept in it
-        noisy = shape.decode_step_noise or shape.prompt_step_noise
-        self._noise = random.Random(name) if noisy else None
+        self._noise = random.Random(name) if shape.noisy else None
 
     @property
     def outstanding(self) -> int:
