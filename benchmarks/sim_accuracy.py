@@ -204,14 +204,21 @@ class ReplicaSampler:
         return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
-def traced_speeds(profile, trace_dir: str, handed: list[int] = ()) -> dict[str, float]:
+Traces = list[tuple[list, list[float]]]  # each engine's traced steps and the gaps between them
+
+
+def read_traces(trace_dir: str) -> Traces:
+    """Each engine's traced steps and the gaps between them, read once for every figure of a run."""
+    return [(read_steps(path), read_gaps(path)) for path in step_trace_files(trace_dir)]
+
+
+def traced_speeds(profile, traces: Traces, handed: list[int] = ()) -> dict[str, float]:
     """Each role's speed (speed_probe.traced_speed) from the steps its engines traced and the gaps
-    between them: a P/D fleet's prefill workers are those whose steps all held prompt tokens (each
-    request samples its first token there and leaves), its decode workers the rest; a fleet of
-    whole replicas is one role, "both". `handed`: the prompts' lengths whose K/V the prefill
+    between them (read_traces): a P/D fleet's prefill workers are those whose steps all held prompt
+    tokens (each request samples its first token there and leaves), its decode workers the rest; a
+    fleet of whole replicas is one role, "both". `handed`: the prompts' lengths whose K/V the prefill
     workers handed on, whose packing the simulator charges between their steps."""
     by_role: dict[str, tuple[list, list]] = {}
-    traces = [(read_steps(path), read_gaps(path)) for path in step_trace_files(trace_dir)]
     split = any(steps and all(not s.decode_only for s, _ in steps) for steps, _ in traces)
     for steps, gaps in traces:
         role = ("prefill" if all(not s.decode_only for s, _ in steps) else "decode") if split else "both"
@@ -226,10 +233,10 @@ def traced_speeds(profile, trace_dir: str, handed: list[int] = ()) -> dict[str, 
     }
 
 
-def step_noise(profile, trace_dir: str) -> dict[str, float]:
+def step_noise(profile, traces: Traces) -> dict[str, float]:
     """How far the run's traced steps of each kind strayed from their price (traced_noise), every
     engine's steps together."""
-    return traced_noise(profile, [s for path in step_trace_files(trace_dir) for s in read_steps(path)])
+    return traced_noise(profile, [step for steps, _ in traces for step in steps])
 
 
 def sim_at_traced(
@@ -406,8 +413,9 @@ def main() -> None:
                 real_runs.append(run_real(row, setup, trace_dir))
                 runs.append(figures(real_runs[-1], row))
                 handed = [prompt for prompt, _ in row.lengths()] if row.prefill else []
-                traced = traced_speeds(profile, trace_dir, handed)
-                noise = step_noise(profile, trace_dir)
+                traces = read_traces(trace_dir)
+                traced = traced_speeds(profile, traces, handed)
+                noise = step_noise(profile, traces)
             if probed is not None:  # the host's speed right before and right after the run
                 probed = (probed + host_speed(profile, options)) / 2
             if args.speed == "traced":
