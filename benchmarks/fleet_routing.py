@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import httpx
 
@@ -31,12 +33,16 @@ REPLICA_ARGS = "--threads 1 --kv-cache-memory 1GiB"
 def spawn(*args: str, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
     port = free_port()
     log = open(os.path.join(tempfile.gettempdir(), f"shoal-bench-{port}.log"), "w")  # noqa: SIM115
+    # A gateway keeps its batch jobs and usage per port under the state root; a benchmark's
+    # gateway on a port of the moment keeps them in a folder of its own, gone with it.
+    state = tempfile.mkdtemp(prefix="shoal-bench-state-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shoal.cli", *args, "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "SHOAL_STATE_DIR": state, **(env or {})},
     )
+    weakref.finalize(proc, shutil.rmtree, state, True)
     return f"http://127.0.0.1:{port}", proc
 
 

@@ -123,17 +123,28 @@ def test_the_conversion_cache_loads_the_same_model(tmp_path, monkeypatch):
     text = "some text 42"
     assert cold.tokenizer.encode(text) == warm.tokenizer.encode(text)
     assert cold.tokenizer.eos_token_ids == warm.tokenizer.eos_token_ids
-    st = path.stat()
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file is a new entry
-    load_model(str(path))
-    assert len(list(cache.iterdir())) == 2
     from shoal.models.gguf_cache import _entry
 
+    # A changed file is a new entry, which replaces the old one; so does a new cache format, even
+    # from an entry that predates entries naming their source. Another file's entry stays.
+    other = tmp_path / "other.gguf"
+    write_gguf(other, Q.Q4_K, PoolingType.MEAN)
+    load_model(str(other))
+    old = _entry(path, torch.float32)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    (old.parent / "m-0123456789abcdef0123").mkdir()  # an older format's, without its source
+    (old.parent / "m-0123456789abcdef0123" / "blocks.json").write_text("{}")
+    load_model(str(path))
     current = _entry(path, torch.float32)
+    assert current != old
+    assert sorted(e.name for e in cache.iterdir()) == sorted(
+        [current.name, _entry(other, torch.float32).name]
+    )
     (current / "config.json").write_text("{broken")  # a broken entry is dropped and rebuilt
     assert load_model(str(path)).config == cold.config
     assert json.loads((current / "config.json").read_text())["vocab_size"] == VOCAB
     monkeypatch.setenv("SHOAL_NO_CACHE", "1")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
     load_model(str(path))
-    assert len(list(cache.iterdir())) == 2
+    assert len(list(cache.iterdir())) == 2  # nothing written, nothing removed

@@ -4,7 +4,8 @@ tokenizer as JSON.
 
 Reading a GGUF costs seconds here: gguf-py walks every vocabulary string through numpy memmaps and
 dequantises in numpy. The first load of a file writes the cache; later loads read it back in a
-fraction of that. Keyed by path, size, mtime and dtype; set SHOAL_CACHE_DIR to move it, or
+fraction of that. Keyed by path, size, mtime and dtype; a new entry removes the one it replaces
+(the file changed, or shoal's cache format did). Set SHOAL_CACHE_DIR to move it, or
 SHOAL_NO_CACHE=1 to turn it off.
 """
 
@@ -16,6 +17,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from shoal.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 4  # 4: the config holds the checkpoint's pooling
+SOURCE_FILE = "source.json"  # what an entry was converted from (the file's path, the dtype)
+PARTIAL_STALE_S = 3600.0
 
 
 def _entry(path: Path, dtype: torch.dtype) -> Path | None:
@@ -108,6 +112,7 @@ def load_cached(path: Path, dtype: torch.dtype) -> CachedModel | None:
         log.warning("dropping a broken cache entry %s: %s", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)  # so that this load can store a good one
         return None
+    _prune(entry, path, dtype)  # what an older shoal left beside it
     return CachedModel(cfg, tok, entry)
 
 
@@ -146,9 +151,41 @@ def store(
             "special_tokens": tok.special_tokens,
         }
         (tmp / "tokenizer_meta.json").write_text(json.dumps(meta))
+        (tmp / SOURCE_FILE).write_text(json.dumps(_source(path, dtype)))
         try:
             tmp.rename(entry)
         except OSError:  # another process stored it first
             shutil.rmtree(tmp, ignore_errors=True)
+        _prune(entry, path, dtype)
     except OSError as exc:
         log.warning("could not cache %s: %s", path, exc)
+
+
+def _source(path: Path, dtype: torch.dtype) -> dict:
+    return {"path": str(path.resolve()), "dtype": str(dtype), "format": CACHE_FORMAT}
+
+
+def _prune(kept: Path, path: Path, dtype: torch.dtype) -> None:
+    """Removes the entries `kept` replaces: the same file and dtype at an older size, mtime or cache
+    format (each as large as the model); an entry from before entries named their source, by the
+    file's stem; and a partial write more than an hour old (its writer died). Failures only warn."""
+    mine = {k: v for k, v in _source(path, dtype).items() if k != "format"}
+    try:
+        for other in kept.parent.iterdir():
+            if other != kept and other.is_dir() and _replaced(other, mine, path.stem):
+                log.info("removing %s, which %s replaces", other, kept.name)
+                shutil.rmtree(other, ignore_errors=True)
+    except OSError as exc:
+        log.warning("could not tidy the cache beside %s: %s", kept, exc)
+
+
+def _replaced(other: Path, mine: dict, stem: str) -> bool:
+    if other.name.startswith(".partial-"):
+        return time.time() - other.stat().st_mtime > PARTIAL_STALE_S
+    if (other / SOURCE_FILE).exists():
+        try:
+            source = json.loads((other / SOURCE_FILE).read_text())
+        except ValueError:
+            return False
+        return {k: source.get(k) for k in mine} == mine
+    return other.name.startswith(f"{stem}-") and (other / "blocks.json").exists()
