@@ -168,13 +168,26 @@ void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float 
     }
 }
 
+/* Rows multiplied per pass over the weights. Each pass streams its rows' activations once per
+ * column tile, so a long prefill's rows fall out of L2: on a Xeon with AMX (2 MB L2), a 2,048-row
+ * gate/up projection cost 1.7x a row what 256 rows did. Each output row depends on its own input
+ * row only, so passes change no bit. */
+#define ROWS_PER_PASS 256
+
 /* One call per quantized linear layer: block-quantize x into the caller's scratch, then multiply.
  * format 0: Q4_1 (mn used), 1: Q8_0; 4 and 5: Q4_1 and Q8_0 repacked 8 rows at a time (cpu_q4x8.c). */
 void shoal_block_linear(int format, const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         const void *qs, const float *d, const float *mn, int64_t N, float *y) {
-    shoal_quantize_blocks(x, M, K, xq, dx, sx);
-    if (format == FORMAT_Q4_1X8 || format == FORMAT_Q8_0X8)
-        shoal_x8_matmul(format == FORMAT_Q8_0X8, xq, dx, sx, M, K, (const uint8_t *)qs, d, mn, N, y);
-    else
-        shoal_block_matmul(format, xq, dx, sx, M, K, qs, d, mn, N, y);
+    const int64_t G = K / QK;
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+        const int64_t m = M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS;
+        const float *xp = x + m0 * K;
+        int8_t *xqp = xq + m0 * K;
+        float *dxp = dx + m0 * G, *sxp = sx + m0 * G, *yp = y + m0 * N;
+        shoal_quantize_blocks(xp, m, K, xqp, dxp, sxp);
+        if (format == FORMAT_Q4_1X8 || format == FORMAT_Q8_0X8)
+            shoal_x8_matmul(format == FORMAT_Q8_0X8, xqp, dxp, sxp, m, K, (const uint8_t *)qs, d, mn, N, yp);
+        else
+            shoal_block_matmul(format, xqp, dxp, sxp, m, K, qs, d, mn, N, yp);
+    }
 }
