@@ -2,11 +2,11 @@
 seconds per prompt for steps of 1, 2 and 4 prompts of 512 tokens, on one thread. A step's
 cost should grow with its prompts, no faster; a kernel whose rows fall out of cache makes the
 batched prompts dearer each (2,048 rows through the gate/up projection once cost 1.7x a row what
-256 did).
+256 did: the CPU kernels now multiply 512 rows a pass).
 
 With `--before REV` the same steps run on that commit too (a git worktree), the two checkouts
-alternating round by round (this machine's speed moves by tens of percent within minutes), and
-each checkout's best round is printed.
+alternating round by round, each first in every other round (this machine's speed moves by tens
+of percent within minutes), and each checkout's best round is printed.
 
     python benchmarks/prefill_batch.py [--before HEAD~1] [--rounds 3] [--threads 1]
 """
@@ -93,10 +93,12 @@ def main() -> None:
     args = ap.parse_args()
     now, before = [], []
     with worktree(args.before) if args.before else contextlib.nullcontext() as old:
-        for _ in range(args.rounds):
-            if old is not None:
+        for r in range(args.rounds):  # each checkout first in every other round: the first ran faster
+            if old is not None and r % 2 == 0:
                 before.append(run_in(old, args.threads, args.repeats))
             now.append(run_in(None, args.threads, args.repeats))
+            if old is not None and r % 2 == 1:
+                before.append(run_in(old, args.threads, args.repeats))
     print(f"seconds a prompt, prefilled in steps of 1, 2 and 4 ({args.threads} thread(s), best round):")
     if before:
         print(line(args.before, before))

@@ -170,9 +170,11 @@ void shoal_block_matmul(int fmt, const int8_t *xq, const float *dx, const float 
 
 /* Rows multiplied per pass over the weights. Each pass streams its rows' activations once per
  * column tile, so a long prefill's rows fall out of L2: on a Xeon with AMX (2 MB L2), a 2,048-row
- * gate/up projection cost 1.7x a row what 256 rows did. Each output row depends on its own input
- * row only, so passes change no bit. */
-#define ROWS_PER_PASS 256
+ * gate/up projection cost 1.7x a row what 256 rows did. Each pass unpacks the weights again, so
+ * passes of 256 made a lone 512-token prompt 6 % dearer; passes of 512 kept it as it was
+ * (benchmarks/prefill_batch.py, measured there). Each output row depends on its own input row
+ * only, so passes change no bit. */
+#define ROWS_PER_PASS 512
 
 /* One call per quantized linear layer: block-quantize x into the caller's scratch, then multiply.
  * format 0: Q4_1 (mn used), 1: Q8_0; 4 and 5: Q4_1 and Q8_0 repacked 8 rows at a time (cpu_q4x8.c). */
