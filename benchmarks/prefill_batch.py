@@ -16,14 +16,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-from step_cost import ROOT, worktree  # a sibling script's helpers
+from step_cost import in_checkout, worktree  # a sibling script's helpers
 
 PROMPT_TOKENS = 512
 BATCHES = (1, 2, 4)
@@ -59,22 +55,8 @@ def seconds_per_prompt(threads: int, repeats: int) -> dict[int, float]:
 
 def run_in(checkout: str | None, threads: int, repeats: int) -> dict[int, float]:
     """One round in a process of its own, importing shoal from `checkout` (None: this one)."""
-    env = dict(os.environ, PYTHONPATH=checkout) if checkout else dict(os.environ)
-    here = str(Path(__file__).parent)
-    code = (
-        f"import json, sys; sys.path.insert(0, {here!r}); import prefill_batch, shoal; "
-        "print('SHOAL_FROM', shoal.__file__, file=sys.stderr); "
-        f"print(json.dumps(prefill_batch.seconds_per_prompt({threads}, {repeats})))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=checkout or ROOT
-    )
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    origin = next(ln for ln in done.stderr.splitlines() if ln.startswith("SHOAL_FROM"))
-    if checkout and checkout not in origin:
-        raise RuntimeError(f"the worktree's shoal was not the one imported: {origin}")
-    return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    out = json.loads(in_checkout(f"prefill_batch.seconds_per_prompt({threads}, {repeats})", checkout))
+    return {int(k): v for k, v in out.items()}
 
 
 def line(label: str, rounds: list[dict[int, float]]) -> str:

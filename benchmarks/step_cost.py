@@ -76,27 +76,30 @@ def decode_steps(ckpt: str, batch: int, steps: int) -> dict:
 def measure(ckpt: str, batches: list[int], steps: int, pythonpath: str | None) -> list[dict]:
     """Each batch in a process of its own (the engine sets torch's threads; no state carries over),
     importing shoal from `pythonpath` when given."""
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    results = []
-    for b in batches:
-        here = str(Path(__file__).parent)
-        code = (
-            f"import json, sys; sys.path.insert(0, {here!r}); import step_cost, shoal; "
-            "print('SHOAL_FROM', shoal.__file__, file=sys.stderr); "
-            f"print(json.dumps(step_cost.decode_steps({ckpt!r}, {b}, {steps})))"
-        )
-        done = subprocess.run(  # in the checkout measured: `python -c` imports from its folder first
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=pythonpath or ROOT
-        )
-        if done.returncode:
-            raise RuntimeError(done.stderr[-3000:])
-        origin = next(ln for ln in done.stderr.splitlines() if ln.startswith("SHOAL_FROM"))
-        if pythonpath and pythonpath not in origin:
-            raise RuntimeError(f"the worktree's shoal was not the one imported: {origin}")
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return results
+    calls = [f"step_cost.decode_steps({ckpt!r}, {b}, {steps})" for b in batches]
+    return [json.loads(in_checkout(call, pythonpath)) for call in calls]
+
+
+def in_checkout(call: str, checkout: str | None) -> str:
+    """`call`, an expression of a script beside this one, printed as JSON by a process of its own
+    that imports shoal from `checkout` (None: this one); its last line of output."""
+    env = dict(os.environ, PYTHONPATH=checkout) if checkout else dict(os.environ)
+    here = str(Path(__file__).parent)
+    module = call.split(".", 1)[0]
+    code = (
+        f"import json, sys; sys.path.insert(0, {here!r}); import {module}, shoal; "
+        "print('SHOAL_FROM', shoal.__file__, file=sys.stderr); "
+        f"print(json.dumps({call}))"
+    )
+    done = subprocess.run(  # in the checkout measured: `python -c` imports from its folder first
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=checkout or ROOT
+    )
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    origin = next(ln for ln in done.stderr.splitlines() if ln.startswith("SHOAL_FROM"))
+    if checkout and checkout not in origin:
+        raise RuntimeError(f"the worktree's shoal was not the one imported: {origin}")
+    return done.stdout.strip().splitlines()[-1]
 
 
 @contextlib.contextmanager
