@@ -138,13 +138,20 @@ def test_the_conversion_cache_loads_the_same_model(tmp_path, monkeypatch):
     load_model(str(path))
     current = _entry(path, torch.float32)
     assert current != old
-    assert sorted(e.name for e in cache.iterdir()) == sorted(
-        [current.name, _entry(other, torch.float32).name]
-    )
+    entries = sorted([current.name, _entry(other, torch.float32).name])
+    assert sorted(e.name for e in cache.iterdir()) == entries
+    # Beside an entry read back: an older shoal's entry of this file goes, and one of another file
+    # whose name begins with this one's stays.
+    for name in ("m-0123456789abcdef0123", "m-2-0123456789abcdef0123"):
+        (cache / name).mkdir()
+        (cache / name / "blocks.json").write_text("{}")
+    load_model(str(path))
+    entries = sorted([*entries, "m-2-0123456789abcdef0123"])
+    assert sorted(e.name for e in cache.iterdir()) == entries
     (current / "config.json").write_text("{broken")  # a broken entry is dropped and rebuilt
     assert load_model(str(path)).config == cold.config
     assert json.loads((current / "config.json").read_text())["vocab_size"] == VOCAB
     monkeypatch.setenv("SHOAL_NO_CACHE", "1")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
     load_model(str(path))
-    assert len(list(cache.iterdir())) == 2  # nothing written, nothing removed
+    assert sorted(e.name for e in cache.iterdir()) == entries  # nothing written, nothing removed

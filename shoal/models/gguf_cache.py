@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -36,7 +37,7 @@ from shoal.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 4  # 4: the config holds the checkpoint's pooling
-SOURCE_FILE = "source.json"  # what an entry was converted from (the file's path, the dtype)
+SOURCE_FILE = "source.json"  # what an entry was converted from (the file's path, the dtype), in which format
 PARTIAL_STALE_S = 3600.0
 
 
@@ -188,4 +189,5 @@ def _replaced(other: Path, mine: dict, stem: str) -> bool:
         except ValueError:
             return False
         return {k: source.get(k) for k in mine} == mine
-    return other.name.startswith(f"{stem}-") and (other / "blocks.json").exists()
+    legacy = re.fullmatch(re.escape(stem) + r"-[0-9a-f]{20}", other.name)  # as _entry names them
+    return legacy is not None and (other / "blocks.json").exists()
