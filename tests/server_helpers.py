@@ -62,6 +62,27 @@ class ServerProcess:
 
 
 def start_server(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> ServerProcess:
+    (server,) = start_servers(list(args), timeout=timeout, env=env)
+    return server
+
+
+def start_servers(
+    *arg_lists: list[str], timeout: float = 180.0, env: dict[str, str] | None = None
+) -> list[ServerProcess]:
+    """`shoal serve` with each list of arguments, all started at once and then waited for (each
+    start is mostly one core's work); if one fails, all are stopped."""
+    servers = [_spawn_server(args, env) for args in arg_lists]
+    try:
+        for server in servers:
+            wait_ready(server, timeout)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def _spawn_server(args: list[str], env: dict[str, str] | None) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -69,13 +90,7 @@ def start_server(*args: str, timeout: float = 180.0, env: dict[str, str] | None 
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     key = args[args.index("--api-key") + 1] if "--api-key" in args else None
-    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, key)
-    try:
-        wait_ready(server, timeout)
-    except TimeoutError:
-        server.stop()
-        raise
-    return server
+    return ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, key)
 
 
 def wait_ready(server: ServerProcess, timeout: float) -> None:

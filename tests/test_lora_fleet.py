@@ -17,7 +17,7 @@ from shoal.fleet.admission.tenants import key_digest
 from shoal.protocol.block_hash import hash_blocks, root_hash
 from shoal.protocol.secrets import kv_salt
 from tests.fleet_helpers import auth, metric, spawn, wait_replicas_ready, wait_until
-from tests.server_helpers import start_server
+from tests.server_helpers import start_servers
 from tests.test_lora_server import make_adapter
 
 peft = pytest.importorskip("peft")
@@ -40,8 +40,8 @@ def adapter_dirs(tmp_path_factory, hf_bundled):
 @pytest.fixture(scope="module")
 def fleet(adapter_dirs, tmp_path_factory):
     common = ("--enable-lora", "--max-loras", "2", "--api-key", KEY, "--kv-cache-memory", "128MiB")
-    holder = start_server(*common, "--threads", "1", "--lora-modules", f"alpha={adapter_dirs / 'alpha'}")
-    other = start_server(*common, "--threads", "1")
+    with_alpha = [*common, "--threads", "1", "--lora-modules", f"alpha={adapter_dirs / 'alpha'}"]
+    holder, other = start_servers(with_alpha, [*common, "--threads", "1"])
     config = tmp_path_factory.mktemp("lora-gw") / "gateway.toml"
     tenants = "".join(
         f'[[tenants]]\nname = "{name}"\napi_key_sha256 = "{key_digest(key)}"\n'

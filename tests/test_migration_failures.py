@@ -16,7 +16,7 @@ import pytest
 
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 from tests.fleet_helpers import auth, metric, start_gateway
-from tests.server_helpers import sse_objects, start_server
+from tests.server_helpers import sse_objects, start_server, start_servers
 
 KEY = "sk-migration-failures"
 MODEL = "SmolLM2-135M-Instruct"
@@ -102,7 +102,7 @@ def target_ready(server) -> bool:
 
 
 def test_a_source_killed_while_its_streams_move_loses_nothing(transfer_key):
-    source, target = start_server(*ARGS), start_server(*ARGS)
+    source, target = start_servers(list(ARGS), list(ARGS))
     gw = None
     try:
         gw = start_gateway([source.url, target.url], "--policy", "round_robin", api_key=KEY)

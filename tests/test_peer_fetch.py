@@ -18,7 +18,7 @@ import pytest
 
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV, KV_TRANSFER_KEY_HEADER
 from tests.fleet_helpers import auth, metric, start_gateway, wait_until
-from tests.server_helpers import sse_objects, start_server
+from tests.server_helpers import sse_objects, start_servers
 
 KEY = "sk-peer-fetch"
 TRANSFER_KEY = "peer-fetch-transfer-key"
@@ -32,7 +32,7 @@ ARGS = ("--api-key", KEY, "--kv-cache-memory", "128MiB", "--threads", "1")
 def fleet():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(KV_TRANSFER_KEY_ENV, TRANSFER_KEY)
-        reps = [start_server(*ARGS), start_server(*ARGS)]
+        reps = start_servers(list(ARGS), list(ARGS))
         gw = None
         try:
             gw = start_gateway([r.url for r in reps], "--policy", "round_robin", api_key=KEY)

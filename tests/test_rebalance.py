@@ -21,7 +21,7 @@ from shoal.fleet.replicas.replica import Health, Replica
 from shoal.fleet.replicas.table import ReplicaTable
 from shoal.protocol.secrets import KV_TRANSFER_KEY_ENV
 from tests.fleet_helpers import auth, metric, start_gateway
-from tests.server_helpers import sse_objects, start_server
+from tests.server_helpers import sse_objects, start_servers
 
 KEY = "sk-rebalance"
 MODEL = "SmolLM2-135M-Instruct"
@@ -84,7 +84,7 @@ def pinned_fleet():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(KV_TRANSFER_KEY_ENV, "rebalance-transfer-key")
         args = ("--api-key", KEY, "--kv-cache-memory", "128MiB", "--threads", "1", "--max-num-seqs", "4")
-        reps = [start_server(*args), start_server(*args)]
+        reps = start_servers(list(args), list(args))
         gw = None
         try:
             gw = start_gateway([r.url for r in reps], "--policy", "session", "--rebalance", api_key=KEY)
