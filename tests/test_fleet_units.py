@@ -187,6 +187,22 @@ def test_a_listening_port_is_in_use():
     assert not port_in_use(port)
 
 
+def test_a_profilers_timed_gateway_keeps_its_state_in_a_folder_gone_with_it(
+    chat_server, tmp_path, monkeypatch
+):
+    """The profiler's calibration gateway runs on a port of the moment: its batch and usage state
+    goes to a folder of its own, not a `gateway-<port>` folder left in the state root."""
+    import httpx
+
+    from shoal.sim.servers import running
+
+    root = tmp_path / "root"
+    monkeypatch.setenv("SHOAL_STATE_DIR", str(root))
+    with running(["gateway", "--backend", chat_server.url]) as (url, _):
+        assert httpx.get(url + "/ready", timeout=10).status_code == 200
+    assert not root.exists() or not any(root.iterdir())
+
+
 def test_stream_state_resumes_each_choice_and_merges_the_answers():
     body = {"model": "m", "prompt": "Hi", "n": 2, "best_of": 2, "stream": True, "logprobs": 1}
     body["stream_options"] = {"include_usage": True}

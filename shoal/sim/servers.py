@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -22,9 +23,12 @@ def running(
 
     port = free_port()
     pin = cpus if cpus and hasattr(os, "sched_setaffinity") else None
+    # A gateway keeps its batch jobs and usage per port under the state root: a timed run's, on a
+    # port of the moment, keeps them in a folder of its own, gone with it.
+    state = tempfile.TemporaryDirectory(prefix="shoal-profile-state-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shoal.cli", *command, "--port", str(port)],
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "SHOAL_STATE_DIR": state.name, **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None,
@@ -36,6 +40,7 @@ def running(
     finally:
         proc.terminate()
         proc.wait(60)
+        state.cleanup()
 
 
 def fleet_placement(serve_flags: list[str]) -> tuple[dict | None, list[int] | None, list[int]]:
