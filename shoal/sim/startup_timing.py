@@ -4,11 +4,9 @@ are busy, or it would not want another)."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 from shoal.bench.synthetic_ids import random_ids
 from shoal.sim.servers import fleet_placement, in_fresh_engine, running
@@ -67,23 +65,20 @@ def busy_start_seconds(serve_flags: list[str]) -> float | None:
     alone they took 4.0 to 4.3; an autoscaled pool's second replica, started in a burst, went
     from its slot's start to ready in 4.8 to 6.1 s, the gateway's probe that found it included (its
     model's load 3.3-4.2 s, against 2.6 alone, the busy replica computing beside it). None: no
-    other cores to run the busy replica on."""
-    if not fleet_placement(serve_flags)[2]:
-        return None
-    with busy_replica(serve_flags):
-        return sum(server_start_seconds(serve_flags) for _ in range(BUSY_STARTS)) / BUSY_STARTS
-
-
-@contextlib.contextmanager
-def busy_replica(serve_flags: list[str]) -> Iterator[BusyClients]:
-    """A replica of `serve_flags` on the cores a start of the same flags leaves free, serving
-    BusyClients (which can be paused, to time a start beside it idle)."""
+    other cores to run the busy replica on. RuntimeError: the busy replica streamed nothing while
+    a start was timed (the start was not timed beside a busy replica)."""
     env, pin, others = fleet_placement(serve_flags)
     if not others:
-        raise ValueError("these flags leave no other cores for a busy replica")
+        return None
     replica = running(["serve", *serve_flags], env, cpus=others[-len(pin) :])
+    total = 0.0
     with replica as (url, _), BusyClients(url) as clients:
-        yield clients
+        for _ in range(BUSY_STARTS):
+            streamed = clients.streamed
+            total += server_start_seconds(serve_flags)
+            if clients.streamed == streamed:
+                raise RuntimeError("the busy replica streamed nothing while a start was timed beside it")
+    return total / BUSY_STARTS
 
 
 class BusyClients:
@@ -94,10 +89,8 @@ class BusyClients:
         self.url = url
         self.model = ""
         self.errors: list[str] = []
-        self._stop = False
-        self._paused = False
-        self._in_flight = 0
-        self._state = threading.Condition()  # guards the three above
+        self.streamed = 0  # chunks the clients have read (a count, so no lock: read for change)
+        self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(BUSY_CLIENTS)
         ]
@@ -110,23 +103,8 @@ class BusyClients:
             t.start()
         return self
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No request in flight inside: the clients finish the ones they have, then wait."""
-        with self._state:
-            self._paused = True
-            self._state.wait_for(lambda: self._in_flight == 0, timeout=120)
-        try:
-            yield
-        finally:
-            with self._state:
-                self._paused = False
-                self._state.notify_all()
-
     def __exit__(self, *exc) -> None:
-        with self._state:
-            self._stop = True
-            self._state.notify_all()
+        self._stop.set()
         for t in self._threads:
             t.join(30)
         if self.errors and exc[0] is None:
@@ -137,31 +115,18 @@ class BusyClients:
 
         rng = random.Random(seed)
         with httpx.Client(base_url=self.url, timeout=60) as client:
-            while not self.errors:
-                with self._state:
-                    self._state.wait_for(lambda: self._stop or not self._paused)
-                    if self._stop:
-                        return
-                    self._in_flight += 1
+            while not self._stop.is_set():
+                prompt = random_ids(rng, BUSY_PROMPT_TOKENS)  # drawn afresh: nothing cached
+                body = {"model": self.model, "prompt": prompt, "max_tokens": BUSY_OUTPUT_TOKENS}
                 try:
-                    self._request(client, rng)
-                finally:
-                    with self._state:
-                        self._in_flight -= 1
-                        self._state.notify_all()
-
-    def _request(self, client, rng: random.Random) -> None:
-        import httpx
-
-        prompt = random_ids(rng, BUSY_PROMPT_TOKENS)  # drawn afresh: nothing cached
-        body = {"model": self.model, "prompt": prompt, "max_tokens": BUSY_OUTPUT_TOKENS}
-        try:
-            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
-                if resp.status_code != 200:
-                    self.errors.append(f"{resp.status_code} {resp.read().decode()[:300]}")
+                    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                        if resp.status_code != 200:
+                            self.errors.append(f"{resp.status_code} {resp.read().decode()[:300]}")
+                            return
+                        for _ in resp.iter_bytes():
+                            self.streamed += 1
+                            if self._stop.is_set():
+                                break
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
                     return
-                for _ in resp.iter_bytes():
-                    if self._stop:
-                        break
-        except httpx.HTTPError as exc:
-            self.errors.append(repr(exc))
