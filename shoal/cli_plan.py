@@ -54,6 +54,7 @@ def report(profile, spec, cfg, args, rows, best) -> None:
         print("\nno shape meets the SLO within the replica limit")
         return
     print(f"\ncheapest: {best.describe()}")
+    print_gateways(profile, spec, args)
     pd = [r for r in rows if r.prefill and r.replicas is not None]
     if best.prefill:
         per_prefill, per_decode = pd_capacity(profile, best.shape, spec)
@@ -82,6 +83,19 @@ def report(profile, spec, cfg, args, rows, best) -> None:
             more = plan(profile, replace(spec, rate=spec.rate * scale), cfg)[1]
             if more is not None:
                 print(f"  at {scale:g}x it takes {more.describe()}")
+
+
+def print_gateways(profile, spec, args) -> None:
+    """The gateways in front of the fleet, whatever its shape: they relay the same tokens."""
+    from shoal.sim.gateways import GatewaySizing, size_gateways
+
+    sized = size_gateways(profile, spec.rate, spec.output_len.mean, GatewaySizing(spares=args.gateway_spares))
+    if sized is None:
+        print("gateways: not sized (this profile did not time a gateway: `shoal profile --through-gateway`)")
+        return
+    print(f"gateways: {sized.gateways}")
+    for note in sized.notes:
+        print(f"  {note}")
 
 
 def devices(profile) -> int:
@@ -138,6 +152,9 @@ def add_plan_parser(sub) -> None:
         "--what-if", type=NON_NEGATIVE, default=2.0, help="also simulate this multiple of the load (0: not)"
     )
     p.add_argument("--no-pd", action="store_true", help="leave out P/D fleets")
+    p.add_argument(
+        "--gateway-spares", type=whole(0), default=1, help="gateways beyond what the load needs, to lose"
+    )
     p.add_argument(
         "--no-autoscale", action="store_true", help="skip sizing an autoscaled pool of the cheapest fleet"
     )

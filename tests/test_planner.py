@@ -4,12 +4,16 @@ against the simulators themselves (fast, then exact)."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from shoal.sim.fast import FastFleet
 from shoal.sim.fleet import FleetShape, FleetSim
+from shoal.sim.gateways import GatewaySizing, size_gateways
 from shoal.sim.planner import SLO, PlanConfig, check, fleet_check, pd_capacity, pd_check, plan, plan_scaling
 from shoal.sim.profile import made_up_profile
 from shoal.sim.workload import Burst, Lengths, WorkloadSpec
@@ -80,6 +84,7 @@ def test_shoal_plan_compares_parallel_shapes_by_the_devices_they_take(tmp_path):
     tp2.decode.coef = [c * 0.6 for c in tp2.decode.coef]
     tp2.mixed.coef = [c * 0.55 for c in tp2.mixed.coef]
     paths = [tmp_path / "tp1.json", tmp_path / "tp2.json"]
+    tp1.serving["gateway_cpu_s_per_token"] = GATEWAY_CPU  # tp2's calibration timed no gateway
     tp1.save(paths[0])
     tp2.save(paths[1])
     flags = ["--rate", "10", "--input-len", "512", "--output-len", "64", "--slo-ttft-ms", "500"]
@@ -101,10 +106,33 @@ def test_shoal_plan_compares_parallel_shapes_by_the_devices_they_take(tmp_path):
         wanted.append((best.replicas * profile.tensor_parallel, profile.tensor_parallel, best.replicas))
     wanted.sort()
     assert len(ranked) == 2
+    # Both fleets relay the same tokens; only tp1's profile says what a token costs a gateway.
+    said = [line for line in out.stdout.splitlines() if line.startswith("gateways:")]
+    assert said == [f"gateways: {math.ceil(10 * 64 * GATEWAY_CPU / 0.7) + 1}", said[1]]
+    assert "not sized" in said[1] and "--through-gateway" in said[1]
     for line, (n, tp, replicas) in zip(ranked, wanted, strict=True):
         assert line.strip().startswith(f"TP={tp} PP=1: {replicas} replicas") and line.endswith(
             f": {n} devices"
         )
+
+
+GATEWAY_CPU = 0.004  # seconds of a gateway's CPU a token streamed (a made-up, costly gateway)
+
+
+def test_gateways_are_sized_by_the_tokens_they_relay_with_one_to_lose():
+    """100 requests/s of 64 tokens through gateways whose token costs GATEWAY_CPU: 25.6 cores of
+    relaying, each gateway kept under 70 % of its one core (37), and one spare; a profile that
+    timed no gateway sizes none, and a gateway busier than its core is refused."""
+    profile = made_up_profile()
+    assert size_gateways(profile, 100.0, 64) is None
+    profile.serving["gateway_cpu_s_per_token"] = GATEWAY_CPU
+    sized = size_gateways(profile, 100.0, 64)
+    assert sized.cores == pytest.approx(25.6) and sized.gateways == 37 + 1
+    assert size_gateways(profile, 100.0, 64, GatewaySizing(busy=1.0, spares=0)).gateways == 26
+    assert size_gateways(profile, 0.001, 1).gateways == 2  # at least one, and its spare
+    assert "6,400 tokens/s" in sized.notes[0] and "38 gateways" in sized.notes[1]
+    with pytest.raises(ValueError, match="busy"):
+        GatewaySizing(busy=1.5)
 
 
 def test_the_planner_sizes_each_phase_of_a_pd_fleet():

@@ -237,7 +237,7 @@ class NodeProfile:
             lines.append(f"speed probe : {self.probe_s:.2f} s by the bare steps{timed} (a fixed run)")
         if self.startup_s:
             lines.append("start-up    : " + ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
-        if self.serving:
+        if "per_step_s" in self.serving:
             lines.append(
                 f"serving adds: {1e3 * self.serving['per_step_s']:.2f} ms a step, "
                 f"{1e3 * self.serving['per_row_s']:.2f} ms a row, "
@@ -257,6 +257,11 @@ class NodeProfile:
             lines.append(
                 f"front CPU   : {1e3 * self.serving['front_cpu_s_per_token']:.3f} ms a token streamed "
                 f"(gateway and clients, on {self.serving['cores']:.0f} cores)"
+                + (
+                    f", the gateway's {1e3 * self.serving['gateway_cpu_s_per_token']:.3f}"
+                    if "gateway_cpu_s_per_token" in self.serving
+                    else ""
+                )
             )
         t = self.kv_transfer
 

@@ -255,10 +255,12 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
     if front_cpu_s is not None:
         from shoal.fleet.control.cores import host_cpus
 
+        streamed = max(1, sum(s["total_output_tokens"] for _, s in measured))
+        # The gateway's alone: what a fleet's gateways cost (the planner sizes them by it).
+        profile.serving["gateway_cpu_s_per_token"] = front_cpu_s / streamed
         # The gateway's, and the clients' while they sent and read (`shoal bench serve`'s own).
         front_cpu_s += sum(s["client_cpu_s"] for _, s in measured)
-        streamed = sum(s["total_output_tokens"] for _, s in measured)
-        profile.serving["front_cpu_s_per_token"] = front_cpu_s / max(1, streamed)
+        profile.serving["front_cpu_s_per_token"] = front_cpu_s / streamed
         profile.serving["cores"] = len(host_cpus())
 
 
