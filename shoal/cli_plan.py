@@ -54,7 +54,6 @@ def report(profile, spec, cfg, args, rows, best) -> None:
         print("\nno shape meets the SLO within the replica limit")
         return
     print(f"\ncheapest: {best.describe()}")
-    print_gateways(profile, spec, args)
     pd = [r for r in rows if r.prefill and r.replicas is not None]
     if best.prefill:
         per_prefill, per_decode = pd_capacity(profile, best.shape, spec)
@@ -71,6 +70,7 @@ def report(profile, spec, cfg, args, rows, best) -> None:
             print(f"cheapest P/D fleet: {min(pd, key=lambda c: c.replicas).describe()}")
         if not args.no_autoscale:
             print(plan_scaling(profile, spec, best, cfg).describe())
+    print_gateways(profile, spec, args)
     for scale in (1.0, *([args.what_if] if args.what_if else [])):
         s = candidate_check(profile, spec, best, cfg, scale)
         verdict = "meets" if cfg.slo.met(s) else "MISSES"
