@@ -29,8 +29,10 @@ its own speeds, and compares the runs pooled: each percentile over every run's r
 run 36), throughput over the runs' time together; the error of the runs' medians and each run are
 printed beside it. The traces also say how far each kind of step strayed from its price, step to
 step (speed_probe.traced_noise: decode steps of 16 streams 0.15 in log), and the simulator draws its
-steps around their prices by that (ReplicaShape's step noise); `--also-priced-exactly` prints its
-prediction without.
+steps around their prices by that (ReplicaShape's step noise), SIM_DRAWS runs of it pooled into each
+prediction (one run of the simulator is one sample of it: the same inputs gave TTFT p99s 5-12 %
+apart from one draw of the noise to the next); `--also-priced-exactly` prints its prediction
+without.
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ class Row:
 
 
 # The pool's autoscaler, as the real fleet is told (flags) and as the simulator runs it.
+# Runs of the simulator pooled into each prediction, each with its steps' noise drawn afresh: one
+# run is one sample of what the simulator predicts (a row's TTFT p99 moved by 5-12 % between
+# draws, its TTFT p50 by 1-3 %), where the real run it is set against is the only sample there is.
+SIM_DRAWS = 8
 POOL = AutoscaleConfig(target_inflight=4.0, scale_down_delay_s=10.0)
 POOL_FLAGS = ["--target-inflight", "4", "--scale-down-delay", "10"]
 
@@ -256,7 +262,29 @@ def run_sim(
     row: Row, profile, setup: Setup, speeds: dict[str, float], noise: dict[str, float], unshared: bool = False
 ) -> dict:
     """The row simulated from `profile`, the workers of each role at their speed in `speeds`, each
-    kind of step strayed from its price as `noise` says (traced_noise; empty: priced exactly)."""
+    kind of step strayed from its price as `noise` says (traced_noise; empty: priced exactly): with
+    noise, SIM_DRAWS runs of it pooled (as the real runs are), its steps' stretch their mean."""
+    draws = [
+        sim_draw(row, profile, setup, speeds, noise, unshared, seed)
+        for seed in range(SIM_DRAWS if noise else 1)
+    ]
+    out = pooled(draws)
+    out["step_stretch"] = {
+        role: statistics.mean(d["step_stretch"][role] for d in draws) for role in draws[0]["step_stretch"]
+    }
+    return out
+
+
+def sim_draw(
+    row: Row,
+    profile,
+    setup: Setup,
+    speeds: dict[str, float],
+    noise: dict[str, float],
+    unshared: bool,
+    seed: int,
+) -> dict:
+    """One run of the simulator: its steps' noise drawn from `seed`."""
     rng = random.Random(7)
     arrivals = bench_arrivals(row.num_requests, row.rate, 1, row.bursts)
     reqs = [
@@ -270,6 +298,7 @@ def run_sim(
             setup.engine["max_num_seqs"],
             decode_step_noise=noise.get("decode", 0.0),
             prompt_step_noise=noise.get("prompt", 0.0),
+            noise_seed=seed,
         ),
         row.concurrency,
         prefill=row.prefill,
@@ -290,6 +319,7 @@ def pooled(runs: list[dict]) -> dict:
     out = summarize(records, sum(s["duration_s"] for s in runs), None, None)
     out["duration_s"] = statistics.mean(s["duration_s"] for s in runs)
     out["replica_seconds"] = statistics.mean(s["replica_seconds"] for s in runs)
+    out["records"] = records
     return out
 
 

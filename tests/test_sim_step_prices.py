@@ -39,14 +39,14 @@ def test_a_prefill_servers_handoff_cpu_is_never_priced_below_its_engines_packing
 
 def test_steps_stray_from_their_price_as_the_step_noise_says_and_a_run_repeats():
     """With step noise each step is drawn around its price: one on average, the log's spread as
-    given for each kind of step; the same run gives the same steps. The fast simulator, which
-    prices steps in aggregate, refuses it, and a negative spread is refused."""
+    given for each kind of step; the same run gives the same steps, another noise seed others. The
+    fast simulator, which prices steps in aggregate, refuses it, and a negative spread is refused."""
     profile = made_up_profile()
     rng = random.Random(5)
     reqs = [SimRequest(f"r{i}", 0.0, tokens(rng, 256), rng.randint(32, 96)) for i in range(96)]
 
-    def run(decode_noise: float, prompt_noise: float):
-        replica = ReplicaShape(32, 2048, 0.0, decode_noise, prompt_noise)
+    def run(decode_noise: float, prompt_noise: float, seed: int = 0):
+        replica = ReplicaShape(32, 2048, 0.0, decode_noise, prompt_noise, seed)
         sim = FleetSim(profile, FleetShape(1, replica=replica, max_concurrency=16))
         shapes, took, start = [], [], sim.replicas[0].start_step
         sim.replicas[0].shapes = shapes
@@ -73,6 +73,11 @@ def test_steps_stray_from_their_price_as_the_step_noise_says_and_a_run_repeats()
     again = run(0.15, 0.06)[0]
     assert [(r.ttft, r.e2e) for r in again] == [(r.ttft, r.e2e) for r in records]
     assert [r.ttft for r in records] != [r.ttft for r in exact[0]]
+    # Another seed is another draw of the same spread (runs pooled over draws are the expectation).
+    _, other_shapes, other = run(0.15, 0.06, seed=3)
+    decode = np.array([r for s, r in zip(other_shapes, other, strict=True) if s.decode_only])
+    assert np.log(decode).std() == pytest.approx(0.15, rel=0.25)
+    assert other[: len(ratios)] != ratios[: len(other)]
     with pytest.raises(ValueError, match="fast simulator"):
         FastFleet(profile, FleetShape(1, replica=ReplicaShape(decode_step_noise=0.1)))
     with pytest.raises(ValueError, match="prompt_step_noise"):
