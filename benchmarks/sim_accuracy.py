@@ -119,11 +119,11 @@ class Row:
         return request_lengths(self.num_requests, self.input_len, self.output_len, 1, None, self.output_range)
 
 
-# The pool's autoscaler, as the real fleet is told (flags) and as the simulator runs it.
 # Runs of the simulator pooled into each prediction, each with its steps' noise drawn afresh: one
 # run is one sample of what the simulator predicts (a row's TTFT p99 moved by 5-12 % between
 # draws, its TTFT p50 by 1-3 %), where the real run it is set against is the only sample there is.
 SIM_DRAWS = 8
+# The pool's autoscaler, as the real fleet is told (flags) and as the simulator runs it.
 POOL = AutoscaleConfig(target_inflight=4.0, scale_down_delay_s=10.0)
 POOL_FLAGS = ["--target-inflight", "4", "--scale-down-delay", "10"]
 

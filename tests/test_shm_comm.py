@@ -56,15 +56,18 @@ def _collectives(rank: int, port: int, results) -> None:
         rows, width = torch.tensor(trades), WIDTH[case]
         sends = torch.cat([_sent(rank, d, n, width) for d, n in enumerate(trades[rank])])
         results[("a2a", case, rank)] = (comm.all_to_all(sends, rows), gloo.all_to_all(sends, rows))
-    if rank == 2:
-        return  # leaves; the others' next all-reduce must give up, not hang
-    t0 = time.monotonic()
-    try:
-        comm.all_reduce(torch.ones(8))
-        results[("timeout", rank)] = None
-    except CommError:
-        results[("timeout", rank)] = time.monotonic() - t0
-    results[("failed", rank)] = comm.failed
+    if rank != 2:  # rank 2 stays out of it: the others' next all-reduce must give up, not hang
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(8))
+            results[("timeout", rank)] = None
+        except CommError:
+            results[("timeout", rank)] = time.monotonic() - t0
+        results[("failed", rank)] = comm.failed
+    # Every rank leaves gloo together: a rank that returned with its group still up was once
+    # aborted at exit ("terminate called without an active exception": SIGABRT, once in a full run).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_shared_memory_collectives_between_processes():

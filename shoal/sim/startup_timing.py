@@ -66,18 +66,19 @@ def busy_start_seconds(serve_flags: list[str]) -> float | None:
     from its slot's start to ready in 4.8 to 6.1 s, the gateway's probe that found it included (its
     model's load 3.3-4.2 s, against 2.6 alone, the busy replica computing beside it). None: no
     other cores to run the busy replica on. RuntimeError: the busy replica streamed nothing while
-    a start was timed (the start was not timed beside a busy replica)."""
+    the starts were timed (they were not timed beside a busy replica)."""
     env, pin, others = fleet_placement(serve_flags)
     if not others:
         return None
     replica = running(["serve", *serve_flags], env, cpus=others[-len(pin) :])
-    total = 0.0
     with replica as (url, _), BusyClients(url) as clients:
-        for _ in range(BUSY_STARTS):
-            streamed = clients.streamed
-            total += server_start_seconds(serve_flags)
-            if clients.streamed == streamed:
-                raise RuntimeError("the busy replica streamed nothing while a start was timed beside it")
+        clients.wait_streaming()
+        streamed = clients.streamed
+        total = sum(server_start_seconds(serve_flags) for _ in range(BUSY_STARTS))
+        # Not asked of each start: the clients' prompts, sent at once, can keep a start's few
+        # seconds in one prefill that streams nothing.
+        if clients.streamed == streamed:
+            raise RuntimeError("the busy replica streamed nothing while the starts were timed beside it")
     return total / BUSY_STARTS
 
 
@@ -102,6 +103,14 @@ class BusyClients:
         for t in self._threads:
             t.start()
         return self
+
+    def wait_streaming(self, timeout_s: float = 120.0) -> None:
+        """Returns once the clients read their first tokens (their prompts' prefill is done)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.streamed:
+            if self.errors or time.monotonic() > deadline:
+                raise RuntimeError(f"the busy replica streamed nothing: {self.errors[:1] or 'timed out'}")
+            time.sleep(STARTUP_POLL_S)
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
