@@ -314,12 +314,14 @@ def sim_draw(
 
 def pooled(runs: list[dict]) -> dict:
     """The runs' summaries as one: every run's requests in each percentile, throughput over their
-    time together, a run's mean time and replica-seconds."""
+    time together, a run's mean time and replica-seconds. A run may itself be pooled (a prediction
+    of several draws): its time together is then its runs'."""
     records = [r for s in runs for r in s["records"]]
-    out = summarize(records, sum(s["duration_s"] for s in runs), None, None)
+    together = sum(s.get("time_together_s", s["duration_s"]) for s in runs)
+    out = summarize(records, together, None, None)
     out["duration_s"] = statistics.mean(s["duration_s"] for s in runs)
     out["replica_seconds"] = statistics.mean(s["replica_seconds"] for s in runs)
-    out["records"] = records
+    out["records"], out["time_together_s"] = records, together
     return out
 
 
