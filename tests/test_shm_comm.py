@@ -64,8 +64,8 @@ def _collectives(rank: int, port: int, results) -> None:
         except CommError:
             results[("timeout", rank)] = time.monotonic() - t0
         results[("failed", rank)] = comm.failed
-    # Every rank leaves gloo together: a rank that returned with its group still up was once
-    # aborted at exit ("terminate called without an active exception": SIGABRT, once in a full run).
+    # Every rank leaves gloo together: a rank that returned with its group still up was aborted at
+    # exit once in a full run ("terminate called without an active exception": SIGABRT).
     dist.barrier()
     dist.destroy_process_group()
 

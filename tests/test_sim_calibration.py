@@ -182,7 +182,7 @@ def test_a_replicas_start_is_timed_to_its_servers_first_ready_answer():
     assert server_start_seconds(SERVE_FLAGS) > 0
     # A pool's scale-up: a one-core start beside a replica on the other cores that serves clients
     # (BusyClients raises if they were refused, busy_start_seconds if the replica streamed nothing
-    # while a start was timed). Not asserted: that it is slower than a start alone. Its toll here
+    # over the starts). Not asserted: that it is slower than a start alone. Its toll here
     # ran from 30 % down to 3 %, with what the busy one computed then (its streams' clients take
     # the cores' time, its prefills none), as the host's speed from one minute to the next;
     # once the mean of three busy starts read 2 % under the faster of two alone.
