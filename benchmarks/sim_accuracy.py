@@ -47,7 +47,7 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -264,42 +264,21 @@ def run_sim(
     """The row simulated from `profile`, the workers of each role at their speed in `speeds`, each
     kind of step strayed from its price as `noise` says (traced_noise; empty: priced exactly): with
     noise, SIM_DRAWS runs of it pooled (as the real runs are), its steps' stretch their mean."""
-    draws = [
-        sim_draw(row, profile, setup, speeds, noise, unshared, seed)
-        for seed in range(SIM_DRAWS if noise else 1)
-    ]
-    out = pooled(draws)
-    out["step_stretch"] = {
-        role: statistics.mean(d["step_stretch"][role] for d in draws) for role in draws[0]["step_stretch"]
-    }
-    return out
-
-
-def sim_draw(
-    row: Row,
-    profile,
-    setup: Setup,
-    speeds: dict[str, float],
-    noise: dict[str, float],
-    unshared: bool,
-    seed: int,
-) -> dict:
-    """One run of the simulator: its steps' noise drawn from `seed`."""
     rng = random.Random(7)
     arrivals = bench_arrivals(row.num_requests, row.rate, 1, row.bursts)
     reqs = [
         SimRequest(f"r{i}", at, tokens(rng, prompt), output)
         for i, (at, (prompt, output)) in enumerate(zip(arrivals, row.lengths(), strict=True))
     ]
+    replica = ReplicaShape(
+        setup.engine["max_num_seqs"],
+        decode_step_noise=noise.get("decode", 0.0),
+        prompt_step_noise=noise.get("prompt", 0.0),
+    )
     shape = FleetShape(
         row.replicas,
         "kv_aware",
-        ReplicaShape(
-            setup.engine["max_num_seqs"],
-            decode_step_noise=noise.get("decode", 0.0),
-            prompt_step_noise=noise.get("prompt", 0.0),
-            noise_seed=seed,
-        ),
+        replica,
         row.concurrency,
         prefill=row.prefill,
         decode=row.decode,
@@ -308,8 +287,16 @@ def sim_draw(
         shared_cores=None if unshared else len(host_cpus()),
     )
     roles = {role: profile.at_speed(s) for role, s in speeds.items()}
-    result = FleetSim(profile, shape, roles).run(reqs)
-    return {**result.summary(), "records": result.records}
+    draws = []
+    for seed in range(SIM_DRAWS if noise else 1):  # the same requests, the noise drawn afresh
+        drawn = replace(shape, replica=replace(replica, noise_seed=seed))
+        result = FleetSim(profile, drawn, roles).run(reqs)
+        draws.append({**result.summary(), "records": result.records})
+    out = pooled(draws)
+    out["step_stretch"] = {
+        role: statistics.mean(d["step_stretch"][role] for d in draws) for role in draws[0]["step_stretch"]
+    }
+    return out
 
 
 def pooled(runs: list[dict]) -> dict:
