@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -25,25 +24,19 @@ import httpx
 
 from shoal.bench.multiturn import MultiTurnConfig, run_multiturn
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
-from shoal.fleet.control.launchers.local import free_port
+from shoal.sim.servers import spawn_shoal
 
 REPLICA_ARGS = "--threads 1 --kv-cache-memory 1GiB"
 
 
 def spawn(*args: str, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    log = open(os.path.join(tempfile.gettempdir(), f"shoal-bench-{port}.log"), "w")  # noqa: SIM115
-    # A gateway keeps its batch jobs and usage per port under the state root; a benchmark's
-    # gateway on a port of the moment keeps them in a folder of its own, gone with it.
-    state = tempfile.mkdtemp(prefix="shoal-bench-state-")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", *args, "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "SHOAL_STATE_DIR": state, **(env or {})},
-    )
-    weakref.finalize(proc, shutil.rmtree, state, True)
-    return f"http://127.0.0.1:{port}", proc
+    """`shoal ARGS` on a free port, its output in a log of its own; its state folder (spawn_shoal)
+    is removed with the process object."""
+    fd, _ = tempfile.mkstemp(prefix="shoal-bench-", suffix=".log")
+    with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
+        url, proc, state = spawn_shoal(list(args), env, stdout=log)
+    weakref.finalize(proc, state.cleanup)
+    return url, proc
 
 
 def wait_ready(url: str, count: int) -> list[dict]:

@@ -13,27 +13,38 @@ import tempfile
 import time
 
 
-@contextlib.contextmanager
-def running(
-    command: list[str], env: dict[str, str] | None = None, poll_s: float = 0.25, cpus: list[int] | None = None
-):
-    """`shoal COMMAND` on a free port, ready: its URL and process; stopped at the exit. `cpus`:
+def spawn_shoal(
+    command: list[str],
+    env: dict[str, str] | None = None,
+    stdout=subprocess.DEVNULL,
+    cpus: list[int] | None = None,
+) -> tuple[str, subprocess.Popen, tempfile.TemporaryDirectory]:
+    """`shoal COMMAND` started on a free port: its URL, its process and its state folder, which the
+    caller removes once the process is gone. A gateway keeps its batch jobs and usage per port
+    under the state root; one on a port of the moment keeps them in a folder of its own. `cpus`:
     the cores it is pinned to (from before it execs, as a fleet's launcher pins a replica)."""
     from shoal.fleet.control.launchers.local import free_port
 
     port = free_port()
     pin = cpus if cpus and hasattr(os, "sched_setaffinity") else None
-    # A gateway keeps its batch jobs and usage per port under the state root: a timed run's, on a
-    # port of the moment, keeps them in a folder of its own, gone with it.
-    state = tempfile.TemporaryDirectory(prefix="shoal-profile-state-")
+    state = tempfile.TemporaryDirectory(prefix="shoal-state-", ignore_cleanup_errors=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "shoal.cli", *command, "--port", str(port)],
         env={**os.environ, "SHOAL_STATE_DIR": state.name, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,  # with stdout, wherever that goes
         preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None,
     )
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", proc, state
+
+
+@contextlib.contextmanager
+def running(
+    command: list[str], env: dict[str, str] | None = None, poll_s: float = 0.25, cpus: list[int] | None = None
+):
+    """`shoal COMMAND` on a free port, ready: its URL and process; stopped at the exit, its state
+    folder removed (spawn_shoal)."""
+    url, proc, state = spawn_shoal(command, env, cpus=cpus)
     try:
         wait_for(url, proc, poll_s=poll_s)
         yield url, proc
