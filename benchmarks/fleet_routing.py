@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 
@@ -49,6 +51,38 @@ def wait_ready(url: str, count: int) -> list[dict]:
             pass
         time.sleep(0.25)
     raise SystemExit(f"{url}: replicas not ready")
+
+
+class ReplicaSampler:
+    """Counts the replicas loaded (a process up, not down) every 0.5 s while a run goes on."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                try:
+                    reps = client.get(self.url + "/replicas").json()["replicas"]
+                    loaded = sum(r["pid"] is not None and r["state"] != "down" for r in reps)
+                    self.samples.append((time.perf_counter(), loaded))
+                except (httpx.HTTPError, KeyError, ValueError):
+                    pass
+                self._stop.wait(0.5)
+
+    def replica_seconds(self) -> float:
+        return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
 def prefix_counts(replica_urls: list[str]) -> tuple[float, float]:

@@ -6,7 +6,7 @@
 #   python benchmarks/gpu_offline.py prepare bench-results/gpu-ckpt   # here: config and tokenizer
 #   bash benchmarks/gpu_lease.sh                                       # there (carry .whl, the ckpt)
 #
-# Wheels in .whl/ (the packages the machine's image lacks) are installed first, when present.
+# SKIP="profile offline" leaves those stages out. Wheels in .whl/ (the packages the machine's image lacks) are installed first, when present.
 set -u
 OUT=${OUT:-bench-results/gpu-lease}
 CKPT=${CKPT:-bench-results/gpu-ckpt}
@@ -25,6 +25,7 @@ from pathlib import Path; f(Path(sys.argv[1]), dtype=torch.bfloat16)" "$CKPT" ||
 stage() {
     local name=$1 limit=$2
     shift 2
+    case " ${SKIP:-} " in *" $name "*) echo "== $name: skipped"; return ;; esac
     echo "== $name (limit $limit s): $*"
     local t0=$SECONDS
     timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -44,6 +45,9 @@ stage profile "${PROFILE_S:-200}" python3 -m shoal.cli profile --model "$CKPT" -
 # Issue 31: the simulator against one real GPU replica, from a profile taken right before.
 # (Without the speed probe: two CUDA engine starts fewer within the stage's limit.)
 TAIL=20 stage accuracy "${ACCURACY_S:-150}" python3 benchmarks/sim_accuracy.py --device cuda \
-    --model "$CKPT" --quick --no-rescale --save "$OUT"
+    --model "$CKPT" --quick --save "$OUT/accuracy"
+# Its profile and, of each real run, the requests and the traced steps (to be simulated again
+# here): one file, since few come back.
+[ -d "$OUT/accuracy" ] && tar czf "$OUT/accuracy.tgz" -C "$OUT" accuracy && rm -rf "$OUT/accuracy"
 TAIL=12 stage offline "${OFFLINE_S:-80}" python3 benchmarks/gpu_offline.py run "$CKPT" \
     --dtypes bfloat16 --graphs-only --batches 1,32,256

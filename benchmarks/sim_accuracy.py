@@ -12,45 +12,41 @@ pause; two replicas (one core each) behind the kv_aware gateway; a prefill and a
 autoscaled through a burst, its replica-seconds sampled from the gateway's /replicas. With
 `--device cuda`: one replica on the GPU, at a Poisson rate and with 64 clients.
 
-This shared host's speed drifts by 10-20 % over minutes, and a fleet near its capacity turns a
-few per cent of speed into tens of per cent of queueing: the same P/D fleet under the same
-arrivals came out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So each real run is
-predicted at the host's speed during it, read by the real fleet's own engines: they trace their
-steps and when each ended (SHOAL_STEP_TRACE_DIR), the profile prices those steps, and the time the
-engine was busy on them (each step, and its work between two steps) over that price is the speed
-of those workers (speed_probe.traced_speed; a role each: a P/D fleet's prefill and decode workers
-ran x1.11-1.23 and x1.09-1.22 in run 36's three runs): the host's speed times what the fleet's
-own processes took of their cores, which the simulator charges itself: so its own stretch of the
-run's steps is taken out (sim_at_traced below). `--speed probe`: at a speed probe's instead (a
-fixed run of steps on a fresh engine right before and right after the run; runs 15-23),
-`--speed none`: at the profile's. `--repeats N` runs each real fleet N times, each predicted at
-its own speeds, and compares the runs pooled: each percentile over every run's requests (a p99 of
-128 requests is their second slowest, which moved 793-1,051 ms between three runs of one fleet in
-run 36), throughput over the runs' time together; the error of the runs' medians and each run are
-printed beside it. The traces also say how far each kind of step strayed from its price, step to
-step (speed_probe.traced_noise: decode steps of 16 streams 0.15 in log), and the simulator draws its
-steps around their prices by that (ReplicaShape's step noise), SIM_DRAWS runs of it pooled into each
-prediction (one run of the simulator is one sample of it: the same inputs gave TTFT p99s 5-12 %
-apart from one draw of the noise to the next); `--also-priced-exactly` prints its prediction
-without.
-"""
+This shared host's speed drifts by 10-20 % over minutes, and a fleet near its capacity turns a few
+per cent of speed into tens of per cent of queueing: the same P/D fleet under the same arrivals came
+out at TTFT p50s from 1.40 to 2.23 s in six runs in one hour. So each real run is predicted at the
+host's speed during it, read by the real fleet's own engines: they trace their steps and when each
+ended (SHOAL_STEP_TRACE_DIR), the profile prices those steps, and the time the engine was busy on
+them (each step, and its work between two steps) over that price is the speed of those workers (a
+role each: a P/D fleet's prefill and decode workers ran x1.11-1.23 and x1.09-1.22 in run 36's three
+runs), for decode-only steps and steps with prompts apart (speed_probe.traced_kind_speeds: a pool's
+burst moved them apart): the host's speed times what the fleet's own processes took of their cores,
+which the simulator charges itself: so its own stretch of the run's steps is taken out
+(sim_at_traced below). `--speed probe`: at a speed probe's instead (a fixed run of steps on a fresh
+engine right before and right after the run; runs 15-23), `--speed none`: at the profile's.
+`--repeats N` runs each real fleet N times, each predicted at its own speeds, and compares the runs
+pooled: each percentile over every run's requests (a p99 of 128 requests is their second slowest,
+which moved 793-1,051 ms between three runs of one fleet in run 36), throughput over the runs' time
+together; the error of the runs' medians and each run are printed beside it. The traces also say how
+far each kind of step strayed from its price, step to step (speed_probe.traced_noise: decode steps
+of 16 streams 0.15 in log), and the simulator draws its steps around their prices by that
+(ReplicaShape's step noise), SIM_DRAWS runs of it pooled into each prediction (one run of the
+simulator is one sample of it: the same inputs gave TTFT p99s 5-12 % apart from one draw of the
+noise to the next); `--also-priced-exactly` prints its prediction without."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import math
 import random
+import shutil
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import httpx
 
 from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.report import RequestRecord, summarize
@@ -65,7 +61,8 @@ from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profiler import ProfileConfig, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
-from shoal.sim.speed_probe import host_speed, traced_noise, traced_speed
+from shoal.sim.servers import ProcessCPU
+from shoal.sim.speed_probe import STEP_KINDS, host_speed, traced_kind_speeds, traced_noise
 from shoal.sim.workload import SimRequest, tokens
 
 
@@ -143,7 +140,7 @@ def bench_arrivals(n: int, rate: float, seed: int, bursts: tuple[Burst, ...] = (
 
 def run_real(row: Row, setup: Setup, trace_dir: str) -> dict:
     """The row's real fleet under `shoal bench serve`, its engines tracing their steps to trace_dir."""
-    from fleet_routing import spawn, wait_ready  # a sibling script's helpers
+    from fleet_routing import ReplicaSampler, spawn, wait_ready  # a sibling script's helpers
 
     flags = f"{setup.flags} --threads {row.threads}"
     size = ["--replicas", str(row.replicas)]
@@ -167,8 +164,14 @@ def run_real(row: Row, setup: Setup, trace_dir: str) -> dict:
             tokenizer=setup.engine.get("model"),
             json_path=f"{trace_dir}/requests.json",
         )
+        gateway = ProcessCPU(
+            proc.pid, "the row's gateway"
+        )  # `fleet up` is the gateway; replicas its children
+        cpu0, t0 = gateway.seconds(), time.perf_counter()
         with ReplicaSampler(url) as sampler:
             summary = run_serve_bench(cfg)
+        # Its event loop relays every token: one core is all it can have.
+        summary["gateway_busy"] = (gateway.seconds() - cpu0) / (time.perf_counter() - t0)
         summary["replica_seconds"] = sampler.replica_seconds()
         raw = json.loads(Path(cfg.json_path).read_text())["records"]
         summary["records"] = [RequestRecord(**r) for r in raw]
@@ -176,38 +179,6 @@ def run_real(row: Row, setup: Setup, trace_dir: str) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
-
-
-class ReplicaSampler:
-    """Counts the replicas loaded (a process up, not down) every 0.5 s while a run goes on."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self._stop.is_set():
-                try:
-                    reps = client.get(self.url + "/replicas").json()["replicas"]
-                    loaded = sum(r["pid"] is not None and r["state"] != "down" for r in reps)
-                    self.samples.append((time.perf_counter(), loaded))
-                except (httpx.HTTPError, KeyError, ValueError):
-                    pass
-                self._stop.wait(0.5)
-
-    def replica_seconds(self) -> float:
-        return sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(self.samples))
 
 
 Traces = list[tuple[list, list[float]]]  # each engine's traced steps and the gaps between them
@@ -218,12 +189,13 @@ def read_traces(trace_dir: str) -> Traces:
     return [(read_steps(path), read_gaps(path)) for path in step_trace_files(trace_dir)]
 
 
-def traced_speeds(profile, traces: Traces, handed: list[int] = ()) -> dict[str, float]:
-    """Each role's speed (speed_probe.traced_speed) from the steps its engines traced and the gaps
-    between them (read_traces): a P/D fleet's prefill workers are those whose steps all held prompt
-    tokens (each request samples its first token there and leaves), its decode workers the rest; a
-    fleet of whole replicas is one role, "both". `handed`: the prompts' lengths whose K/V the prefill
-    workers handed on, whose packing the simulator charges between their steps."""
+def traced_speeds(profile, traces: Traces, handed: list[int] = ()) -> dict[str, dict[str, float]]:
+    """Each role's speed for each kind of step (speed_probe.traced_kind_speeds) from the steps its
+    engines traced and the gaps between them (read_traces): a P/D fleet's prefill workers are those
+    whose steps all held prompt tokens (each request samples its first token there and leaves), its
+    decode workers the rest; a fleet of whole replicas is one role, "both". `handed`: the prompts'
+    lengths whose K/V the prefill workers handed on, whose packing the simulator charges between their
+    steps."""
     by_role: dict[str, tuple[list, list]] = {}
     split = any(steps and all(not s.decode_only for s, _ in steps) for steps, _ in traces)
     for steps, gaps in traces:
@@ -232,11 +204,13 @@ def traced_speeds(profile, traces: Traces, handed: list[int] = ()) -> dict[str, 
         mine[0].extend(steps)
         mine[1].extend(gaps)
     packing = sum(profile.kv_handoff_cpu_seconds(n, "prefill") for n in handed)
-    return {
-        role: traced_speed(profile, steps, gaps, packing if role == "prefill" else 0.0)
-        for role, (steps, gaps) in by_role.items()
-        if steps
-    }
+    out = {}
+    for role, (steps, gaps) in by_role.items():
+        if steps:
+            kinds = traced_kind_speeds(profile, steps, gaps, packing if role == "prefill" else 0.0)
+            # A role that ran one kind alone (a prefill worker's prompts) prices the other as it.
+            out[role] = {kind: kinds.get(kind, next(iter(kinds.values()))) for kind in STEP_KINDS}
+    return out
 
 
 def step_noise(profile, traces: Traces) -> dict[str, float]:
@@ -254,7 +228,10 @@ def sim_at_traced(
     which the simulator charges itself (its steps' stretch), so its stretch of the same run is
     taken out (once: it moves little with the speed)."""
     first = run_sim(row, profile, setup, traced, noise)
-    speeds = {role: s / first["step_stretch"].get(role, 1.0) for role, s in traced.items()}
+    speeds = {
+        role: {kind: s / first["step_stretch"].get(role, 1.0) for kind, s in kinds.items()}
+        for role, kinds in traced.items()
+    }
     return run_sim(row, profile, setup, speeds, noise), speeds
 
 
@@ -286,7 +263,7 @@ def run_sim(
         # Every row's replicas, gateway and client run on this machine's cores.
         shared_cores=None if unshared else len(host_cpus()),
     )
-    roles = {role: profile.at_speed(s) for role, s in speeds.items()}
+    roles = {role: profile.at_speeds(s["decode"], s["prompt"]) for role, s in speeds.items()}
     draws = []
     for seed in range(SIM_DRAWS if noise else 1):  # the same requests, the noise drawn afresh
         drawn = replace(shape, replica=replace(replica, noise_seed=seed))
@@ -381,7 +358,12 @@ def main() -> None:
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one replica on the GPU")
     ap.add_argument("--model", default=None, help="with --device cuda: the checkpoint it serves")
-    ap.add_argument("--save", default=None, metavar="DIR", help="keep each profile and its timed steps here")
+    ap.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="keep each profile and its timed steps, and each real run's requests and traced steps, here",
+    )
     ap.add_argument(
         "--repeats",
         type=int,
@@ -430,6 +412,9 @@ def main() -> None:
             probed = host_speed(profile, options) if args.speed == "probe" else None
             with tempfile.TemporaryDirectory(prefix="shoal-steps-") as trace_dir:
                 real_runs.append(run_real(row, setup, trace_dir))
+                if args.save:  # the run's requests and its engines' steps, to be simulated again
+                    slug = "".join(c if c.isalnum() else "-" for c in row.name)
+                    shutil.copytree(trace_dir, f"{args.save}/{slug}-{len(real_runs)}")
                 runs.append(figures(real_runs[-1], row))
                 handed = [prompt for prompt, _ in row.lengths()] if row.prefill else []
                 traces = read_traces(trace_dir)
@@ -440,7 +425,8 @@ def main() -> None:
             if args.speed == "traced":
                 predicted, speed = sim_at_traced(row, profile, setup, traced, noise)
             else:
-                speed = dict.fromkeys(traced, {"probe": probed, "none": 1.0}[args.speed])
+                fixed = {"probe": probed, "none": 1.0}[args.speed]
+                speed = dict.fromkeys(traced, dict.fromkeys(STEP_KINDS, fixed))
                 predicted = run_sim(row, profile, setup, speed, noise)
             if args.also_priced_exactly:
                 exact_runs.append(run_sim(row, profile, setup, speed, {}))
@@ -450,12 +436,18 @@ def main() -> None:
         real, sim = figures(pooled(real_runs), row), figures(pooled(sim_runs), row)
         medians = [{k: statistics.median(r[k] for r in rs) for k in rs[0]} for rs in (runs, sims)]
         ran = "; ".join(
-            ", ".join(f"{role} x{v:.3f} (steps x{traced[role]:.3f})" for role, v in speed.items())
+            ", ".join(
+                f"{role} " + "/".join(f"x{v[k]:.3f}" for k in STEP_KINDS) + " (steps "
+                f"{'/'.join(f'x{traced[role][k]:.3f}' for k in STEP_KINDS)})"
+                for role, v in speed.items()
+            )
             + " "
             + "/".join(f"{noise.get(k, 0):.3f}" for k in ("decode", "prompt"))
             for speed, traced, noise in speeds
         )
-        print(f"{row.name}: predicted at {ran} the profile's step times (and step noise decode/prompt)")
+        print(f"{row.name}: predicted at {ran} the profile's decode/prompt step times (and step noise)")
+        busy = ", ".join(f"{100 * r['gateway_busy']:.0f} %" for r in real_runs)
+        print(f"{row.name}: the gateway's process took {busy} of a core over the real runs")
         apart = figures(run_sim(row, profile, setup, speed, noise, True), row) if args.also_unshared else None
         exact = figures(pooled(exact_runs), row) if exact_runs else None
         for k in real:

@@ -27,7 +27,7 @@ from shoal.sim.profiler import (
     measure,
 )
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.speed_probe import probe_seconds, traced_speed
+from shoal.sim.speed_probe import probe_seconds, traced_kind_speeds, traced_speed
 from shoal.sim.startup_timing import busy_start_seconds, server_start_seconds
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.fleet_helpers import metric
@@ -142,6 +142,36 @@ def test_a_traced_engines_speed_is_its_busy_time_over_the_steps_prices():
     )
 
 
+def test_each_kind_of_step_has_its_traced_speed_and_a_profile_prices_each_at_its_own():
+    """Decode steps that took 0.9 times their price and prompt steps 1.1 times (a pool's burst here:
+    x0.94 and x1.04): each kind reads its own speed, the engine's work between steps shared evenly
+    among them and a prefill worker's packing taken from the prompts; a profile at those speeds
+    prices each kind of step at its own, and one at a single speed is the same at both."""
+    profile = made_up_profile()
+    decode = [StepShape(4, 4, 512, 512), StepShape(8, 8, 900, 900)]
+    prompt = [StepShape(1, 256, 256, 256 * 257 // 2), StepShape(3, 130, 400, 8400)]
+    steps = [(s, 0.9 * profile.step_seconds(s)) for s in decode]
+    steps += [(s, 1.1 * profile.step_seconds(s)) for s in prompt]
+    speeds = traced_kind_speeds(profile, steps)
+    assert speeds == pytest.approx({"decode": 0.9, "prompt": 1.1})
+    packing, gap = 0.01, 0.004
+    priced = {
+        k: sum(profile.step_seconds(s) for s in shapes)
+        for k, shapes in (("decode", decode), ("prompt", prompt))
+    }
+    assert traced_kind_speeds(profile, steps, [gap, 3.0], packing) == pytest.approx(
+        {"decode": 0.9 + 2 * gap / priced["decode"], "prompt": 1.1 + (2 * gap - packing) / priced["prompt"]}
+    )
+    assert traced_kind_speeds(profile, steps[:2]) == pytest.approx({"decode": 0.9})  # a kind it ran
+    at = profile.at_speeds(speeds["decode"], speeds["prompt"])
+    for shape, seconds in steps:
+        assert at.step_seconds(shape) == pytest.approx(seconds)
+    one = profile.at_speed(1.3)
+    assert [one.step_seconds(s) for s, _ in steps] == pytest.approx(
+        [1.3 * profile.step_seconds(s) for s, _ in steps]
+    )
+
+
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)
 SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16"]
 
@@ -214,7 +244,8 @@ def _errors(profile: NodeProfile) -> dict[str, tuple[float, float, float]]:
         finally:
             server.stop()
         (trace,) = step_trace_files(trace_dir)  # the server's one engine
-        profile = profile.at_speed(traced_speed(profile, read_steps(trace), read_gaps(trace)))
+        speeds = traced_kind_speeds(profile, read_steps(trace), read_gaps(trace))
+        profile = profile.at_speeds(speeds["decode"], speeds["prompt"])
     spec = WorkloadSpec(num_requests=32, input_len=Lengths("fixed", 128), output_len=Lengths("fixed", 48))
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=16), max_concurrency=8)
     predicted = FleetSim(profile, shape).run(spec.requests()).summary()

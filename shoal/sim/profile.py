@@ -190,9 +190,13 @@ class NodeProfile:
         """This profile on a host `factor` times as slow as its steps were timed (the speed probe's
         seconds now over their price, speed_probe.host_speed): every step costs that much more;
         what serving adds per request, the handoffs and the start-up are left as measured."""
+        return self.at_speeds(factor, factor)
+
+    def at_speeds(self, decode: float, prompt: float) -> NodeProfile:
+        """at_speed, decode-only steps at one factor and steps with prompt tokens at another."""
         out = copy.deepcopy(self)
-        for cost in (out.decode, out.mixed):
-            cost.coef = [c * factor for c in cost.coef]
+        out.decode.coef = [c * decode for c in out.decode.coef]
+        out.mixed.coef = [c * prompt for c in out.mixed.coef]
         return out
 
     @property
