@@ -6,7 +6,8 @@
 #   python benchmarks/gpu_offline.py prepare bench-results/gpu-ckpt   # here: config and tokenizer
 #   bash benchmarks/gpu_lease.sh                                       # there (carry .whl, the ckpt)
 #
-# SKIP="profile offline" leaves those stages out. Wheels in .whl/ (the packages the machine's image lacks) are installed first, when present.
+# Wheels in .whl/ (the packages the machine's image lacks) are installed first, when present.
+# SKIP="profile offline" leaves those stages out.
 set -u
 OUT=${OUT:-bench-results/gpu-lease}
 CKPT=${CKPT:-bench-results/gpu-ckpt}

@@ -124,9 +124,10 @@ def traced_kind_speeds(
     work between two steps shared evenly among them, `charged_s` (a prefill worker's packing,
     which follows its prompts) taken from the prompt steps. The two kinds wait on different parts
     of the host (a prompt's products on the core, a decode step on memory), and its load moves
-    them apart: in a pool's run here, through a burst, prompt steps ran x1.04 their price and
+    them apart: in one pool's run here, through a burst, prompt steps ran x1.04 their price and
     decode steps x0.94, where the engine as a whole read x0.97; one speed for both priced the
-    burst's prompts 7 % low, and its requests' TTFT p99 came out 21 % short (11 % by kind)."""
+    burst's prompts 7 % low, and its requests' TTFT p99 came out 21 % short (11 % by kind; over
+    a whole benchmark, README run 41, it mended the one-replica rows more than the pool)."""
     if not steps:
         raise ValueError("no engine steps were traced")
     between = _work_between(gaps)
