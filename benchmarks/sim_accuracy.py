@@ -164,9 +164,8 @@ def run_real(row: Row, setup: Setup, trace_dir: str) -> dict:
             tokenizer=setup.engine.get("model"),
             json_path=f"{trace_dir}/requests.json",
         )
-        gateway = ProcessCPU(
-            proc.pid, "the row's gateway"
-        )  # `fleet up` is the gateway; replicas its children
+        # `fleet up` is the gateway (its replicas are its children, each a process of its own).
+        gateway = ProcessCPU(proc.pid, "the row's gateway")
         cpu0, t0 = gateway.seconds(), time.perf_counter()
         with ReplicaSampler(url) as sampler:
             summary = run_serve_bench(cfg)
