@@ -76,13 +76,9 @@ def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) ->
     """Of each kind of step (decode-only, with prompt tokens), how many times what `profile` prices
     them at the traced steps took: in a calibration's served runs, what serving's own work beside
     a step (streams, HTTP) stretched it by (here decode steps 3-4 % under their price, the inter-step
-    work being in it, prompt steps 5-20 % over), which a profile keeps to describe itself."""
-    out = {}
-    for kind in STEP_KINDS:
-        mine = [(s, t) for s, t in steps if step_kind(s) == kind]
-        if mine:
-            out[kind] = sum(t for _, t in mine) / sum(profile.step_seconds(s) for s, _ in mine)
-    return out
+    work being in it, prompt steps 5-20 % over), which a profile keeps to describe itself: the
+    kinds' traced speeds with no gaps between the steps read."""
+    return traced_kind_speeds(profile, steps) if steps else {}
 
 
 # A gap between two traced steps under this is the engine's own work between them (its outputs,
@@ -109,9 +105,7 @@ def traced_speed(
     than the real one and its TTFT p50 came out 19 % low (README, run 36)."""
     if not steps:
         raise ValueError("no engine steps were traced")
-    between = len(steps) * _work_between(gaps)
-    priced = sum(profile.step_seconds(s) for s, _ in steps)
-    return (sum(t for _, t in steps) + between - charged_s) / priced
+    return _busy_over_price(profile, steps, _work_between(gaps), charged_s)
 
 
 def traced_kind_speeds(
@@ -135,10 +129,16 @@ def traced_kind_speeds(
     for kind in STEP_KINDS:
         mine = [(s, t) for s, t in steps if step_kind(s) == kind]
         if mine:
-            charged = charged_s if kind == "prompt" else 0.0
-            busy = sum(t for _, t in mine) + len(mine) * between - charged
-            out[kind] = busy / sum(profile.step_seconds(s) for s, _ in mine)
+            out[kind] = _busy_over_price(profile, mine, between, charged_s if kind == "prompt" else 0.0)
     return out
+
+
+def _busy_over_price(
+    profile: NodeProfile, steps: list[tuple[StepShape, float]], between: float, charged_s: float
+) -> float:
+    """The steps' seconds, `between` after each, less `charged_s`, over their prices."""
+    busy = sum(t for _, t in steps) + len(steps) * between - charged_s
+    return busy / sum(profile.step_seconds(s) for s, _ in steps)
 
 
 def _work_between(gaps: list[float]) -> float:
