@@ -53,15 +53,19 @@ def test_a_simulated_replica_schedules_every_step_as_the_engine_does(bundled):
         params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
         llm.engine.add_request(f"r{i}", p, params)
     rec.run()
-    engine_steps = [(s.rows, s.tokens, s.context) for s, _ in rec.samples]
-    assert llm.engine.core.scheduler.num_preemptions > 0  # the case covers preemption
+    engine_steps = [(s.rows, s.tokens, s.context, s.admitted) for s, _ in rec.samples]
+    preempted = llm.engine.core.scheduler.num_preemptions
+    assert preempted > 0  # the case covers preemption
+    # Each request is admitted by one step, and again by one after each time it was preempted.
+    assert sum(admitted for *_, admitted in engine_steps) == len(prompts) + preempted
+    assert engine_steps[0][3] > 1  # the first step takes in several prompts at once
 
     profile = synthetic_profile(num_blocks=40, max_len=512)
     shape = FleetShape(1, replica=ReplicaShape(max_num_seqs=6, max_num_batched_tokens=64), offline=True)
     sim = FleetSim(profile, shape)
     shapes = sim.replicas[0].shapes = []
     result = sim.run([SimRequest(f"r{i}", 0.0, p, n) for i, (p, n) in enumerate(zip(prompts, max_tokens))])
-    assert [(s.rows, s.tokens, s.context) for s in shapes] == engine_steps
+    assert [(s.rows, s.tokens, s.context, s.admitted) for s in shapes] == engine_steps
     assert sum(r.output_tokens for r in result.records) == sum(max_tokens)
 
 

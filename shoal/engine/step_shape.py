@@ -14,6 +14,10 @@ class StepShape:
     tokens: int = 0  # computed this step, over all rows (a decode row: 1, or 1 + drafts)
     context: int = 0  # sum over rows of the context length at the row's end
     attention: int = 0  # sum over rows of tokens x context: the attention work of prefills
+    # Requests the step takes in for the first time (or again, after a preemption). Served on one
+    # core, a step of several newly admitted prompts runs past its price (README, issue 31), and a
+    # trace that counts them lets that be measured; the cost models do not read it.
+    admitted: int = 0
 
     @property
     def decode_only(self) -> bool:
@@ -32,4 +36,5 @@ def step_shape(so) -> StepShape:
     shape = StepShape()
     for sr in so.scheduled:
         shape.add_row(len(sr.token_ids) + len(sr.spec_token_ids), sr.start_pos)
+    shape.admitted = len(so.new_requests)
     return shape
