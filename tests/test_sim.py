@@ -296,33 +296,6 @@ def test_the_workers_of_a_role_can_run_on_a_profile_of_their_own():
     assert slow.step_stretch["prefill"] == 1.0 and slow.step_stretch["decode"] > 1.0
 
 
-def test_a_step_that_admits_several_prompts_costs_its_fronts_work_for_each_beyond_the_first():
-    """A served step that takes in several new requests runs past its price by what its front does
-    for each beyond the first (the calibration measures it; README, issue 31). Three prompts that
-    reach an idle replica together share one step: each one's first token comes two charges later,
-    in both simulators, and a lone prompt pays none. The charge stays out of the steps' stretch,
-    which a traced speed is divided by."""
-    shape = FleetShape(1, replica=ReplicaShape(16, 2048, 0.0), offline=True)
-    rng = random.Random(5)
-    together = [SimRequest(f"r{i}", 0.0, tokens(rng, 256), 2) for i in range(3)]
-    alone = [SimRequest("lone", 0.0, tokens(rng, 256), 2)]
-    plain, charged = made_up_profile(), made_up_profile()
-    charged.serving["admit_s"] = 0.05
-    for reqs, extra in ((together, 2 * 0.05), (alone, 0.0)):
-        runs = [FleetSim(p, shape).run(reqs) for p in (plain, charged)]
-        firsts = [sorted(r.ttft for r in run.records) for run in runs]
-        assert firsts[1] == pytest.approx([t + extra for t in firsts[0]], abs=1e-9)
-        assert runs[1].step_stretch == {"both": 1.0}
-        fast = [sorted(FastFleet(p, shape).run(reqs).out.ttft) for p in (plain, charged)]
-        assert fast[1] == pytest.approx([t + extra for t in fast[0]], abs=1e-9)
-        assert fast[1] == pytest.approx(firsts[1], rel=1e-9)
-    step = StepShape(admitted=3)
-    step.add_row(256, 0)
-    assert charged.admission_seconds(step) == pytest.approx(0.1)
-    assert charged.admission_seconds(StepShape(4, 4, 100, 100, admitted=3)) == 0.0  # decode rows only
-    assert "admitting   : 50.0 ms" in charged.describe()
-
-
 def test_a_prefill_worker_packs_a_handoff_before_its_next_step():
     """A prefill worker's engine packs a finished prompt's K/V between two steps: a second prompt
     that came while the first was computed waits for that too. With packing made to cost a second

@@ -27,7 +27,7 @@ from shoal.sim.profiler import (
     measure,
 )
 from shoal.sim.replica import ReplicaShape
-from shoal.sim.speed_probe import admission_cost, probe_seconds, traced_kind_speeds, traced_speed
+from shoal.sim.speed_probe import probe_seconds, traced_kind_speeds, traced_speed
 from shoal.sim.startup_timing import busy_start_seconds, server_start_seconds
 from shoal.sim.workload import Lengths, WorkloadSpec
 from tests.fleet_helpers import metric
@@ -172,28 +172,6 @@ def test_each_kind_of_step_has_its_traced_speed_and_a_profile_prices_each_at_its
     )
 
 
-def test_the_cost_of_admitting_several_requests_at_once_is_read_from_served_steps():
-    """Served steps with prompts that took 1.1 times their price and 30 ms more for each request they
-    admitted beyond the first: the fit finds the 30 ms whatever the prompt steps' own factor, and
-    the speed traced from them leaves it out (the simulator charges it beside the price); steps that
-    never admitted two read no such cost."""
-    profile = made_up_profile()
-
-    def prompts(k: int, length: int) -> StepShape:
-        s = StepShape(admitted=k)
-        for _ in range(k):
-            s.add_row(length, 0)
-        return s
-
-    shapes = [prompts(k, n) for k in (1, 2, 3, 4) for n in (64, 256)] + [StepShape(8, 8, 900, 900)]
-    steps = [(s, 1.1 * profile.step_seconds(s) + 0.03 * max(0, s.admitted - 1)) for s in shapes]
-    assert admission_cost(profile, steps) == pytest.approx(0.03)
-    lone = [(s, t) for s, t in steps if s.admitted < 2]
-    assert admission_cost(profile, lone) == 0.0
-    profile.serving["admit_s"] = 0.03
-    assert traced_kind_speeds(profile, steps[:-1]) == pytest.approx({"prompt": 1.1})
-
-
 ENGINE = dict(max_model_len=1024, kv_cache_memory=256 << 20, max_num_seqs=16)
 SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-seqs", "16"]
 
@@ -223,8 +201,6 @@ def test_the_profile_times_kv_handoffs_by_their_size(node_profile, hf_bundled):
         cpu = [node_profile.kv_handoff_cpu_seconds(n, side) for n in (64, 1024)]
         assert cpu[1] > cpu[0] > 0
     assert "KV transfer : 46080 B a token" in node_profile.describe()
-    # Its served runs' steps also said what admitting several requests at once added to them.
-    assert node_profile.serving["admit_s"] >= 0 and "admitting   :" in node_profile.describe()
     assert "handoff CPU : prefill worker" in node_profile.describe()
 
 

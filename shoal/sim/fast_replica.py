@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from shoal.engine.config import SchedulerConfig
-from shoal.engine.step_shape import StepShape
 from shoal.sim.profile import NodeProfile
 from shoal.sim.workload import SimRequest
 
@@ -261,10 +260,8 @@ class FastReplica:
             budget -= n
             self.tokens += n
         loading = 0.0  # handed K/V the step admits: read in by its front, loaded by its engine
-        admitted = 0
         while budget > 0 and not preempted and self.can_admit():
             f = self.waiting.popleft()
-            admitted += 1
             hit = self._prefix_hit(f) if f.prompt_left == f.prompt_len else 0
             if hit:
                 f.prompt_left -= hit
@@ -292,8 +289,6 @@ class FastReplica:
         # A step of one token a row (a handed prompt's last token among them) is priced as a decode.
         cost = self.profile.mixed if n_tokens > n_rows else self.profile.decode
         seconds = cost.cost(n_rows, n_tokens, n_context, attention) + loading
-        if admitted > 1 and n_tokens > n_rows:  # its front's work for several new requests
-            seconds += self.profile.admission_seconds(StepShape(n_rows, n_tokens, admitted=admitted))
         self._planned = (chunks, rows, seconds)
         self.steps += 1
         return now + seconds

@@ -186,16 +186,6 @@ class NodeProfile:
     def step_seconds(self, shape: StepShape) -> float:
         return (self.decode if shape.decode_only else self.mixed).seconds(shape)
 
-    def admission_seconds(self, shape: StepShape) -> float:
-        """What a served step with prompts takes beyond its price for each request it admits beyond
-        the first (serving["admit_s"], from the calibration's traced steps; 0: not measured). A
-        replica's front works for each new request (its HTTP, its stream) on the cores its step
-        runs on; a lone request's share is in what serving adds to each request, and in the served
-        prompts' price. Left as measured on a slower host, as the handoffs are."""
-        if shape.decode_only or shape.admitted < 2:
-            return 0.0
-        return self.serving.get("admit_s", 0.0) * (shape.admitted - 1)
-
     def at_speed(self, factor: float) -> NodeProfile:
         """This profile on a host `factor` times as slow as its steps were timed (the speed probe's
         seconds now over their price, speed_probe.host_speed): every step costs that much more;
@@ -261,11 +251,6 @@ class NodeProfile:
                     if "prompt_scale" in self.serving
                     else ""
                 )
-            )
-        if "admit_s" in self.serving:
-            lines.append(
-                f"admitting   : {1e3 * self.serving['admit_s']:.1f} ms more a served step with prompts for "
-                "each request it admits beyond the first"
             )
         if "decode_step_ratio" in self.serving:
             lines.append(

@@ -20,7 +20,7 @@ from shoal.sim.kv_handoff import time_handoff_cpu, time_kv_transfer
 from shoal.sim.profile import DECODE_FEATURES, MIXED_FEATURES, NodeProfile, StepCost
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.servers import ProcessCPU, running
-from shoal.sim.speed_probe import STEP_KINDS, admission_cost, host_speed, price_probe, served_ratios
+from shoal.sim.speed_probe import STEP_KINDS, host_speed, price_probe, served_ratios
 from shoal.sim.startup_timing import time_startup
 from shoal.sim.step_samples import StepRecorder, merge_decode_runs, write_samples
 from shoal.sim.workload import Lengths, WorkloadSpec
@@ -247,8 +247,6 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         # The served steps against the folded costs, at the fit's speed: how far serving's own
         # work (streams, HTTP) beside a step stretched it, by kind, as the profile describes it.
         served = [step for path in step_trace_files(trace.name) for step in read_steps(path)]
-        # First what admitting several requests at once added, which the ratios then leave out.
-        profile.serving["admit_s"] = admission_cost(profile, served)
         ratios = served_ratios(profile, served)
         if not ratios:
             raise RuntimeError("the calibration's server traced no steps")

@@ -90,8 +90,7 @@ class SimReplica:
         self.step_ends: float | None = None  # when the step in progress ends (None: idle)
         self._step: SchedulerOutput | None = None
         self.steps = 0
-        # The steps' cost as priced, and as run: stretched by cores shared, plus handoffs loaded
-        # (not the fronts' work for the requests admitted: admission_seconds).
+        # The steps' cost as priced, and as run: stretched by cores shared, plus handoffs loaded.
         self.priced_s = self.stepped_s = 0.0
         self.last_sampled = 0  # tokens the last step that ended streamed out
         self._last_arrival = -math.inf
@@ -162,10 +161,7 @@ class SimReplica:
                 seconds += self.profile.kv_handoff_cpu_seconds(tokens, "decode")
         self.priced_s += priced
         self.stepped_s += seconds
-        # Its front's work for the requests it admits: out of the stretch, as a traced speed
-        # takes it out of the real steps (speed_probe), which would otherwise count it twice.
-        admitting = self.profile.admission_seconds(shape)
-        self._step, self.step_ends = so, now + seconds + admitting
+        self._step, self.step_ends = so, now + seconds
         self.steps += 1
         return self.step_ends
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import math
 import statistics
 
-import numpy as np
-
 from shoal.engine.step_shape import StepShape
-from shoal.sim.profile import NodeProfile, fit_nonnegative
+from shoal.sim.profile import NodeProfile
 from shoal.sim.servers import in_fresh_engine
 
 PROBE_PROMPT = 512  # tokens of each lone prompt (less where the context is shorter)
@@ -83,20 +81,6 @@ def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) ->
     return traced_kind_speeds(profile, steps) if steps else {}
 
 
-def admission_cost(profile: NodeProfile, steps: list[tuple[StepShape, float]]) -> float:
-    """Seconds a served step with prompts took beyond its price for each request it admitted
-    beyond the first (NodeProfile.admission_seconds): the least squares of its seconds as a multiple
-    of its price plus that much a request, neither below 0, over a calibration's traced steps with
-    prompts (0: none admitted two). On one core here, 8-36 ms a request; a step of four prompts that
-    arrived together took 1.40 s where 1.14 was priced, and the requests' TTFT p99 came out 17-35 %
-    short without it (README, issue 31)."""
-    mine = [(s, t) for s, t in steps if not s.decode_only]
-    if not any(s.admitted > 1 for s, _ in mine):
-        return 0.0
-    x = np.array([[profile.step_seconds(s), max(0, s.admitted - 1)] for s, _ in mine])
-    return float(fit_nonnegative(x, np.array([t for _, t in mine]))[1])
-
-
 # A gap between two traced steps under this is the engine's own work between them (its outputs,
 # a prefill worker's handoffs: 0.3 ms a decode step, 20-24 ms after a 512-token prefill here);
 # over it, the engine waited for work.
@@ -152,11 +136,8 @@ def traced_kind_speeds(
 def _busy_over_price(
     profile: NodeProfile, steps: list[tuple[StepShape, float]], between: float, charged_s: float
 ) -> float:
-    """The steps' seconds, `between` after each, less `charged_s` and their fronts' work for the
-    requests they admitted (both of which the simulator charges beside the price), over their
-    prices."""
-    admitting = sum(profile.admission_seconds(s) for s, _ in steps)
-    busy = sum(t for _, t in steps) + len(steps) * between - charged_s - admitting
+    """The steps' seconds, `between` after each, less `charged_s`, over their prices."""
+    busy = sum(t for _, t in steps) + len(steps) * between - charged_s
     return busy / sum(profile.step_seconds(s) for s, _ in steps)
 
 
