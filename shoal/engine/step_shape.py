@@ -14,9 +14,9 @@ class StepShape:
     tokens: int = 0  # computed this step, over all rows (a decode row: 1, or 1 + drafts)
     context: int = 0  # sum over rows of the context length at the row's end
     attention: int = 0  # sum over rows of tokens x context: the attention work of prefills
-    # Requests the step takes in for the first time (or again, after a preemption). Served on one
-    # core, a step of several newly admitted prompts runs past its price (README, issue 31), and a
-    # trace that counts them lets that be measured; the cost models do not read it.
+    # Requests the step takes in for the first time (or again, after a preemption). No cost model
+    # reads it; a trace that counts them shows what several new requests at once do to a served
+    # step (README, issue 31: on a host whose cores replicas all hold, 0-50 ms each beyond the first).
     admitted: int = 0
 
     @property
