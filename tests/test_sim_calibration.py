@@ -16,7 +16,7 @@ import pytest
 
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.engine.step_shape import StepShape
-from shoal.engine.step_trace import STEP_TRACE_ENV, read_gaps, read_steps, step_trace_files
+from shoal.engine.step_trace import STEP_TRACE_ENV, Gap, read_gaps, read_steps, step_trace_files
 from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_profile
@@ -129,17 +129,27 @@ def test_a_host_that_ran_the_served_runs_slower_is_not_taken_for_serving():
 def test_a_traced_engines_speed_is_its_busy_time_over_the_steps_prices():
     """Steps that took 1.2 times their price, 4 ms between two while work waited and 3 s once while
     none did: the engine was busy 1.2 times their price and 4 ms after each step; what the
-    simulator charges itself between steps (a prefill worker's packing) is not counted twice."""
+    simulator charges itself between steps (a prefill worker's packing) is not counted twice. A
+    long gap after a step that left requests to run is the engine's own work (a prefill worker
+    packing four prompts' K/V), however long; the same gap after a step that left none is a wait
+    for work, as is one whose step did not say (a trace from before steps said)."""
     profile = made_up_profile()
     shapes = [StepShape(4, 4, 512, 512), StepShape(1, 256, 256, 256 * 257 // 2), StepShape(8, 8, 900, 900)]
     steps = [(s, 1.2 * profile.step_seconds(s)) for s in shapes]
     priced = sum(profile.step_seconds(s) for s in shapes)
     assert traced_speed(profile, steps) == pytest.approx(1.2)
-    assert traced_speed(profile, steps, [0.004, 3.0]) == pytest.approx(1.2 + 3 * 0.004 / priced)
+    waited = [Gap(0.004, 2), Gap(3.0, 0)]
+    assert traced_speed(profile, steps, waited) == pytest.approx(1.2 + 3 * 0.004 / priced)
     packing = 0.01
-    assert traced_speed(profile, steps, [0.004, 3.0], packing) == pytest.approx(
+    assert traced_speed(profile, steps, waited, packing) == pytest.approx(
         1.2 + (3 * 0.004 - packing) / priced
     )
+    worked = [Gap(0.004, 0), Gap(0.09, 3)]
+    assert traced_speed(profile, steps, worked) == pytest.approx(1.2 + 3 * (0.094 / 2) / priced)
+    for idle in (0, None):
+        assert traced_speed(profile, steps, [Gap(0.004, 0), Gap(0.09, idle)]) == pytest.approx(
+            1.2 + 3 * 0.004 / priced
+        )
 
 
 def test_each_kind_of_step_has_its_traced_speed_and_a_profile_prices_each_at_its_own():
@@ -159,7 +169,7 @@ def test_each_kind_of_step_has_its_traced_speed_and_a_profile_prices_each_at_its
         k: sum(profile.step_seconds(s) for s in shapes)
         for k, shapes in (("decode", decode), ("prompt", prompt))
     }
-    assert traced_kind_speeds(profile, steps, [gap, 3.0], packing) == pytest.approx(
+    assert traced_kind_speeds(profile, steps, [Gap(gap, 1), Gap(3.0, 0)], packing) == pytest.approx(
         {"decode": 0.9 + 2 * gap / priced["decode"], "prompt": 1.1 + (2 * gap - packing) / priced["prompt"]}
     )
     assert traced_kind_speeds(profile, steps[:2]) == pytest.approx({"decode": 0.9})  # a kind it ran
@@ -326,7 +336,12 @@ def test_a_servers_own_steps_read_a_slower_host(node_profile):
             lines = [json.loads(line) for line in trace.read_text().splitlines()]
             gaps = [b["ended"] - b["seconds"] - a["ended"] for a, b in itertools.pairwise(lines)]
             assert min(gaps) >= 0 and len(gaps) == len(alone) - 1
-            assert read_gaps(trace) == pytest.approx(gaps)
+            assert [g.seconds for g in read_gaps(trace)] == pytest.approx(gaps)
+            # ... and what the engine still had to run as each step ended: the first step's prompt
+            # still had tokens to come, the 4 clients never had more than 4 requests in it, and
+            # the last step finished the last of them.
+            pending = [line["pending"] for line in lines]
+            assert pending[0] >= 1 and max(pending) <= 4 and pending[-1] == 0
             spin = [sys.executable, "-c", "while True: pass"]
             hogs = [subprocess.Popen(spin) for _ in range(len(host_cpus()))]
             try:

@@ -338,7 +338,7 @@ class EngineCore:
         elapsed = time.perf_counter() - t0
         self.times.add(result, elapsed)
         if self.step_trace is not None:
-            self.step_trace.add(so, elapsed)
+            self.step_trace.add(so, elapsed, self.scheduler.num_unfinished)
         return outputs
 
     def _core_outputs(self, reqs: list[Request], result: ModelRunnerOutput) -> list[EngineCoreOutput]:

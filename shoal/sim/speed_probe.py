@@ -13,6 +13,7 @@ import math
 import statistics
 
 from shoal.engine.step_shape import StepShape
+from shoal.engine.step_trace import Gap
 from shoal.sim.profile import NodeProfile
 from shoal.sim.servers import in_fresh_engine
 
@@ -81,21 +82,24 @@ def served_ratios(profile: NodeProfile, steps: list[tuple[StepShape, float]]) ->
     return traced_kind_speeds(profile, steps) if steps else {}
 
 
-# A gap between two traced steps under this is the engine's own work between them (its outputs,
-# a prefill worker's handoffs: 0.3 ms a decode step, 20-24 ms after a 512-token prefill here);
-# over it, the engine waited for work.
+# A gap between two traced steps after which the engine had nothing left to run is its own work
+# (its outputs, a prefill worker's handoffs: 0.3 ms a decode step, 20-24 ms after a 512-token
+# prefill here) under this; over it, the engine waited for work. After a step that left work
+# pending, the whole gap is its own work, however long: a prefill worker packs the K/V of each
+# prompt its step ran (12-15 ms each on this host), so after four the gap was 48-104 ms, and this
+# bound alone had left those out and read the worker 1-2 % fast (README, run 44).
 BUSY_GAP_S = 0.05
 
 
 def traced_speed(
     profile: NodeProfile,
     steps: list[tuple[StepShape, float]],
-    gaps: list[float] = (),
+    gaps: list[Gap] = (),
     charged_s: float = 0.0,
 ) -> float:
     """How many times its profile's prices an engine that traced these steps (read_steps and
     read_gaps of a file in its SHOAL_STEP_TRACE_DIR) was busy on them: their own seconds and, after
-    each, the engine's work between two steps (the mean of the gaps under BUSY_GAP_S), less what
+    each, the engine's work between two steps (_work_between's mean), less what
     the simulator charges for that work beside the steps' prices (`charged_s`: a prefill worker's
     packing of its handoffs). The simulator pricing the same steps at this is as busy as the real
     engine was, and a queue's wait follows that. Read from the serving process itself, over the
@@ -111,7 +115,7 @@ def traced_speed(
 def traced_kind_speeds(
     profile: NodeProfile,
     steps: list[tuple[StepShape, float]],
-    gaps: list[float] = (),
+    gaps: list[Gap] = (),
     charged_s: float = 0.0,
 ) -> dict[str, float]:
     """traced_speed of each kind of step apart (decode-only, with prompt tokens), the engine's
@@ -141,9 +145,10 @@ def _busy_over_price(
     return busy / sum(profile.step_seconds(s) for s, _ in steps)
 
 
-def _work_between(gaps: list[float]) -> float:
-    """The engine's mean work between two steps: the gaps under BUSY_GAP_S."""
-    busy = [g for g in gaps if 0 <= g < BUSY_GAP_S]
+def _work_between(gaps: list[Gap]) -> float:
+    """The engine's mean work between two steps: the gaps after steps that left work pending, and
+    the others under BUSY_GAP_S."""
+    busy = [g.seconds for g in gaps if g.seconds >= 0 and (g.pending or g.seconds < BUSY_GAP_S)]
     return sum(busy) / len(busy) if busy else 0.0
 
 
