@@ -22,7 +22,9 @@ role each: a P/D fleet's prefill and decode workers ran x1.11-1.23 and x1.09-1.2
 runs), for decode-only steps and steps with prompts apart (speed_probe.traced_kind_speeds: a pool's
 burst moved them apart): the host's speed times what the fleet's own processes took of their cores,
 which the simulator charges itself: so its own stretch of the run's steps is taken out
-(sim_at_traced below). `--speed probe`: at a speed probe's instead (a fixed run of steps on a fresh
+(sim_at_traced below). The speed also moves within a run (a P/D run's workers ran x1.11-1.17
+their price over its first 45 s and x1.02-1.05 later): each role's steps are read by 15 s window
+against the run's mean (drift.py), and the simulator runs each window at its own. `--speed probe`: at a speed probe's instead (a fixed run of steps on a fresh
 engine right before and right after the run; runs 15-23), `--speed none`: at the profile's.
 `--repeats N` runs each real fleet N times, each predicted at its own speeds, and compares the runs
 pooled: each percentile over every run's requests (a p99 of 128 requests is their second slowest,
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import random
@@ -48,21 +51,24 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from traced_runs import read_traces, step_noise, traced_drifts, traced_speeds
+
 from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.report import RequestRecord, summarize
 from shoal.bench.serve import ServeBenchConfig, run_serve_bench
 from shoal.bench.workload import request_lengths
 from shoal.cli import build_parser
 from shoal.cli_options import engine_options
-from shoal.engine.step_trace import STEP_TRACE_ENV, read_gaps, read_steps, step_trace_files
+from shoal.engine.step_trace import STEP_TRACE_ENV
 from shoal.fleet.control.autoscaler import AutoscaleConfig
 from shoal.fleet.control.cores import host_cpus
+from shoal.sim.drift import SpeedDrift
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profiler import ProfileConfig, measure
 from shoal.sim.replica import ReplicaShape
 from shoal.sim.scaling import ScalingShape
 from shoal.sim.servers import ProcessCPU
-from shoal.sim.speed_probe import STEP_KINDS, host_speed, traced_kind_speeds, traced_noise
+from shoal.sim.speed_probe import STEP_KINDS, host_speed
 from shoal.sim.workload import SimRequest, tokens
 
 
@@ -180,66 +186,46 @@ def run_real(row: Row, setup: Setup, trace_dir: str) -> dict:
         proc.wait(60)
 
 
-Traces = list[tuple[list, list[float]]]  # each engine's traced steps and the gaps between them
-
-
-def read_traces(trace_dir: str) -> Traces:
-    """Each engine's traced steps and the gaps between them, read once for every figure of a run."""
-    return [(read_steps(path), read_gaps(path)) for path in step_trace_files(trace_dir)]
-
-
-def traced_speeds(profile, traces: Traces, handed: list[int] = ()) -> dict[str, dict[str, float]]:
-    """Each role's speed for each kind of step (speed_probe.traced_kind_speeds) from the steps its
-    engines traced and the gaps between them (read_traces): a P/D fleet's prefill workers are those
-    whose steps all held prompt tokens (each request samples its first token there and leaves), its
-    decode workers the rest; a fleet of whole replicas is one role, "both". `handed`: the prompts'
-    lengths whose K/V the prefill workers handed on, whose packing the simulator charges between their
-    steps."""
-    by_role: dict[str, tuple[list, list]] = {}
-    split = any(steps and all(not s.decode_only for s, _ in steps) for steps, _ in traces)
-    for steps, gaps in traces:
-        role = ("prefill" if all(not s.decode_only for s, _ in steps) else "decode") if split else "both"
-        mine = by_role.setdefault(role, ([], []))
-        mine[0].extend(steps)
-        mine[1].extend(gaps)
-    packing = sum(profile.kv_handoff_cpu_seconds(n, "prefill") for n in handed)
-    out = {}
-    for role, (steps, gaps) in by_role.items():
-        if steps:
-            kinds = traced_kind_speeds(profile, steps, gaps, packing if role == "prefill" else 0.0)
-            # A role that ran one kind alone (a prefill worker's prompts) prices the other as it.
-            out[role] = {kind: kinds.get(kind, next(iter(kinds.values()))) for kind in STEP_KINDS}
-    return out
-
-
-def step_noise(profile, traces: Traces) -> dict[str, float]:
-    """How far the run's traced steps of each kind strayed from their price (traced_noise), every
-    engine's steps together."""
-    return traced_noise(profile, [step for steps, _ in traces for step in steps])
-
-
 def sim_at_traced(
-    row: Row, profile, setup: Setup, traced: dict[str, float], noise: dict[str, float]
-) -> tuple[dict, dict[str, float]]:
+    row: Row,
+    profile,
+    setup: Setup,
+    traced: dict[str, float],
+    noise: dict[str, float],
+    drifts: dict[str, SpeedDrift] | None = None,
+) -> tuple[dict, dict[str, float], dict[str, SpeedDrift] | None]:
     """The simulator's run with each role's workers at the host's speed that the real ones' traced
-    steps read (x`traced` the profile's), and those speeds: the real steps ran at the host's speed
-    times what the fleet's own processes took of their cores and what loading handed K/V added,
-    which the simulator charges itself (its steps' stretch), so its stretch of the same run is
-    taken out (once: it moves little with the speed)."""
-    first = run_sim(row, profile, setup, traced, noise)
+    steps read (x`traced` the profile's), moving as they read it over the run (`drifts`), and those
+    speeds and drifts: the real steps ran at the host's speed times what the fleet's own processes took of
+    their cores and what loading handed K/V added, which the simulator charges itself (its steps'
+    stretch), so its stretch of the same run is taken out, from the mean and from each window of
+    the drift (once: it moves little with the speed)."""
+    first = run_sim(row, profile, setup, traced, noise, drifts=drifts)
     speeds = {
         role: {kind: s / first["step_stretch"].get(role, 1.0) for kind, s in kinds.items()}
         for role, kinds in traced.items()
     }
-    return run_sim(row, profile, setup, speeds, noise), speeds
+    if drifts:
+        drifts = {
+            role: d.without(first["window_stretch"].get(role, []), first["step_stretch"].get(role, 1.0))
+            for role, d in drifts.items()
+        }
+    return run_sim(row, profile, setup, speeds, noise, drifts=drifts), speeds, drifts
 
 
 def run_sim(
-    row: Row, profile, setup: Setup, speeds: dict[str, float], noise: dict[str, float], unshared: bool = False
+    row: Row,
+    profile,
+    setup: Setup,
+    speeds: dict[str, float],
+    noise: dict[str, float],
+    unshared: bool = False,
+    drifts: dict[str, SpeedDrift] | None = None,
 ) -> dict:
-    """The row simulated from `profile`, the workers of each role at their speed in `speeds`, each
-    kind of step strayed from its price as `noise` says (traced_noise; empty: priced exactly): with
-    noise, SIM_DRAWS runs of it pooled (as the real runs are), its steps' stretch their mean."""
+    """The row simulated from `profile`, the workers of each role at their speed in `speeds` (moving
+    over the run as `drifts` says), each kind of step strayed from its price as `noise` says
+    (traced_noise; empty: priced exactly): with noise, SIM_DRAWS runs of it pooled (as the real
+    runs are), its steps' stretch, overall and by window, their mean."""
     rng = random.Random(7)
     arrivals = bench_arrivals(row.num_requests, row.rate, 1, row.bursts)
     reqs = [
@@ -266,11 +252,18 @@ def run_sim(
     draws = []
     for seed in range(SIM_DRAWS if noise else 1):  # the same requests, the noise drawn afresh
         drawn = replace(shape, replica=replace(replica, noise_seed=seed))
-        result = FleetSim(profile, drawn, roles).run(reqs)
+        result = FleetSim(profile, drawn, roles, drifts).run(reqs)
         draws.append({**result.summary(), "records": result.records})
     out = pooled(draws)
     out["step_stretch"] = {
         role: statistics.mean(d["step_stretch"][role] for d in draws) for role in draws[0]["step_stretch"]
+    }
+    out["window_stretch"] = {
+        role: [
+            statistics.mean(w)
+            for w in itertools.zip_longest(*(d["window_stretch"][role] for d in draws), fillvalue=1.0)
+        ]
+        for role in draws[0]["window_stretch"]
     }
     return out
 
@@ -419,16 +412,17 @@ def main() -> None:
                 traces = read_traces(trace_dir)
                 traced = traced_speeds(profile, traces, handed)
                 noise = step_noise(profile, traces)
+                drifts = traced_drifts(profile, traces)
             if probed is not None:  # the host's speed right before and right after the run
                 probed = (probed + host_speed(profile, options)) / 2
             if args.speed == "traced":
-                predicted, speed = sim_at_traced(row, profile, setup, traced, noise)
+                predicted, speed, drifts = sim_at_traced(row, profile, setup, traced, noise, drifts)
             else:
-                fixed = {"probe": probed, "none": 1.0}[args.speed]
+                fixed, drifts = {"probe": probed, "none": 1.0}[args.speed], None
                 speed = dict.fromkeys(traced, dict.fromkeys(STEP_KINDS, fixed))
                 predicted = run_sim(row, profile, setup, speed, noise)
             if args.also_priced_exactly:
-                exact_runs.append(run_sim(row, profile, setup, speed, {}))
+                exact_runs.append(run_sim(row, profile, setup, speed, {}, drifts=drifts))
             speeds.append((speed, traced, noise))
             sim_runs.append(predicted)
             sims.append(figures(predicted, row))
@@ -447,7 +441,8 @@ def main() -> None:
         print(f"{row.name}: predicted at {ran} the profile's decode/prompt step times (and step noise)")
         busy = ", ".join(f"{100 * r['gateway_busy']:.0f} %" for r in real_runs)
         print(f"{row.name}: the gateway's process took {busy} of a core over the real runs")
-        apart = figures(run_sim(row, profile, setup, speed, noise, True), row) if args.also_unshared else None
+        apart = run_sim(row, profile, setup, speed, noise, True, drifts) if args.also_unshared else None
+        apart = figures(apart, row) if apart else None
         exact = figures(pooled(exact_runs), row) if exact_runs else None
         for k in real:
             err = (sim[k] - real[k]) / real[k]

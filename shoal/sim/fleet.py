@@ -19,6 +19,7 @@ from shoal.fleet.replicas.replica import Health, Replica
 from shoal.fleet.routing.policies import RouteRequest, make_policy
 from shoal.protocol.block_hash import hash_blocks
 from shoal.sim.cores import SharedCores
+from shoal.sim.drift import SpeedDrift
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import ReplicaShape, SimReplica
 from shoal.sim.scaling import STARTING, TICK_S, TTFT_WINDOW_S, Load, ScalingShape, SimPool
@@ -78,22 +79,31 @@ class SimResult:
     # Each role's steps' time as run over their price: what sharing cores and loading handed K/V
     # added ("prefill", "decode", or "both": whole replicas).
     step_stretch: dict[str, float] = field(default_factory=dict)
+    # ... and by window of the drift it was given (none: not given), 1.0 where no step ran.
+    window_stretch: dict[str, list[float]] = field(default_factory=dict)
 
     def summary(self, slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
         s = summarize(self.records, self.duration_s, slo_ttft, slo_tpot)
         s["replica_seconds"] = self.replica_seconds
         s["steps"] = self.steps
         s["step_stretch"] = self.step_stretch
+        s["window_stretch"] = self.window_stretch
         return s
 
 
 class FleetSim:
     def __init__(
-        self, profile: NodeProfile, shape: FleetShape, role_profiles: dict[str, NodeProfile] | None = None
+        self,
+        profile: NodeProfile,
+        shape: FleetShape,
+        role_profiles: dict[str, NodeProfile] | None = None,
+        drift: dict[str, SpeedDrift] | None = None,
     ):
         """`role_profiles`: the step costs of the workers of a role ("prefill", "decode", or "both":
         a whole replica) where they are not `profile`'s (another machine, or the same host at a
-        speed of their own); `profile` holds the fleet's handoffs, start-up and front."""
+        speed of their own); `profile` holds the fleet's handoffs, start-up and front. `drift`: how
+        the host's speed moved over the run being replayed, by role (none: it held still); the
+        result then says how far the simulator stretched each window's steps itself."""
         if shape.prefill and not shape.decode:
             raise ValueError("a disaggregated fleet needs decode workers too")
         if shape.prefill and shape.scaling:
@@ -126,6 +136,7 @@ class FleetSim:
         self.handing: dict[str, tuple[SimRequest, RequestRecord, float, int]] = {}
         self.pool = SimPool.of(shape.scaling, profile) if shape.scaling is not None else None
         self.cores = shared_cores(profile, shape.shared_cores)
+        self.drift = drift or {}
 
     def _route(self, req: SimRequest, role: str, hashes: list[int]) -> tuple[SimReplica | None, int]:
         """The replica the gateway picks (None: no replica takes requests now), and how many of
@@ -225,6 +236,21 @@ class FleetSim:
                 computing += len(pool.with_state(STARTING))
             return self.cores.stretch(at, computing)
 
+        # Each role's steps' (price, time) by drift window: the simulator's own stretch of each.
+        windows: dict[str, dict[int, list[float]]] = {role: {} for role in self.drift}
+
+        def start(i: int, at: float) -> float | None:
+            replica, role = self.replicas[i], self.roles[i]
+            drift = self.drift.get(role)
+            if drift is None:
+                return replica.start_step(at, stretch(at))
+            priced, stepped = replica.priced_s, replica.stepped_s
+            ends = replica.start_step(at, stretch(at), drift.at(at - first))
+            took = windows[role].setdefault(int((at - first) // drift.window_s), [0.0, 0.0])
+            took[0] += replica.priced_s - priced
+            took[1] += replica.stepped_s - stepped
+            return ends
+
         def wake(i: int, at: float) -> None:
             nonlocal seq
             replica = self.replicas[i]
@@ -235,7 +261,7 @@ class FleetSim:
                 # It starts a step once every arrival of this instant is in (arrivals go first).
                 waking.add(i)
                 heapq.heappush(steps, (at, seq, i))
-            elif (ends := replica.start_step(at, stretch(at))) is not None:
+            elif (ends := start(i, at)) is not None:
                 heapq.heappush(steps, (ends, seq, i))
 
         def send(
@@ -331,7 +357,7 @@ class FleetSim:
                     seq += 1
                     heapq.heappush(steps, (now + packing, seq, i))
                     continue
-            ends = replica.start_step(now, stretch(now))
+            ends = start(i, now)
             if ends is not None:
                 seq += 1
                 heapq.heappush(steps, (ends, seq, i))
@@ -339,12 +365,17 @@ class FleetSim:
             rec.chunk_times = [t - first for t in rec.chunk_times]
         duration = max(now - first, 1e-9)
         up = pool.replica_seconds(now) if pool is not None else duration * len(self.replicas)
-        stretch = {}
+        stretched = {}
         for role in set(self.roles):
             mine = [r for r, of in zip(self.replicas, self.roles, strict=True) if of == role]
             priced = sum(r.priced_s for r in mine)
-            stretch[role] = sum(r.stepped_s for r in mine) / priced if priced else 1.0
-        return SimResult(records, duration, up, sum(r.steps for r in self.replicas), stretch)
+            stretched[role] = sum(r.stepped_s for r in mine) / priced if priced else 1.0
+        by_window = {
+            role: [w[k][1] / w[k][0] if k in w and w[k][0] else 1.0 for k in range(max(w) + 1)]
+            for role, w in windows.items()
+            if w
+        }
+        return SimResult(records, duration, up, sum(r.steps for r in self.replicas), stretched, by_window)
 
 
 def shared_cores(profile: NodeProfile, cores: int | None) -> SharedCores | None:

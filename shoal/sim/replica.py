@@ -140,9 +140,10 @@ class SimReplica:
         self.scheduler.add_request(request)
         self.tracked[req.id] = Tracked(record, now if sent is None else sent, req.id)
 
-    def start_step(self, now: float, stretch: float = 1.0) -> float | None:
-        """Schedules a step at `now`, its profiled cost times `stretch` (cores it shares); returns
-        when it ends, or None when there is nothing to run."""
+    def start_step(self, now: float, stretch: float = 1.0, speed: float = 1.0) -> float | None:
+        """Schedules a step at `now`, its profiled cost times `speed` (the host's then, against the
+        profile's: drift.py) and that times `stretch` (cores it shares); returns when it ends, or
+        None when there is nothing to run."""
         if not self.scheduler.num_unfinished:
             return None
         so = self.scheduler.schedule()
@@ -151,7 +152,7 @@ class SimReplica:
         shape = step_shape(so)
         if self.shapes is not None:
             self.shapes.append(shape)
-        priced = self.profile.step_seconds(shape)
+        priced = self.profile.step_seconds(shape) * speed
         seconds = priced * stretch
         if self._noise is not None:
             sd = self.shape.decode_step_noise if shape.decode_only else self.shape.prompt_step_noise
