@@ -24,8 +24,9 @@ burst moved them apart): the host's speed times what the fleet's own processes t
 which the simulator charges itself: so its own stretch of the run's steps is taken out
 (sim_at_traced below). The speed also moves within a run (a P/D run's workers ran x1.11-1.17
 their price over its first 45 s and x1.02-1.05 later): each role's steps are read by 15 s window
-against the run's mean (drift.py), and the simulator runs each window at its own. `--speed probe`: at a speed probe's instead (a fixed run of steps on a fresh
-engine right before and right after the run; runs 15-23), `--speed none`: at the profile's.
+against the run's mean (drift.py), and the simulator runs each window at its own. `--speed
+probe`: at a speed probe's instead (a fixed run of steps on a fresh engine right before and right
+after the run; runs 15-23), `--speed none`: at the profile's.
 `--repeats N` runs each real fleet N times, each predicted at its own speeds, and compares the runs
 pooled: each percentile over every run's requests (a p99 of 128 requests is their second slowest,
 which moved 793-1,051 ms between three runs of one fleet in run 36), throughput over the runs' time
