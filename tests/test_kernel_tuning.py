@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,32 @@ def test_crossover_is_where_torch_wins_from_then_on():
     choices = KernelChoices(int8_torch_from_rows=64, f32_torch_from_rows=None)
     assert not choices.int8_uses_torch(63) and choices.int8_uses_torch(64)
     assert not choices.f32_uses_torch(10**6)
+
+
+def test_a_fused_calls_crossover_is_timed_once_per_shape_and_thread_count():
+    """The C side costs 0.1 ms a row, torch's 0.5 ms whatever the rows: torch wins from 16 of
+    (1, 4, 16, 64); the same key again is not timed again."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no CPU kernels here")
+    timed = []
+
+    def calls_at(n):
+        timed.append(n)
+        return (lambda: time.sleep(1e-4 * n)), (lambda: time.sleep(5e-4))
+
+    key = ("test_sleeps", time.time_ns())
+    assert kernels.tuner.fused_crossover(key, calls_at, (1, 4, 16, 64)) == 16
+    assert timed == [1, 4, 16, 64]
+    assert kernels.tuner.fused_crossover(key, calls_at, (1, 4, 16, 64)) == 16
+    assert timed == [1, 4, 16, 64]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if before > 1 else 2)
+        kernels.tuner.fused_crossover(key, calls_at, (1, 4))
+        assert timed == [1, 4, 16, 64, 1, 4]
+    finally:
+        torch.set_num_threads(before)
 
 
 _MEASURE = """

@@ -21,7 +21,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
 from shoal import LLM, SamplingParams
-from shoal.engine.cpu_experts import attach_fused_experts
+from shoal.engine.cpu_experts import FUSED_ROWS, attach_fused_experts
 from shoal.engine.expert_balance import imbalance, plan_replicas, rank_loads
 from shoal.kernels.cpu import cpu_kernels
 from shoal.models.gguf_loader import iter_gguf_blocks, open_gguf
@@ -154,8 +154,8 @@ def test_quantized_experts_stay_close_to_fp32(mode, tmp_path):
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 def test_the_fused_expert_layer_equals_the_torch_path(mode, tmp_path):
     """One C call for a sparse layer's routed experts (engine/cpu_experts.py) against the loop over
-    experts in torch, at decode and prompt sizes; float32 experts at prompt size stay in torch
-    (the C kernel is for few rows), so there both sides are torch's."""
+    experts in torch, at decode and prompt sizes; the layer takes the C call for quantized experts,
+    and for float32 ones below the crossover it timed on its own experts."""
     write_checkpoint("qwen2_moe", tmp_path, packed=False)
     model = load_model(str(tmp_path), quantization=mode).model
     kernels = cpu_kernels()
@@ -168,18 +168,20 @@ def test_the_fused_expert_layer_equals_the_torch_path(mode, tmp_path):
         moe.fused = fused
         return moe.run_experts(h, experts, weights)
 
+    crossover = engine.torch_from_rows()
+    assert crossover in (None, *FUSED_ROWS)
     for rows in (1, 4, 48):
         h = torch.randn(rows, moe.gate.in_features, generator=g)
         experts, weights = moe.route(h)
         reference = run(None)
+        in_c = run(engine.run_in_c)  # the C call whichever way the crossover falls
+        torch.testing.assert_close(in_c, reference, atol=2e-5 if mode == "none" else 1e-6, rtol=1e-5)
         answers = []
-        fused = run(lambda *args, seen=answers: seen.append(engine(*args)) or seen[-1])
-        torch.testing.assert_close(fused, reference, atol=2e-5 if mode == "none" else 1e-6, rtol=1e-5)
+        chosen = run(lambda *args, seen=answers: seen.append(engine(*args)) or seen[-1])
+        torch.testing.assert_close(chosen, reference, atol=2e-5 if mode == "none" else 1e-6, rtol=1e-5)
         widest = int(torch.bincount(experts.reshape(-1)).max())
-        in_c = mode != "none" or not kernels.choices.f32_uses_torch(widest)
-        assert (answers[0] is not None) == in_c, (mode, rows, widest)
-        if rows == 1:
-            assert answers[0] is not None  # decode: always one C call
+        took_c = mode != "none" or crossover is None or widest < crossover
+        assert (answers[0] is not None) == took_c, (mode, rows, widest, crossover)
 
 
 def test_the_server_counts_each_experts_tokens_on_metrics(tmp_path):

@@ -31,10 +31,12 @@ log = logging.getLogger(__name__)
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
 # A layer-sized product: hidden 576 into 1536 outputs (the bundled model's shapes are 576 to 3072).
 K, N = 576, 1536
-TUNING_VERSION = 2
+# 3: both paths timed in turn (time_pair_us); records timed one after the other are timed again.
+TUNING_VERSION = 3
 # A tie is no win for torch: the timed product is one matmul, but the C paths also fuse what
-# surrounds it (a whole decode layer, all of a MoE layer's experts in one call). On a 2-core Xeon a
-# tie at one row (33.8 against 34.4 µs) turned the fused float32 layers off at every batch.
+# surrounds it (a whole decode layer). On a 2-core Xeon a tie at one row (33.8 against 34.4 µs)
+# turned the fused float32 layers off at every batch. (A MoE layer's fused experts time their own
+# crossover: fused_crossover.)
 TORCH_MARGIN = 0.9
 
 
@@ -79,25 +81,28 @@ class KernelChoices:
         )
 
 
-def _time_us(fn, budget_s: float = 0.05, min_reps: int = 3) -> float:
-    """Best-of time of fn in microseconds (best, not mean: the machine may be shared)."""
-    fn()  # warm caches and lazy initialisation
-    best = float("inf")
+def time_pair_us(a, b, budget_s: float = 0.1, min_reps: int = 3) -> tuple[float, float]:
+    """Best-of times of a and b in microseconds, taken in turn: a burst of load from another
+    process then slows both alike, where timing one after the other could hand it to one alone
+    (a test's server measuring on the other core once chose torch at every row)."""
+    a(), b()  # warm caches and lazy initialisation
+    best = [float("inf"), float("inf")]
     deadline = time.perf_counter() + budget_s
     reps = 0
     while reps < min_reps or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate((a, b)):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
         reps += 1
-    return best * 1e6
+    return best[0] * 1e6, best[1] * 1e6
 
 
 def _crossover(c_us: dict[int, float], torch_us: dict[int, float]) -> int | None:
     """The smallest row count from which torch is clearly faster (TORCH_MARGIN) at it and at every
     larger one measured."""
     start = None
-    for rows in ROWS:
+    for rows in sorted(c_us):
         if torch_us[rows] < TORCH_MARGIN * c_us[rows]:
             start = rows if start is None else start
         else:
@@ -119,11 +124,17 @@ def measure(kernels: TimedKernels) -> KernelChoices:
             xq, xs = kernels.quantize_rows(x)
             return kernels.int8_rescale(torch._int_mm(xq, w8_t), xs, scale)
 
+        def int8_c(x=x):
+            return kernels.int8_linear(x, w8, scale)
+
         # torch._int_mm wants more than 16 rows; below that only the C kernel runs.
-        timings["int8_c"][rows] = _time_us(lambda x=x: kernels.int8_linear(x, w8, scale))
-        timings["int8_torch"][rows] = _time_us(int8_torch) if rows > 16 else float("inf")
-        timings["f32_c"][rows] = _time_us(lambda x=x: kernels.f32_linear(x, w32))
-        timings["f32_torch"][rows] = _time_us(lambda x=x: F.linear(x, w32))
+        int8_rival = int8_torch if rows > 16 else int8_c
+        timings["int8_c"][rows], timings["int8_torch"][rows] = time_pair_us(int8_c, int8_rival)
+        if rows <= 16:
+            timings["int8_torch"][rows] = float("inf")
+        timings["f32_c"][rows], timings["f32_torch"][rows] = time_pair_us(
+            lambda x=x: kernels.f32_linear(x, w32), lambda x=x: F.linear(x, w32)
+        )
     return KernelChoices(
         int8_torch_from_rows=_crossover(timings["int8_c"], timings["int8_torch"]),
         f32_torch_from_rows=_crossover(timings["f32_c"], timings["f32_torch"]),
@@ -167,6 +178,22 @@ class KernelTuner:
     def __init__(self, kernels: TimedKernels):
         self.kernels = kernels
         self._choices: dict[int, KernelChoices] = {}
+        self._fused: dict[tuple, int | None] = {}
+
+    def fused_crossover(self, key: tuple, calls_at, rows: tuple[int, ...]) -> int | None:
+        """From how many rows torch beats a fused C call (None: at none of `rows`), timed once per
+        process, `key` (the call's shapes) and thread count: one matmul's crossover does not say
+        where a call that fuses several wins. calls_at(n): the C call and torch's, on n rows."""
+        key = (*key, torch.get_num_threads())
+        if key not in self._fused:
+            c_us, torch_us = {}, {}
+            for n in rows:
+                c_us[n], torch_us[n] = time_pair_us(*calls_at(n), budget_s=0.02)
+            self._fused[key] = _crossover(c_us, torch_us)
+            log.info(
+                "fused %s: torch from %s rows (C %s, torch %s µs)", key, self._fused[key], c_us, torch_us
+            )
+        return self._fused[key]
 
     def choices(self) -> KernelChoices:
         threads = torch.get_num_threads()

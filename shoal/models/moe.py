@@ -136,8 +136,10 @@ class SparseMoE(nn.Module):
     def _run(self, h: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, work: list):
         """out[rows[j]] += scale[j] x expert(h[rows[j]]) for each expert's choices j (scale None: 1)."""
         out = self.fused(h, rows, scale, work) if self.fused is not None else None
-        if out is not None:
-            return out
+        return out if out is not None else self.run_in_torch(h, rows, scale, work)
+
+    def run_in_torch(self, h: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, work: list):
+        """_run's reference path: one product per expert in torch."""
         out = torch.zeros_like(h)
         for _, module, start, end in work:
             tokens = rows[start:end]
