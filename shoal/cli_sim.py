@@ -132,6 +132,7 @@ def cmd_sim(args) -> int:
             decode=args.decode or 0,
             disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
             kv_transport=args.kv_transport,
+            prefill_timeout_s=args.prefill_timeout_s or FleetShape.prefill_timeout_s,
             scaling=scaling_shape(args),
             shared_cores=args.shared_cores,
         )
@@ -214,6 +215,14 @@ def add_sim_parsers(sub, wanted) -> None:
         help="prompts with fewer uncached tokens are prefilled on their decode worker",
     )
     p.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="a P/D fleet's K/V handoff")
+    p.add_argument(
+        "--prefill-timeout-s",
+        type=POSITIVE,
+        default=None,
+        metavar="S",
+        help="a remote prefill not done in this long is prefilled on its decode worker (default: the "
+        "gateway's, 30)",
+    )
     g = p.add_argument_group("an autoscaled pool (instead of --replicas)")
     g.add_argument(
         "--max-replicas", type=whole(1), default=None, help="scale between --min-replicas and this"

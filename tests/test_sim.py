@@ -10,6 +10,7 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -317,6 +318,46 @@ def test_a_prefill_worker_packs_a_handoff_before_its_next_step():
     # The second prompt's step starts once the first one's K/V is packed; its own is packed next.
     assert exact[1] > 2 * step + 2 * 1.0
     assert fast_firsts == pytest.approx(exact, rel=1e-9)
+
+
+def test_a_remote_prefill_past_the_gateways_timeout_is_prefilled_on_the_decode_worker():
+    """The gateway's prefill_timeout_s in both simulators: six long prompts at once on a prefill
+    worker that takes one a step, the timeout after three and a half of its steps. The first three
+    are handed over; the fourth, in its step at the timeout, is computed there all the same but
+    not handed; the last two leave its queue. The decode worker prefills those three itself (every
+    prompt token of theirs, against one for a handed prompt), and their first tokens come after the
+    timeout, the others' before it. With the gateway's default timeout, none is."""
+    profile = made_up_profile()
+    profile.kv_transfer = {"bytes_per_token": 46080.0, "shm_s": 0.008, "shm_s_per_mib": 0.0011}
+    profile.kv_transfer.update(prefill_cpu_s=0.001, prefill_cpu_s_per_mib=0.0017)
+    one = StepShape()
+    one.add_row(512, 0)
+    unit = profile.step_seconds(one) + profile.kv_handoff_cpu_seconds(512, "prefill")
+    timeout = 3.5 * unit
+    rng = random.Random(5)
+    reqs = [SimRequest(f"r{i}", 0.001 * i, tokens(rng, 512), 8) for i in range(6)]
+    shape = FleetShape(
+        0, "least_load", ReplicaShape(16, 512, 0.0), prefill=1, decode=1, prefill_timeout_s=timeout
+    )
+    sim = FleetSim(profile, shape)
+    for r in sim.replicas:
+        r.shapes = []
+    records = sorted(sim.run(reqs).records, key=lambda r: r.start)
+    prefill_worker, decode_worker = sim.replicas
+    assert [s.tokens for s in prefill_worker.shapes] == [512] * 4
+    assert sum(s.tokens for s in decode_worker.shapes) == 3 * 8 + 3 * (512 + 7)
+    assert all(r.ok and r.output_tokens == 8 for r in records) and not sim.handing
+    late = [r.start + r.ttft > timeout for r in records]
+    assert late == [False] * 3 + [True] * 3
+    assert not prefill_worker.scheduler.num_unfinished and not prefill_worker.tracked
+    fast_fleet = FastFleet(profile, shape)
+    fast = fast_fleet.run(reqs).out
+    assert fast.ttft == pytest.approx([r.ttft for r in records], rel=1e-9)
+    assert fast_fleet.replicas[0].steps == 4 and fast.output_tokens == [8] * 6
+    patient = FleetSim(profile, replace(shape, prefill_timeout_s=FleetShape.prefill_timeout_s))
+    patient.replicas[1].shapes = []
+    patient.run(reqs)
+    assert sum(s.tokens for s in patient.replicas[1].shapes) == 6 * 8
 
 
 def test_the_fast_simulator_splits_a_pd_fleet_as_the_exact_one_does():

@@ -107,6 +107,10 @@ class FastFleet:
         first = reqs[0].arrival if reqs else 0.0
         events: list[tuple[float, int, int, int]] = []  # (time, sequence, replica, its version)
         handoffs: list[tuple[float, int, int, int]] = []  # (K/V arrives, sequence, request, decode worker)
+        # Remote prefills not yet handed on: the request's prefill and decode workers; and when the
+        # gateway gives up on each (FleetShape.prefill_timeout_s).
+        parts: dict[int, tuple[int, int]] = {}
+        deadlines: list[tuple[float, int, int]] = []  # (timeout, sequence, request)
         seq = 0
         cap = self.shape.max_concurrency or math.inf
         held: deque[int] = deque()
@@ -144,6 +148,7 @@ class FastFleet:
                     push(target, ends)
 
         def send(i: int, at: float, sent: float | None = None) -> None:
+            nonlocal seq
             req = reqs[i]
             sent = at if sent is None else sent
             if not front.members:  # the gateway holds it until a replica takes requests
@@ -160,6 +165,9 @@ class FastFleet:
                 front.loaded(decode)
                 target = self.replicas[self.routers["prefill"].route(req.prefix_id, prefix_blocks, blocks)]
                 target.add(i, req, sent, handoff_to=decode)
+                parts[i] = (target.index, decode)
+                seq += 1
+                heapq.heappush(deadlines, (at + self.shape.prefill_timeout_s, seq, i))
             else:
                 target.add(i, req, sent)
             given(target, at)
@@ -173,7 +181,12 @@ class FastFleet:
                 continue
             t_arrival = reqs[next_req].arrival if next_req < len(reqs) else math.inf
             t_event = events[0][0] if events else math.inf
-            t_handoff = handoffs[0][0] if handoffs else math.inf
+            while deadlines and deadlines[0][2] not in parts:  # prefilled in time
+                heapq.heappop(deadlines)
+            # A timeout is the gateway handing the prompt to the decode worker: a handoff of its own.
+            t_handoff = min(
+                handoffs[0][0] if handoffs else math.inf, deadlines[0][0] if deadlines else math.inf
+            )
             if releases and releases[0] <= min(next_tick, t_arrival, t_event, t_handoff):
                 now = heapq.heappop(releases)
                 in_flight -= 1
@@ -197,12 +210,19 @@ class FastFleet:
                 held.append(next_req)
                 next_req += 1
                 continue
-            if t_handoff <= t_event:  # a prompt's K/V reaches its decode worker
-                now, _, j, d = heapq.heappop(handoffs)
-                req = reqs[j]
+            if t_handoff <= t_event:  # a prompt's K/V reaches its decode worker, or its timeout
+                if deadlines and deadlines[0][0] == t_handoff:
+                    now, _, j = heapq.heappop(deadlines)
+                    p, d = parts.pop(j)
+                    self.replicas[p].abandon(j)
+                    router_of[p].loaded(p)
+                    external = 0  # the decode worker computes the prompt
+                else:
+                    now, _, j, d = heapq.heappop(handoffs)
+                    external = reqs[j].prompt_len - 1
                 target = self.replicas[d]
                 loads[d] -= 1  # counted since it was routed: add() counts it again
-                target.add(j, req, out.start[j] + first, external=req.prompt_len - 1)
+                target.add(j, reqs[j], out.start[j] + first, external=external)
                 given(target, now)
                 continue
             now, _, i, version = heapq.heappop(events)
@@ -221,6 +241,7 @@ class FastFleet:
                     router_of[i].loaded(i)
                 packing = 0.0  # its CPU for the handoffs of this step's prompts
                 for f in rep.handed:  # its K/V goes on to the decode worker
+                    del parts[f.index]
                     seq += 1
                     ready = now + self.shape.handoff_seconds(self.profile, f.prompt_len)
                     heapq.heappush(handoffs, (ready, seq, f.index, f.handoff_to))

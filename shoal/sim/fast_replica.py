@@ -39,7 +39,11 @@ class Flow:
     shared: int = 0  # tokens of its prefix held once for every request that uses them
     sent: float = 0.0
     external: int = 0  # prompt tokens whose K/V came from a prefill worker, held at its admission
-    handoff_to: int = -1  # a prefill worker's part: the decode worker its K/V goes to
+    handoff_to: int = -1  # a prefill worker's part: the decode worker its K/V goes to (ABANDONED)
+
+
+# A prefill worker's part the gateway gave up on (its timeout): computed, then dropped.
+ABANDONED = -2
 
 
 class FastReplica:
@@ -190,6 +194,19 @@ class FastReplica:
         self.waiting.append(f)
         self.loads[self.index] += 1
 
+    def abandon(self, index: int) -> None:
+        """The gateway gave up on request `index`'s prefill part here: it leaves the queue now, or,
+        being computed, is dropped when its prompt is done (a real engine sees an abort between
+        its steps, and a prompt here is a step or few)."""
+        for f in self.waiting:
+            if f.index == index:
+                self.waiting.remove(f)
+                self.loads[self.index] -= 1
+                return
+        for f in self.prefilling:
+            if f.index == index:
+                f.handoff_to = ABANDONED
+
     def can_admit(self) -> bool:
         waiting = self.waiting
         if not waiting:
@@ -337,9 +354,10 @@ class FastReplica:
                 self.prefilling.remove(f)
                 if f.prefix_id is not None and not f.shared:
                     self._share(f, tokens_held=True)  # computed here: cached for the next ones
-                if f.handoff_to >= 0:
+                if f.handoff_to != -1:
                     self._release(f, f.prompt_len)
-                    self.handed.append(f)
+                    if f.handoff_to >= 0:
+                        self.handed.append(f)
                     continue
                 if ttft[f.index] != ttft[f.index]:  # NaN: its first token
                     ttft[f.index] = now - f.sent + self.overhead

@@ -41,6 +41,10 @@ class FleetShape:
     decode: int = 0
     disagg_min_prompt_tokens: int = 256
     kv_transport: str = "shm"
+    # A remote prefill not done this long after the gateway sent it is given up on, and the decode
+    # worker prefills the prompt itself (proxy/disagg.py): a fleet whose prefill queue grows past
+    # it turns to its decode workers, whose streams then wait on whole prompts.
+    prefill_timeout_s: float = GatewayConfig.prefill_timeout_s
     # An autoscaled pool (scaling.py) of up to scaling.max_replicas, instead of `replicas` fixed.
     scaling: ScalingShape | None = None
     # Requests that reach an idle replica at one instant share its first step, as an offline batch
@@ -132,8 +136,8 @@ class FleetSim:
         }
         self.by_name = {r.name: r for r in self.replicas}
         # A disaggregated request's prefill part, by its id: (the request, its record, when the
-        # client sent it, its decode worker).
-        self.handing: dict[str, tuple[SimRequest, RequestRecord, float, int]] = {}
+        # client sent it, its decode worker, its prefill worker).
+        self.handing: dict[str, tuple[SimRequest, RequestRecord, float, int, int]] = {}
         self.pool = SimPool.of(shape.scaling, profile) if shape.scaling is not None else None
         self.cores = shared_cores(profile, shape.shared_cores)
         self.drift = drift or {}
@@ -206,6 +210,7 @@ class FleetSim:
         records: list[RequestRecord] = []
         steps: list[tuple[float, int, int]] = []  # (ends at, sequence, replica)
         handoffs: list[tuple] = []  # (K/V arrives at, sequence, decode worker, request, record, sent)
+        deadlines: list[tuple[float, int, str]] = []  # (a remote prefill's timeout, sequence, part)
         seq = 0
         cap = self.shape.max_concurrency or math.inf
         in_flight = 0
@@ -267,7 +272,7 @@ class FleetSim:
         def send(
             req: SimRequest, at: float, rec: RequestRecord | None = None, sent: float | None = None
         ) -> None:
-            nonlocal in_flight
+            nonlocal in_flight, seq
             if rec is None:
                 in_flight += 1
                 rec = RequestRecord(start=at - first, input_len=req.prompt_len)
@@ -283,14 +288,21 @@ class FleetSim:
                 target, _ = self._route(req, "prefill", hashes)
                 part = replace(req, id=f"{req.id}/prefill")
                 target.add(part, at, RequestRecord(at - first, req.prompt_len), max_tokens=1)
-                self.handing[part.id] = (req, rec, at, decode)
+                self.handing[part.id] = (req, rec, at, decode, self.replicas.index(target))
+                seq += 1
+                heapq.heappush(deadlines, (at + self.shape.prefill_timeout_s, seq, part.id))
             else:
                 target.add(req, at, rec, sent=sent)
             wake(self.replicas.index(target), at)
 
         while pending or steps or held or handoffs or gateway:
+            while deadlines and deadlines[0][2] not in self.handing:  # prefilled in time
+                heapq.heappop(deadlines)
             next_arrival = pending[0].arrival if pending else math.inf
-            next_handoff = handoffs[0][0] if handoffs else math.inf
+            # A timeout is the gateway handing the prompt to the decode worker: a handoff of its own.
+            next_handoff = min(
+                handoffs[0][0] if handoffs else math.inf, deadlines[0][0] if deadlines else math.inf
+            )
             next_step = steps[0][0] if steps else math.inf
             # The replicas' queues as the gateway last polled them: what they held at the poll,
             # before the next event changes them.
@@ -326,9 +338,16 @@ class FleetSim:
                 held.append(pending.popleft())
                 continue
             if next_handoff <= next_step:
-                now, _, d, req, rec, sent = heapq.heappop(handoffs)
+                if deadlines and deadlines[0][0] == next_handoff:
+                    now, _, part = heapq.heappop(deadlines)
+                    req, rec, sent, d, p = self.handing.pop(part)
+                    self.replicas[p].abandon(part)
+                    handed = 0  # the decode worker computes the prompt
+                else:
+                    now, _, d, req, rec, sent = heapq.heappop(handoffs)
+                    handed = req.prompt_len
                 self.replicas[d].awaited -= 1
-                self.replicas[d].add(req, now, rec, sent=sent, external_tokens=req.prompt_len)
+                self.replicas[d].add(req, now, rec, sent=sent, external_tokens=handed)
                 wake(d, now)
                 continue
             now, _, i = heapq.heappop(steps)
@@ -342,7 +361,7 @@ class FleetSim:
                 packing = 0.0  # a prefill worker's CPU for the handoffs of this step's prompts
                 if self.roles[i] == "prefill":
                     for t in done:  # its K/V goes on to the decode worker
-                        req, rec, sent, d = self.handing.pop(t.request_id)
+                        req, rec, sent, d, _ = self.handing.pop(t.request_id)
                         seq += 1
                         ready = now + self.shape.handoff_seconds(self.profile, req.prompt_len)
                         heapq.heappush(handoffs, (ready, seq, d, req, rec, sent))

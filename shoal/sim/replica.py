@@ -95,6 +95,7 @@ class SimReplica:
         self.last_sampled = 0  # tokens the last step that ended streamed out
         self._last_arrival = -math.inf
         self.shapes: list[StepShape] | None = None  # a list: each step's shape is kept in it
+        self._abandoned: set[str] = set()  # given up on while in the step now running
         seed = f"{name}/{shape.noise_seed}" if shape.noise_seed else name
         self._noise = random.Random(seed) if shape.noisy else None
 
@@ -140,6 +141,16 @@ class SimReplica:
         self.scheduler.add_request(request)
         self.tracked[req.id] = Tracked(record, now if sent is None else sent, req.id)
 
+    def abandon(self, request_id: str) -> None:
+        """The gateway gave up on a request (a remote prefill past its timeout): it leaves the
+        queue now, or, in the step now running, when that step ends; the step runs its part all
+        the same, as a real engine sees an abort only between its steps."""
+        self.tracked.pop(request_id, None)
+        if self._step is not None and any(sr.request_id == request_id for sr in self._step.scheduled):
+            self._abandoned.add(request_id)
+        else:
+            self.scheduler.abort(request_id)
+
     def start_step(self, now: float, stretch: float = 1.0, speed: float = 1.0) -> float | None:
         """Schedules a step at `now`, its profiled cost times `speed` (the host's then, against the
         profile's: drift.py) and that times `stretch` (cores it shares); returns when it ends, or
@@ -173,7 +184,9 @@ class SimReplica:
         self.last_sampled = len(sampled)
         finished = []
         for req in self.scheduler.update_from_output(so, ModelRunnerOutput(sampled=sampled)):
-            t = self.tracked[req.request_id]
+            t = self.tracked.get(req.request_id)
+            if t is None:  # abandoned during the step
+                continue
             rec = t.record
             if rec.ttft is None:
                 rec.ttft = now - t.sent + self.overhead
@@ -183,4 +196,7 @@ class SimReplica:
                 rec.ok = req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
                 rec.e2e = now - t.sent + self.overhead
                 finished.append(self.tracked.pop(req.request_id))
+        for request_id in self._abandoned:  # (those the step finished are gone already)
+            self.scheduler.abort(request_id)
+        self._abandoned.clear()
         return finished
