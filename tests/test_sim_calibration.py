@@ -22,6 +22,7 @@ from shoal.fleet.control.cores import host_cpus
 from shoal.sim.fleet import FleetShape, FleetSim
 from shoal.sim.profile import DECODE_FEATURES, NodeProfile, StepCost, made_up_profile
 from shoal.sim.profiler import (
+    FrontCPU,
     ProfileConfig,
     calibration_requests,
     fold_serving,
@@ -31,7 +32,7 @@ from shoal.sim.replica import ReplicaShape
 from shoal.sim.speed_probe import probe_seconds, traced_kind_speeds, traced_speed
 from shoal.sim.startup_timing import busy_start_seconds, server_start_seconds
 from shoal.sim.workload import Lengths, WorkloadSpec
-from tests.fleet_helpers import metric
+from tests.fleet_helpers import metric, start_gateway
 from tests.server_helpers import start_server
 
 
@@ -325,6 +326,28 @@ def test_the_speed_probe_sees_a_slower_host_and_rescales_a_profile_by_it(node_pr
     for shape in (one, StepShape(4, 4, 1024, 1024)):
         assert slow.step_seconds(shape) == pytest.approx(crowded / alone * node_profile.step_seconds(shape))
     assert slow.serving == node_profile.serving and slow.kv_transfer == node_profile.kv_transfer
+
+
+def test_the_fronts_cpu_a_token_is_what_a_gateway_takes_beyond_its_idle_polls():
+    """A real gateway in front of a real replica: idle, it still spends CPU (its polls of the
+    replica's /load and KV events, its probes), and streaming tokens costs it more than that; the
+    calibration's price a token is the part beyond its idle rate (FrontCPU), which the simulator
+    charges apart (SharedCores.front_idle_cores, for each replica it watches)."""
+    server = start_server(*SERVE_FLAGS)
+    gateway = None
+    try:
+        gateway = start_gateway([server.url])
+        front = FrontCPU(gateway.proc.pid)
+        idle = front.idle_cores(2.0)
+        assert 0.0 < idle < 0.5
+        bench = ServeBenchConfig(gateway.url, num_requests=8, input_len=64, output_len=32, max_concurrency=4)
+        streamed = run_serve_bench(bench)["total_output_tokens"]
+        beyond = front.seconds() - idle * front.elapsed()
+        assert streamed == 8 * 32 and 0.0 < beyond / streamed < 0.01, (beyond, streamed)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        server.stop()
 
 
 def test_a_servers_own_steps_read_a_slower_host(node_profile):

@@ -45,6 +45,18 @@ def test_two_replicas_filling_both_cores_pay_for_the_tokens_their_front_streams(
     assert _itl_median(_profile(), 2, 2) == pytest.approx(bare + 8 * FRONT, rel=0.02)
 
 
+def test_the_gateways_idle_cpu_is_taken_for_each_replica_it_watches():
+    """The same two replicas, their gateway also spending IDLE of a core on each of them whatever
+    streams (its polls): the front then needs 2 * IDLE cores more than its tokens' CPU, taken
+    evenly from the two replicas' cores, so a step of T seconds keeps T * (1 - IDLE) for its
+    own work and the tokens': T = (bare step + 8 * FRONT) / (1 - IDLE)."""
+    idle = 0.05
+    bare = _itl_median(_profile(), 2, None)
+    profile = _profile()
+    profile.serving["gateway_idle_cpu_s_per_s"] = idle
+    assert _itl_median(profile, 2, 2) == pytest.approx((bare + 8 * FRONT) / (1 - idle), rel=0.02)
+
+
 def test_a_free_core_or_a_free_front_leaves_the_steps_alone_and_an_unmeasured_one_is_refused():
     """One replica on two cores leaves the front the core the calibration left it, and a front that
     costs nothing takes nothing; a profile calibrated without the front's CPU cannot say what

@@ -22,7 +22,7 @@ from shoal.sim.cores import SharedCores
 from shoal.sim.drift import SpeedDrift
 from shoal.sim.profile import NodeProfile
 from shoal.sim.replica import ReplicaShape, SimReplica
-from shoal.sim.scaling import STARTING, TICK_S, TTFT_WINDOW_S, Load, ScalingShape, SimPool
+from shoal.sim.scaling import OFF, STARTING, TICK_S, TTFT_WINDOW_S, Load, ScalingShape, SimPool
 from shoal.sim.workload import SimRequest
 
 
@@ -237,9 +237,11 @@ class FleetSim:
             if self.cores is None:
                 return 1.0
             computing = 1 + sum(r.step_ends is not None for r in self.replicas)
+            watched = len(self.replicas)
             if pool is not None:  # a replica starting up holds its cores too (imports, weights)
                 computing += len(pool.with_state(STARTING))
-            return self.cores.stretch(at, computing)
+                watched = len(self.replicas) - len(pool.with_state(OFF))
+            return self.cores.stretch(at, computing, watched)
 
         # Each role's steps' (price, time) by drift window: the simulator's own stretch of each.
         windows: dict[str, dict[int, list[float]]] = {role: {} for role in self.drift}
@@ -410,4 +412,5 @@ def shared_cores(profile: NodeProfile, cores: int | None) -> SharedCores | None:
         )
     calibrated_on = int(profile.serving.get("cores", cores))
     threads = profile.num_threads or calibrated_on
-    return SharedCores(cores, threads, front, max(0, calibrated_on - threads))
+    idle = profile.serving.get("gateway_idle_cpu_s_per_s", 0.0)  # older profiles: in `front`
+    return SharedCores(cores, threads, front, max(0, calibrated_on - threads), idle)

@@ -262,7 +262,12 @@ class NodeProfile:
                 f"front CPU   : {1e3 * self.serving['front_cpu_s_per_token']:.3f} ms a token streamed "
                 f"(gateway and clients, on {self.serving['cores']:.0f} cores)"
                 + (
-                    f", the gateway's {1e3 * self.serving['gateway_cpu_s_per_token']:.3f}"
+                    f", and {1e3 * self.serving['gateway_idle_cpu_s_per_s']:.0f} ms a second idle"
+                    if "gateway_idle_cpu_s_per_s" in self.serving
+                    else ""
+                )
+                + (
+                    f"; the gateway's alone {1e3 * self.serving['gateway_cpu_s_per_token']:.3f} ms a token"
                     if "gateway_cpu_s_per_token" in self.serving
                     else ""
                 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -33,6 +34,9 @@ MAX_PROMPT_SCALE = 3.0  # nor makes a prompt's tokens cost more than this many t
 # prefill worker then ran its steps of one to three 512-token prompts within 1 % of the bare ones.
 MIN_PROMPT_SCALE = 1.0
 LONG_PROMPT_TIMES = 4  # the calibration's second prompt length, in multiples of its first
+# The gateway's CPU with nothing to relay is timed over this long once it is up (its polls of its
+# replica): the front's price a token is what it takes beyond that.
+GATEWAY_IDLE_S = 3.0
 LONG_PROMPT_SEED = 1000  # its prompts' seed: apart from the seeds of the runs by batch size
 # ... priced only where the bare engine's long prompt costs at least this part more than its short
 # one: on a GPU both cost about the launches of a step, and their difference is noise.
@@ -217,6 +221,7 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
     trace = tempfile.TemporaryDirectory(prefix="shoal-profile-steps-")
     with trace, running(command, env={STEP_TRACE_ENV: trace.name}) as (url, proc):
         front = FrontCPU(proc.pid) if cfg.through_gateway else None
+        idle_cores = front.idle_cores(GATEWAY_IDLE_S) if front is not None else 0.0
         prompt, steps = 128, 48
         measured = []
 
@@ -236,7 +241,8 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         for b in cfg.serve_batches:
             if b <= profile.max_num_seqs:
                 measured.append((b, run(b, calibration_requests(b), prompt, steps)))
-        front_cpu_s = front.seconds() if front is not None else None  # for the tokens above
+        # For the tokens above, over front_s seconds.
+        front_cpu_s, front_s = (front.seconds(), front.elapsed()) if front is not None else (None, 0.0)
         # Lone prompts of a second length, beside the lone prompts of the one-client run above,
         # each prefilled in one step (within the token budget), none sharing a prefix with those,
         # and no longer than the bare prompts timed (a fit stretched past them prices nothing).
@@ -258,9 +264,11 @@ def calibrate_to_server(profile: NodeProfile, cfg: ProfileConfig, speed: float =
         streamed = max(1, sum(s["total_output_tokens"] for _, s in measured))
         # The gateway's alone: what a fleet's gateways cost (the planner sizes them by it).
         profile.serving["gateway_cpu_s_per_token"] = front_cpu_s / streamed
-        # The gateway's, and the clients' while they sent and read (`shoal bench serve`'s own).
-        front_cpu_s += sum(s["client_cpu_s"] for _, s in measured)
-        profile.serving["front_cpu_s_per_token"] = front_cpu_s / streamed
+        # The gateway's beyond its idle polls, and the clients' while they sent and read (`shoal
+        # bench serve`'s own).
+        front_cpu_s += sum(s["client_cpu_s"] for _, s in measured) - idle_cores * front_s
+        profile.serving["front_cpu_s_per_token"] = max(0.0, front_cpu_s) / streamed
+        profile.serving["gateway_idle_cpu_s_per_s"] = idle_cores
         profile.serving["cores"] = len(host_cpus())
 
 
@@ -269,10 +277,20 @@ class FrontCPU:
 
     def __init__(self, gateway_pid: int):
         self.cpu = ProcessCPU(gateway_pid, "the calibration's gateway")
-        self.start = self.cpu.seconds()
+        self.start, self.t0 = self.cpu.seconds(), time.perf_counter()
 
     def seconds(self) -> float:
         return self.cpu.seconds() - self.start
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def idle_cores(self, seconds: float) -> float:
+        """Its CPU a second over the next `seconds`, sent nothing; then it counts from there."""
+        time.sleep(seconds)
+        idle = self.seconds() / self.elapsed()
+        self.start, self.t0 = self.cpu.seconds(), time.perf_counter()
+        return idle
 
 
 def fold_serving(
