@@ -34,13 +34,13 @@ MAX_PROMPT_SCALE = 3.0  # nor makes a prompt's tokens cost more than this many t
 # prefill worker then ran its steps of one to three 512-token prompts within 1 % of the bare ones.
 MIN_PROMPT_SCALE = 1.0
 LONG_PROMPT_TIMES = 4  # the calibration's second prompt length, in multiples of its first
-# The gateway's CPU with nothing to relay is timed over this long once it is up (its polls of its
-# replica): the front's price a token is what it takes beyond that.
-GATEWAY_IDLE_S = 3.0
 LONG_PROMPT_SEED = 1000  # its prompts' seed: apart from the seeds of the runs by batch size
 # ... priced only where the bare engine's long prompt costs at least this part more than its short
 # one: on a GPU both cost about the launches of a step, and their difference is noise.
 MIN_PROMPT_SPREAD = 0.25
+# The gateway's CPU with nothing to relay is timed over this long once it is up (its polls of its
+# replica): the front's price a token is what it takes beyond that.
+GATEWAY_IDLE_S = 3.0
 
 
 def calibration_requests(clients: int) -> int:
