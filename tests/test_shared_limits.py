@@ -79,18 +79,35 @@ def test_a_tenants_limit_holds_across_gateways_that_share_a_store(gateways):
 
 
 @contextlib.contextmanager
-def held_stream(gw, tenant: str):
-    """A long stream of `tenant`'s, begun (its first event read) and held open until the exit."""
+def stream_of(gw, tenant: str):
+    """A long stream of `tenant`'s, held open until the exit: yields its answer, its first event
+    read when admitted."""
     body = {"model": MODEL, "prompt": "Tell a story.", "max_tokens": 1000, "ignore_eos": True}
     url, headers = gw.url + "/v1/completions", auth(KEYS[tenant])
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", url, json={**body, "stream": True}, headers=headers) as r,
     ):
-        assert r.status_code == 200, r.read()
+        if r.status_code != 200:
+            r.read()
+            yield r
+            return
         lines = r.iter_lines()  # kept: a dropped iterator closes the stream
         next(lines)
+        yield r
+
+
+@contextlib.contextmanager
+def held_stream(gw, tenant: str):
+    with stream_of(gw, tenant) as r:
+        assert r.status_code == 200, r.text
         yield
+
+
+def both_places_free(one, two) -> bool:
+    """Whether pair's two places are both free: one stream held on each gateway, a third refused."""
+    with stream_of(one, "pair") as first, stream_of(two, "pair") as second:
+        return first.status_code == second.status_code == 200 and ask(one, "pair").status_code == 429
 
 
 def test_a_tenants_concurrency_limit_holds_across_gateways_and_outlives_no_gateway(gateways, chat_server):
@@ -100,7 +117,7 @@ def test_a_tenants_concurrency_limit_holds_across_gateways_and_outlives_no_gatew
             r = ask(gw, "pair")
             assert r.status_code == 429 and "in flight across its gateways" in r.json()["error"]["message"]
     # Both places come back as the streams end.
-    wait_until(one, lambda: ask(one, "pair").status_code == 200, 10)
+    wait_until(one, lambda: both_places_free(one, two), 10)
     # A gateway that dies holding a place: its place comes back once it is known dead (5 s).
     third = start_gateway([chat_server.url], *args, api_key="sk-operator")
     try:

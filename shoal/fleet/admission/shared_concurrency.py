@@ -5,9 +5,14 @@ Each gateway keeps its own count per tenant in one hash field (its id, new each 
 says it is alive in a sorted set of expiry times, renewed every second. A request is admitted by
 one script that sums the fields of the gateways alive and adds one to its own if the sum is
 below the limit: the counts of a gateway that died (its entry expired) stop counting at once and
-are removed, so a dead gateway's requests do not hold the tenant's limit. Each renewal also
-writes this gateway's true counts, so a count lost with the store (a release that failed) heals
-within a second. When the store cannot be reached, the gateway admits on its own counts."""
+are removed, so a dead gateway's requests do not hold the tenant's limit. When the store cannot
+be reached, the gateway admits on its own counts.
+
+Each renewal also writes the places this gateway holds over what the store has of them, so a
+count the store lost (a release that failed, a store restarted empty) heals within a second.
+That write overwrites, so it holds this gateway's new admissions and releases back, waits for
+those on their way to be answered, and lets them go once it has landed: else it would count a
+place twice (written, then added by its admission) or bring back one just released."""
 
 from __future__ import annotations
 
@@ -57,6 +62,12 @@ class SharedConcurrency:
         self._task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
         self._counted: dict[str, object] = {}  # name -> tenant: those this gateway counts
+        # name -> the tenant's places this gateway holds, as its admissions and releases sent say
+        self._held: dict[str, int] = {}
+        self._on_the_way = 0  # admissions and releases sent and not yet answered
+        self._answered = asyncio.Event()  # set while none is on its way
+        self._answered.set()
+        self._healing: asyncio.Event | None = None  # set when a heal's write has landed
 
     def _key(self, tenant) -> str:
         return f"{self.prefix}{tenant.name}"
@@ -66,22 +77,48 @@ class SharedConcurrency:
         count held across the gateways (the limit is reached)."""
         self._counted[tenant.name] = tenant
         keys = [self._key(tenant), self.gateways.key]
+        await self._heal_landed()
+        self._send()
         try:
-            return int(await self._enter(keys=keys, args=[self.id, tenant.config.max_concurrency]))
+            held = int(await self._enter(keys=keys, args=[self.id, tenant.config.max_concurrency]))
         except self.errors as exc:
             log.warning("concurrency store %s: %s; admitting on this gateway's counts", self.url, exc)
-            return -1
+            held = -1
+        finally:
+            self._answer()
+        if held < 0:
+            self._held[tenant.name] = self._held.get(tenant.name, 0) + 1
+        return held
 
     def leave(self, tenant) -> None:
         """Gives the place back (in the background: the answer is already on its way)."""
 
         async def release() -> None:
-            with contextlib.suppress(*self.errors):
-                await self.client.hincrby(self._key(tenant), self.id, -1)
+            await self._heal_landed()
+            self._send()
+            self._held[tenant.name] -= 1
+            try:
+                with contextlib.suppress(*self.errors):
+                    await self.client.hincrby(self._key(tenant), self.id, -1)
+            finally:
+                self._answer()
 
         task = asyncio.get_running_loop().create_task(release())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    def _send(self) -> None:
+        self._on_the_way += 1
+        self._answered.clear()
+
+    def _answer(self) -> None:
+        self._on_the_way -= 1
+        if not self._on_the_way:
+            self._answered.set()
+
+    async def _heal_landed(self) -> None:
+        while self._healing is not None:
+            await self._healing.wait()
 
     async def start(self) -> None:
         """This gateway counts as alive from now (renewed every BEAT_S)."""
@@ -99,13 +136,23 @@ class SharedConcurrency:
                 log.warning("concurrency store %s: %s", self.url, exc)
 
     async def _heal(self) -> None:
-        """This gateway's true counts over what the store holds of them."""
-        if self._releases or not self._counted:
+        """The places this gateway holds over what the store has of them."""
+        if not self._counted or self._healing is not None:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for t in self._counted.values():
-            pipe.hset(self._key(t), self.id, t.inflight)
-        await pipe.execute()
+        self._healing = asyncio.Event()
+        try:
+            try:  # bounded: one answer that never comes must not hold admissions back for good
+                async with asyncio.timeout(BEAT_S):
+                    await self._answered.wait()
+            except TimeoutError:
+                return
+            pipe = self.client.pipeline(transaction=False)
+            for name, tenant in self._counted.items():
+                pipe.hset(self._key(tenant), self.id, self._held.get(name, 0))
+            await pipe.execute()
+        finally:
+            self._healing.set()
+            self._healing = None
 
     async def stop(self) -> None:
         """This gateway's counts go, and it from the gateways alive."""
