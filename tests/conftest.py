@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shoal.models.loader import bundled_model_path, load_model
-from tests.fleet_helpers import FLEET_KEY, POISON_MARKER, start_fleet
+from tests.fleet_helpers import FLEET_KEY, POISON_MARKER, start_fleet, start_redis, stop_redis
 from tests.helpers import PROMPTS, hf_greedy
 from tests.server_helpers import ServerProcess, start_server
 
@@ -99,6 +99,17 @@ def chat_server(request):
     s = start_server("--max-model-len", "1024", "--kv-cache-memory", "256MiB")
     yield _shared(request, s)
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_store():
+    """One redis-server on 127.0.0.1 (Debian's package) for the tests that never stop it, each
+    under key prefixes of its own: its URL."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server")
+    proc, url = start_redis()
+    yield url
+    stop_redis(proc)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,8 +27,6 @@ from tests.fleet_helpers import (
     metric,
     spawn,
     start_fleet,
-    start_redis,
-    stop_redis,
     wait_replicas_ready,
     wait_until,
 )
@@ -46,14 +44,7 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no
 
 
 @pytest.fixture(scope="module")
-def store():
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
-
-
-@pytest.fixture(scope="module")
-def config(store, tmp_path_factory):
+def config(redis_store, tmp_path_factory):
     path = tmp_path_factory.mktemp("ha") / "fleet.toml"
     tenants = "".join(
         f'[[tenants]]\nname = "{name}"\napi_key_sha256 = "{key_digest(key)}"\n'
@@ -61,7 +52,7 @@ def config(store, tmp_path_factory):
         for name, key in KEYS.items()
     )
     path.write_text(
-        f'[gateway]\nstore = "{store}"\nstore_prefix = "ha-test:"\nlease_ttl_s = {LEASE_TTL_S}\n'
+        f'[gateway]\nstore = "{redis_store}"\nstore_prefix = "ha-test:"\nlease_ttl_s = {LEASE_TTL_S}\n'
         f"replica_lifeline_s = {LIFELINE_S}\n\n{tenants}"
     )
     return str(path)

@@ -6,29 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 from types import SimpleNamespace
 
-import pytest
-
 from shoal.fleet.admission.shared_concurrency import SharedConcurrency
-from shoal.fleet.admission.store import connect
-from tests.fleet_helpers import start_redis, stop_redis
-
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
-
-
-@pytest.fixture(scope="module")
-def store_url():
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
+from shoal.fleet.admission.store import StoreHealth, connect
 
 
 def tenant(name: str, limit: int) -> SimpleNamespace:
     """What SharedConcurrency reads of a tenant; `inflight` as the gateway's admission counts it
     (one more from its local admission on, before the store is asked)."""
     return SimpleNamespace(name=name, inflight=0, config=SimpleNamespace(max_concurrency=limit))
+
+
+def places_in(url: str, prefix: str) -> SharedConcurrency:
+    """A gateway's shared places: a store client of its own, as each gateway has."""
+    return SharedConcurrency(connect(url, 1.0), StoreHealth(url), prefix)
 
 
 async def field(places: SharedConcurrency, t) -> int:
@@ -42,14 +34,14 @@ async def admission(places: SharedConcurrency, t, pause: bool = False) -> int:
     return await places.enter(t)
 
 
-def test_a_heal_beside_an_admission_counts_its_place_once(store_url):
+def test_a_heal_beside_an_admission_counts_its_place_once(redis_store):
     """A gateway's first request opens a store connection, and so does the heal beside it: either
     may land first. Written first, the heal must not count the place its admission then adds."""
 
     async def run() -> list[tuple[int, int]]:
         seen = []
         for i in range(100):
-            places = SharedConcurrency(connect(store_url), store_url, f"once{i}:")
+            places = places_in(redis_store, f"once{i}:")
             t = tenant("solo", 1)
 
             held, _ = await asyncio.gather(admission(places, t), places._heal())
@@ -61,13 +53,13 @@ def test_a_heal_beside_an_admission_counts_its_place_once(store_url):
     assert seen == [(-1, 1)] * 100  # taken, and held once
 
 
-def test_two_gateways_under_heals_never_pass_the_limit_and_end_holding_nothing(store_url):
+def test_two_gateways_under_heals_never_pass_the_limit_and_end_holding_nothing(redis_store):
     """Eight requests a gateway, two gateways, a limit of 3, heals as often as the loop allows:
     the places taken never pass 3, and once every request has left, the store holds none."""
     limit = 3
 
     async def run():
-        gateways = [SharedConcurrency(connect(store_url), store_url, "busy:") for _ in range(2)]
+        gateways = [places_in(redis_store, "busy:") for _ in range(2)]
         tenants = [tenant("shared", limit) for _ in gateways]
         for places in gateways:
             await places.gateways.beat(places.id, 60)
@@ -113,12 +105,12 @@ def test_two_gateways_under_heals_never_pass_the_limit_and_end_holding_nothing(s
     assert left == [0, 0], taken
 
 
-def test_a_count_the_store_lost_comes_back_within_a_heal(store_url):
+def test_a_count_the_store_lost_comes_back_within_a_heal(redis_store):
     """A store restarted empty forgets the places held; one left with a release that never came
     keeps one too many. The next beat writes what this gateway holds."""
 
     async def run():
-        places = SharedConcurrency(connect(store_url), store_url, "lost:")
+        places = places_in(redis_store, "lost:")
         t = tenant("mended", 4)
         await places.start()
         try:

@@ -30,6 +30,8 @@ class GatewayConfig:
     # controller: fleet/control/leader/). None: this gateway's alone.
     store: str | None = None
     store_prefix: str = "shoal:"  # of its keys: one store may serve several fleets
+    # A store command unanswered this long failed: admission goes on without the store meanwhile.
+    store_timeout_s: float = 1.0
     # The leader's lease lasts this long unrenewed: a follower leads this soon after it dies.
     lease_ttl_s: float = 3.0
     # With a store, replicas outlive the gateway that started them; they exit once no gateway has
@@ -152,7 +154,7 @@ class GatewayConfig:
         waits = ("lease_ttl_s", "queue_timeout_s", "cold_start_timeout_s", "connect_timeout_s")
         waits += ("first_byte_timeout_s", "stream_idle_timeout_s", "request_timeout_s", "probe_interval_s")
         waits += ("probe_timeout_s", "load_poll_interval_s", "kv_poll_interval_s", "prefill_timeout_s")
-        waits += ("rebalance_interval_s", "batch_poll_interval_s")
+        waits += ("rebalance_interval_s", "batch_poll_interval_s", "store_timeout_s")
         none_below_0 = ("port", "replica_lifeline_s", "max_queue", "max_retries", "retry_budget")
         none_below_0 += ("shutdown_timeout_s", "poison_ttl_s", "eject_for_s", "load_weight")
         none_below_0 += ("imbalance_limit", "adapter_unload_drain_s", "disagg_min_prompt_tokens")

@@ -21,7 +21,7 @@ from shoal.fleet.admission.shared_limits import SharedLimits
 from shoal.fleet.admission.shared_usage import SharedUsage
 from shoal.fleet.admission.shares import FairShares
 from shoal.fleet.admission.signals import DemandSignals
-from shoal.fleet.admission.store import connect, shown
+from shoal.fleet.admission.store import StoreHealth, connect, shown
 from shoal.fleet.admission.tenants import Tenants
 from shoal.fleet.admission.usage import UsageLedger
 from shoal.fleet.admission.usage_store import state_dir
@@ -77,18 +77,19 @@ class Gateway:
         self.keys = PromptKeys(config, table, parser)
         self.tiers = TierRouter(config.tiers, metrics)
         # Admission; with a store, what several gateways share (limits, usage) is kept there.
-        self.store = connect(config.store) if config.store else None
-        self.concurrency = None
+        self.store = connect(config.store, config.store_timeout_s) if config.store else None
+        self.concurrency = store_health = None
         if self.store is not None:
+            store_health = StoreHealth(shown(config.store))
             self.concurrency = SharedConcurrency(
-                self.store, shown(config.store), f"{config.store_prefix}concurrency:"
+                self.store, store_health, f"{config.store_prefix}concurrency:"
             )
         self.tenants = tenants = Tenants(
             config.tenants,
             config.api_key,
             on_limited=lambda t, limit: metrics.tenant_rate_limited.labels(t.name, limit).inc(),
             shared=(
-                SharedLimits(self.store, shown(config.store), f"{config.store_prefix}tenant:")
+                SharedLimits(self.store, store_health, f"{config.store_prefix}tenant:")
                 if self.store is not None
                 else None
             ),

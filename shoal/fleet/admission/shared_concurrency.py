@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import uuid
 
-from shoal.fleet.admission.store import Presence, store_errors
-
-log = logging.getLogger(__name__)
+from shoal.fleet.admission.store import Presence, StoreHealth, store_errors
 
 ALIVE_S = 5.0  # a gateway unheard of this long is dead
+OWN_COUNTS = "admitting on this gateway's own concurrency counts"
 BEAT_S = 1.0
 
 # KEYS: the tenant's counts, the gateways alive. ARGV: this gateway, the limit. Returns the
@@ -50,10 +48,11 @@ return -1
 
 
 class SharedConcurrency:
-    def __init__(self, client, url: str, prefix: str):
-        """`prefix`: of the keys, e.g. "shoal:concurrency:"; `url` names the store in the log."""
+    def __init__(self, client, health: StoreHealth, prefix: str):
+        """`prefix`: of the keys, e.g. "shoal:concurrency:"; `health`: whether to ask the store now
+        (its beat says whether the store answers again)."""
         self.client = client
-        self.url = url
+        self.health = health
         self.prefix = prefix
         self.id = uuid.uuid4().hex
         self.errors = store_errors()
@@ -78,14 +77,15 @@ class SharedConcurrency:
         self._counted[tenant.name] = tenant
         keys = [self._key(tenant), self.gateways.key]
         await self._heal_landed()
-        self._send()
-        try:
-            held = int(await self._enter(keys=keys, args=[self.id, tenant.config.max_concurrency]))
-        except self.errors as exc:
-            log.warning("concurrency store %s: %s; admitting on this gateway's counts", self.url, exc)
-            held = -1
-        finally:
-            self._answer()
+        held = -1  # while the store is away: on this gateway's counts (mended by a heal once back)
+        if self.health.usable():
+            self._send()
+            try:
+                held = int(await self._enter(keys=keys, args=[self.id, tenant.config.max_concurrency]))
+            except self.errors as exc:
+                self.health.failed(exc, OWN_COUNTS)
+            finally:
+                self._answer()
         if held < 0:
             self._held[tenant.name] = self._held.get(tenant.name, 0) + 1
         return held
@@ -95,11 +95,14 @@ class SharedConcurrency:
 
         async def release() -> None:
             await self._heal_landed()
-            self._send()
             self._held[tenant.name] -= 1
+            if not self.health.usable():
+                return
+            self._send()
             try:
-                with contextlib.suppress(*self.errors):
-                    await self.client.hincrby(self._key(tenant), self.id, -1)
+                await self.client.hincrby(self._key(tenant), self.id, -1)
+            except self.errors as exc:
+                self.health.failed(exc, OWN_COUNTS)
             finally:
                 self._answer()
 
@@ -131,9 +134,10 @@ class SharedConcurrency:
             await asyncio.sleep(BEAT_S)
             try:
                 await self.gateways.beat(self.id, ALIVE_S)
+                self.health.answered()
                 await self._heal()
             except self.errors as exc:
-                log.warning("concurrency store %s: %s", self.url, exc)
+                self.health.failed(exc, OWN_COUNTS)
 
     async def _heal(self) -> None:
         """The places this gateway holds over what the store has of them."""

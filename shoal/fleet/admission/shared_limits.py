@@ -11,11 +11,7 @@ logged (the store is not a way to take the service down)."""
 
 from __future__ import annotations
 
-import logging
-
-from shoal.fleet.admission.store import store_errors
-
-log = logging.getLogger(__name__)
+from shoal.fleet.admission.store import StoreHealth, store_errors
 
 # KEYS: the requests bucket, the tokens bucket. ARGV: per-second rate and capacity of each
 # (a rate of 0: unlimited), the tokens to take, and the mode: "take" (both or nothing; returns
@@ -62,9 +58,9 @@ return {'0', '0', tostring(rl), tostring(tl)}
 
 
 class SharedLimits:
-    def __init__(self, client, url: str, prefix: str):
-        """`client`: the store's (store.py); `url` names it in the log."""
-        self.url = url
+    def __init__(self, client, health: StoreHealth, prefix: str):
+        """`client`: the store's (store.py); `health`: whether to ask it now."""
+        self.health = health
         self.client = client
         self.script = client.register_script(SCRIPT)
         self.prefix = prefix
@@ -80,21 +76,24 @@ class SharedLimits:
         """Takes a request and `tokens` from the tenant's shared buckets, or neither: the seconds
         to wait for each (0 when taken, and when the store did not answer), then each bucket's
         level (-1: not limited, or not known)."""
+        if not self.health.usable():
+            return 0.0, 0.0, -1.0, -1.0
         keys, args = self._args(tenant, tokens, "take")
         try:
             out = await self.script(keys=keys, args=args)
         except self.errors as exc:
-            log.warning("tenant limits store %s: %s; admitting on this gateway's limits", self.url, exc)
+            self.health.failed(exc, "admitting on this gateway's own tenant limits")
             return 0.0, 0.0, -1.0, -1.0
+        self.health.answered()
         wait_r, wait_t, level_r, level_t = (float(x) for x in out)
         return wait_r, wait_t, level_r, level_t
 
     async def charge(self, tenant, tokens: float) -> None:
         """Tokens a request used beyond what it was charged (negative: a refund)."""
-        if not tenant.tokens.limited or not tokens:
-            return
+        if not tenant.tokens.limited or not tokens or not self.health.usable():
+            return  # (while the store is away, the charge is lost)
         keys, args = self._args(tenant, tokens, "charge")
         try:
             await self.script(keys=keys, args=args)
         except self.errors as exc:
-            log.warning("tenant limits store %s: %s; a charge of %d tokens is lost", self.url, exc, tokens)
+            self.health.failed(exc, "admitting on this gateway's own tenant limits")

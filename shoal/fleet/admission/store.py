@@ -3,16 +3,51 @@ optional `redis` extra."""
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import urlsplit, urlunsplit
 
+log = logging.getLogger(__name__)
 
-def connect(url: str):
-    """An asyncio Redis client for `url` (it connects at its first command)."""
+
+def connect(url: str, timeout_s: float):
+    """An asyncio Redis client for `url` (it connects at its first command) whose commands give up
+    after `timeout_s`, once: a store behind a cut link answers nothing, and the client's defaults
+    (5 s, and retries) would hold every admission that long."""
     try:
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
     except ImportError:
         raise SystemExit("shoal: --store needs the Redis client: pip install 'shoal[redis]'") from None
-    return redis.from_url(url)
+    return redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+
+
+class StoreHealth:
+    """Whether admission asks the store now: not from a failure to answer until the concurrency
+    beat (every second) finds it answering again, so that while it is away each request is
+    admitted on the gateway's own counts at once, not after a timeout of its own. Says so in the
+    log once when it goes, once when it is back."""
+
+    def __init__(self, url: str):
+        """`url`: the store as the log names it (shown)."""
+        self.url = url
+        self._away = False
+
+    def usable(self) -> bool:
+        return not self._away
+
+    def failed(self, exc: BaseException, what: str) -> None:
+        """It did not answer; `what` the gateway does meanwhile, for the log."""
+        if not self._away:
+            self._away = True
+            log.warning("store %s: %s; %s", self.url, str(exc) or type(exc).__name__, what)
+
+    def answered(self) -> None:
+        if self._away:
+            self._away = False
+            log.warning("store %s answers again", self.url)
 
 
 def shown(url: str) -> str:
