@@ -20,7 +20,9 @@ MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-limited"
 REDIS_PORT = 6390
 PASSWORD = "store-partition-test"  # a store other hosts reach needs one (redis' protected mode)
-TIMEOUT_S = 3.0  # the gateway's store_timeout_s: far above this host's stalls, to tell them apart
+# The gateway's store_timeout_s: a request that waited for the store took at least this long, far
+# more than a loaded host's stalls (2.1 s here, 4 busy loops on 2 cores).
+TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_a_store_behind_a_cut_link_holds_no_request_past_its_timeout(store_host,
         # The first waits for the store once at most (its places; its bucket is not asked then),
         # or not at all after a beat that failed; after it, the store is left alone.
         assert cut[0][1] < usual + TIMEOUT_S + 1.0, (usual, cut)
-        assert max(took for _, took in cut[1:]) < usual + TIMEOUT_S / 2, (usual, cut)
+        assert max(took for _, took in cut[1:]) < TIMEOUT_S, (usual, cut)
         log = gw.log()
         assert log.count("admitting on this gateway's own") == 1, log[-3000:]  # said once, not a request
 
