@@ -6,7 +6,8 @@ says it is alive in a sorted set of expiry times, renewed every second. A reques
 one script that sums the fields of the gateways alive and adds one to its own if the sum is
 below the limit: the counts of a gateway that died (its entry expired) stop counting at once and
 are removed, so a dead gateway's requests do not hold the tenant's limit. When the store cannot
-be reached, the gateway admits on its own counts.
+be reached, the gateway admits on its own counts until its renewal finds the store again
+(store.StoreHealth).
 
 Each renewal also writes the places this gateway holds over what the store has of them, so a
 count the store lost (a release that failed, a store restarted empty) heals within a second.
