@@ -5,6 +5,7 @@ once the link is back, the gateway uses the store again."""
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
 import time
@@ -28,7 +29,7 @@ TIMEOUT_S = 4.0
 @pytest.fixture(scope="module")
 def store_host():
     """h0 runs redis-server on its own address; yields (host, store URL)."""
-    if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
+    if shutil.which("redis-server") is None:
         pytest.skip("no redis-server")
     with host_cluster(1) as cluster:
         host = cluster.hosts[0]

@@ -61,22 +61,22 @@ class SharedConcurrency:
         self.gateways = Presence(client, prefix + "gateways")
         self._task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
-        self._counted: dict[str, object] = {}  # name -> tenant: those this gateway counts
-        # name -> the tenant's places this gateway holds, as its admissions and releases sent say
+        # Tenant name -> its places this gateway holds, as its admissions and releases sent say:
+        # every tenant it has admitted, whose count it writes in each heal.
         self._held: dict[str, int] = {}
         self._on_the_way = 0  # admissions and releases sent and not yet answered
         self._answered = asyncio.Event()  # set while none is on its way
         self._answered.set()
         self._healing: asyncio.Event | None = None  # set when a heal's write has landed
 
-    def _key(self, tenant) -> str:
-        return f"{self.prefix}{tenant.name}"
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}{name}"
 
     async def enter(self, tenant) -> int:
         """Takes one of the tenant's places: -1 when taken (or the store did not answer), else the
         count held across the gateways (the limit is reached)."""
-        self._counted[tenant.name] = tenant
-        keys = [self._key(tenant), self.gateways.key]
+        self._held.setdefault(tenant.name, 0)
+        keys = [self._key(tenant.name), self.gateways.key]
         await self._heal_landed()
         held = -1  # while the store is away: on this gateway's counts (mended by a heal once back)
         if self.health.usable():
@@ -88,7 +88,7 @@ class SharedConcurrency:
             finally:
                 self._answer()
         if held < 0:
-            self._held[tenant.name] = self._held.get(tenant.name, 0) + 1
+            self._held[tenant.name] += 1
         return held
 
     def leave(self, tenant) -> None:
@@ -101,7 +101,7 @@ class SharedConcurrency:
                 return
             self._send()
             try:
-                await self.client.hincrby(self._key(tenant), self.id, -1)
+                await self.client.hincrby(self._key(tenant.name), self.id, -1)
             except self.errors as exc:
                 self.health.failed(exc, OWN_COUNTS)
             finally:
@@ -142,7 +142,7 @@ class SharedConcurrency:
 
     async def _heal(self) -> None:
         """The places this gateway holds over what the store has of them."""
-        if not self._counted or self._healing is not None:
+        if not self._held or self._healing is not None:
             return
         self._healing = asyncio.Event()
         try:
@@ -152,8 +152,8 @@ class SharedConcurrency:
             except TimeoutError:
                 return
             pipe = self.client.pipeline(transaction=False)
-            for name, tenant in self._counted.items():
-                pipe.hset(self._key(tenant), self.id, self._held.get(name, 0))
+            for name, held in self._held.items():
+                pipe.hset(self._key(name), self.id, held)
             await pipe.execute()
         finally:
             self._healing.set()
@@ -168,7 +168,7 @@ class SharedConcurrency:
             await self._task
         with contextlib.suppress(*self.errors):
             pipe = self.client.pipeline(transaction=False)
-            for t in self._counted.values():
-                pipe.hdel(self._key(t), self.id)
+            for name in self._held:
+                pipe.hdel(self._key(name), self.id)
             await pipe.execute()
             await self.gateways.leave(self.id)

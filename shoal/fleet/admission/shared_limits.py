@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from shoal.fleet.admission.store import StoreHealth, store_errors
 
+OWN_LIMITS = "admitting on this gateway's own tenant limits"  # while the store is away
+
 # KEYS: the requests bucket, the tokens bucket. ARGV: per-second rate and capacity of each
 # (a rate of 0: unlimited), the tokens to take, and the mode: "take" (both or nothing; returns
 # each bucket's wait in seconds, "0" when taken) or "charge" (tokens only, may go below zero: a
@@ -82,7 +84,7 @@ class SharedLimits:
         try:
             out = await self.script(keys=keys, args=args)
         except self.errors as exc:
-            self.health.failed(exc, "admitting on this gateway's own tenant limits")
+            self.health.failed(exc, OWN_LIMITS)
             return 0.0, 0.0, -1.0, -1.0
         self.health.answered()
         wait_r, wait_t, level_r, level_t = (float(x) for x in out)
@@ -96,4 +98,4 @@ class SharedLimits:
         try:
             await self.script(keys=keys, args=args)
         except self.errors as exc:
-            self.health.failed(exc, "admitting on this gateway's own tenant limits")
+            self.health.failed(exc, OWN_LIMITS)
