@@ -127,7 +127,20 @@ def _trace_refused(path: str | None) -> bool:
         return True
 
 
-def _run_gateway(gateway, what: str) -> int:
+def _listen(cfg):
+    """The gateway's socket, bound (cfg.port set to the port it got: --port 0 picks one), or None
+    after saying the port is taken."""
+    from shoal.fleet.graceful import bind_listener
+
+    sock = bind_listener(cfg.host, cfg.port)
+    if sock is None:
+        print(f"shoal: port {cfg.port} already in use; free it or choose another --port", file=sys.stderr)
+        return None
+    cfg.port = sock.getsockname()[1]
+    return sock
+
+
+def _run_gateway(gateway, what: str, sock) -> int:
     import uvicorn
 
     from shoal.fleet.graceful import GracefulServer
@@ -145,8 +158,9 @@ def _run_gateway(gateway, what: str) -> int:
         timeout_graceful_shutdown=cfg.shutdown_timeout_s,
     )
     try:
-        GracefulServer(config).run()
+        GracefulServer(config).run(sockets=[sock])
     finally:
+        sock.close()
         tracing.shutdown()
     return 0
 
@@ -176,7 +190,6 @@ def fleet_config(args):
 
 def cmd_fleet_up(args) -> int:
     from shoal.fleet.admission.store import shown
-    from shoal.fleet.control.launchers.local import port_in_use
     from shoal.fleet.gateway import Gateway
 
     fleet = fleet_config(args)
@@ -198,17 +211,19 @@ def cmd_fleet_up(args) -> int:
             return 2
     if _trace_refused(fleet.gateway.record_trace):
         return 2
+    sock = _listen(fleet.gateway)  # before the replicas' ports are chosen
+    if sock is None:
+        return 1
     gateway = Gateway(fleet.gateway, fleet, launcher)
     controller = gateway.controller
     # With a store, the fleet's replicas may run already: its leader's (this gateway adopts them
     # if it leads, and starts the rest).
     busy = controller.busy_ports() if gateway.leadership is None else []
-    if port_in_use(fleet.gateway.port, fleet.gateway.host):
-        busy.insert(0, fleet.gateway.port)
     if busy:
+        sock.close()
         print(
             f"shoal: port {', '.join(map(str, busy))} already in use (another fleet, or replicas left "
-            "over from one?); free it or choose other --port / --base-port",
+            "over from one?); free it or choose another --base-port",
             file=sys.stderr,
         )
         return 1
@@ -223,7 +238,7 @@ def cmd_fleet_up(args) -> int:
             f"shoal: starting {len(controller.slots)} replicas ({names}); logs in {controller.log_dir}",
             flush=True,
         )
-    return _run_gateway(gateway, "fleet gateway up")
+    return _run_gateway(gateway, "fleet gateway up", sock)
 
 
 def cmd_gateway(args) -> int:
@@ -242,7 +257,10 @@ def cmd_gateway(args) -> int:
         return 2
     if _trace_refused(fleet.gateway.record_trace):
         return 2
-    return _run_gateway(Gateway(fleet.gateway), f"gateway over {len(fleet.gateway.backends)} backends")
+    sock = _listen(fleet.gateway)
+    if sock is None:
+        return 1
+    return _run_gateway(Gateway(fleet.gateway), f"gateway over {len(fleet.gateway.backends)} backends", sock)
 
 
 def _admin(args, method: str, path: str, body: dict | None = None):

@@ -119,6 +119,7 @@ class LocalLauncher:
     def __init__(self, cores: CoreAllocator | None = None, lifeline_s: float = 0.0):
         self.cores = cores or CoreAllocator.for_fleet(CoresConfig(), 1)
         self.lifeline_s = lifeline_s
+        self._given: set[int] = set()  # free ports handed out: free again until their replica binds
 
     def has_room(self) -> bool:
         """Whether the cores take one more replica now (see CoresConfig.when_full)."""
@@ -128,8 +129,15 @@ class LocalLauncher:
         return port_in_use(port)
 
     def port_for(self, base_port: int, index: int) -> int:
-        """The port of the index-th replica: base_port + index, or any free one (base_port 0)."""
-        return base_port + index if base_port else free_port()
+        """The port of the index-th replica: base_port + index, or any free one (base_port 0) that
+        no other replica of this launcher was given."""
+        if base_port:
+            return base_port + index
+        port = free_port()
+        while port in self._given:
+            port = free_port()
+        self._given.add(port)
+        return port
 
     def shutdown(self) -> None:
         """Nothing to let go of: the processes are the controller's to stop."""
