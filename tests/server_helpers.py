@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,7 +19,20 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from shoal.fleet.control.launchers.local import free_port
+from shoal.fleet.control.launchers.local import port_in_use
+
+
+def free_port() -> int:
+    """A port free now, at random below the kernel's ephemeral range: the kernel hands a port it
+    chose out again as soon as it is free (289 repeats in 3000 picks here), so a test's port taken
+    that way could go to the next server started, or to a fleet's replica, before its own server
+    had bound it. Ports chosen here never meet the kernel's, and two rarely meet each other."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+        ephemeral_low = int(ranges.read().split()[0])
+    while True:
+        port = random.randrange(max(1024, ephemeral_low - 16384), ephemeral_low)
+        if not port_in_use(port):
+            return port
 
 
 @dataclass

@@ -17,9 +17,8 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.engine.parallel.executor import ExecutorDeadError
 from shoal.engine.parallel.worker import AUTHKEY_ENV
-from shoal.fleet.control.launchers.local import free_port
 from tests.fleet_helpers import replicas, start_fleet, wait_replicas_ready
-from tests.server_helpers import sse_objects, start_server
+from tests.server_helpers import free_port, sse_objects, start_server
 from tests.test_parallel import _parallel_pids
 
 SERVE_ARGS = ("-tp", "2", "--threads", "1", "--kv-cache-memory", "128MiB", "--rank-timeout", "5")

@@ -4,7 +4,6 @@ it; a rank binds gloo where it is reached, not where its host name happens to re
 from __future__ import annotations
 
 import secrets
-import socket
 import threading
 from datetime import timedelta
 from multiprocessing import AuthenticationError
@@ -15,12 +14,7 @@ import torch.distributed as dist
 
 from shoal.engine.parallel.addresses import address_towards, interface_of
 from shoal.engine.parallel.rendezvous import AuthStore, StoreServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.server_helpers import free_port
 
 
 @pytest.fixture

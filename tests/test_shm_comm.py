@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shoal.engine.parallel.comm import SLOT_BYTES, CommError, ShmCommunicator, TorchCommunicator
-from shoal.fleet.control.launchers.local import free_port
 from shoal.kernels.build import load_shm_library
+from tests.server_helpers import free_port
 
 pytestmark = pytest.mark.skipif(load_shm_library() is None, reason="no C compiler")
 
