@@ -55,7 +55,7 @@ def store(request, tmp_path):
         pytest.skip("no redis-server")
     proc, url = start_redis()
     try:
-        yield RedisBatchStore(url, "test:batch:")
+        yield RedisBatchStore(url, "test:batch:", 5.0)
     finally:
         stop_redis(proc)
 

@@ -1,10 +1,14 @@
 """The store on a test host of its own (a network namespace, shoal.testing.hosts), its link cut
-under a gateway that shares tenants' limits through it: a store that answers nothing (no reset,
-no refusal) costs the first request at most the store's timeout, and the requests after it none;
-once the link is back, the gateway uses the store again."""
+under a gateway that shares tenants' limits and batch jobs through it: a store that answers
+nothing (no reset, no refusal) costs the first request at most the store's timeout, and the
+requests after it none; the batch API answers 503 at once and holds no thread the gateway's
+requests need; once the link is back, the gateway uses the store again and the batch that ran
+through the cut ends with each line's result once."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import shutil
 import statistics
 import subprocess
@@ -108,4 +112,96 @@ def test_a_store_behind_a_cut_link_holds_no_request_past_its_timeout(store_host,
         assert [ask(gw)[0] for _ in range(3)] == [200] * 3
         assert bucket_stamp(host.address) > drawn  # drawn from the shared bucket again
     finally:
+        gw.stop()
+
+
+BATCH_TIMEOUT_S = 3.0  # the gateway's batch_store_timeout_s in the test below
+LINES = 12
+
+
+def batch_lines() -> bytes:
+    rows = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Count to {i}"}],
+                "max_tokens": 24,
+            },
+        }
+        for i in range(LINES)
+    ]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def big_chat(gw) -> tuple[int, float]:
+    """A chat request of more than 64 KiB (JSON whitespace): the gateway parses it on a thread of
+    asyncio's default pool. Its status and how long it took."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+    padded = body[:-1] + " " * (96 << 10) + "}"
+    started = time.monotonic()
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        content=padded,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    return r.status_code, time.monotonic() - started
+
+
+def test_a_cut_store_fails_the_batch_api_fast_and_the_batch_ends_with_each_line_once(
+    store_host, chat_server, tmp_path
+):
+    host, url = store_host
+    config = tmp_path / "gw.toml"
+    config.write_text(f"[gateway]\nbatch_store_timeout_s = {BATCH_TIMEOUT_S}\nstore_prefix = 'cut:'\n")
+    gw = start_gateway([chat_server.url], "--config", str(config), "--store", url)
+    api = httpx.Client(base_url=gw.url, timeout=60)
+    try:
+        up = api.post("/v1/files", files={"file": ("in.jsonl", batch_lines())}, data={"purpose": "batch"})
+        assert up.status_code == 200, up.text
+        ask = {
+            "input_file_id": up.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        batch = api.post("/v1/batches", json=ask).json()
+        wait_until(
+            gw, lambda: api.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] >= 1, 120
+        )
+
+        host.cut()
+        try:
+            # More batch calls at once than asyncio's default pool has threads (6 on 2 cores),
+            # and large requests beside them: those are parsed on that pool.
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                started = time.monotonic()
+                calls = [pool.submit(api.get, f"/v1/batches/{batch['id']}") for _ in range(10)]
+                time.sleep(0.5)
+                chats = [big_chat(gw) for _ in range(3)]
+                answered = [c.result() for c in calls]
+                took = time.monotonic() - started
+            late = api.get("/v1/files")  # the store is known away: no wait at all
+        finally:
+            host.restore()
+        assert all(status == 200 for status, _ in chats), chats
+        assert max(t for _, t in chats) < BATCH_TIMEOUT_S, chats  # not behind a batch call's wait
+        assert {r.status_code for r in answered} == {503}, [r.text for r in answered]
+        assert {r.json()["error"]["code"] for r in answered} == {"store_unavailable"}
+        assert took < BATCH_TIMEOUT_S + 3.0, took
+        assert late.status_code == 503 and late.elapsed.total_seconds() < 1.0, late
+
+        # Back: the API answers again, and the batch ends with every line's result, each once.
+        wait_until(gw, lambda: api.get("/v1/files").status_code == 200, 15)
+        wait_until(gw, lambda: api.get(f"/v1/batches/{batch['id']}").json()["status"] == "completed", 180)
+        done = api.get(f"/v1/batches/{batch['id']}").json()
+        assert done["request_counts"] == {"total": LINES, "completed": LINES, "failed": 0}, done
+        out = api.get(f"/v1/files/{done['output_file_id']}/content").text.splitlines()
+        ids = sorted(json.loads(line)["custom_id"] for line in out)
+        assert ids == sorted(f"line-{i}" for i in range(LINES))
+        assert gw.log().count("did not answer") == 1, gw.log()[-3000:]  # said once, not per call
+    finally:
+        api.close()
         gw.stop()

@@ -144,6 +144,9 @@ class GatewayConfig:
     batch_max_inflight: int = 4
     batch_poll_interval_s: float = 0.2
     batch_max_file_bytes: int = 200 << 20  # an uploaded batch input file (OpenAI's limit)
+    # A command to the shared store's batch state unanswered this long failed (the batch API
+    # answers 503, the lane tries again): long enough for a whole input file to go in one.
+    batch_store_timeout_s: float = 30.0
 
     def check(self) -> None:
         if self.policy not in POLICIES:
@@ -154,7 +157,7 @@ class GatewayConfig:
         waits = ("lease_ttl_s", "queue_timeout_s", "cold_start_timeout_s", "connect_timeout_s")
         waits += ("first_byte_timeout_s", "stream_idle_timeout_s", "request_timeout_s", "probe_interval_s")
         waits += ("probe_timeout_s", "load_poll_interval_s", "kv_poll_interval_s", "prefill_timeout_s")
-        waits += ("rebalance_interval_s", "batch_poll_interval_s", "store_timeout_s")
+        waits += ("rebalance_interval_s", "batch_poll_interval_s", "store_timeout_s", "batch_store_timeout_s")
         none_below_0 = ("port", "replica_lifeline_s", "max_queue", "max_retries", "retry_budget")
         none_below_0 += ("shutdown_timeout_s", "poison_ttl_s", "eject_for_s", "load_weight")
         none_below_0 += ("imbalance_limit", "adapter_unload_drain_s", "disagg_min_prompt_tokens")

@@ -162,7 +162,9 @@ class Gateway:
             tenants.all,
             self.pipeline.run_internal,
             self.catalog.multi_model,
-            RedisBatchStore(config.store, f"{config.store_prefix}batch:") if self.store is not None else None,
+            RedisBatchStore(config.store, f"{config.store_prefix}batch:", config.batch_store_timeout_s)
+            if self.store is not None
+            else None,
         )
         # The replicas: the fleet's own, or those it was given.
         self.controller: FleetController | None = None

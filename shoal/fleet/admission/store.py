@@ -9,13 +9,17 @@ from urllib.parse import urlsplit, urlunsplit
 log = logging.getLogger(__name__)
 
 
-def connect(url: str, timeout_s: float):
-    """An asyncio Redis client for `url` (it connects at its first command) whose commands give up
-    after `timeout_s`, once: a store behind a cut link answers nothing, and the client's defaults
-    (5 s, and retries) would hold every admission that long."""
+def connect(url: str, timeout_s: float, blocking: bool = False):
+    """A Redis client for `url`, asyncio's (or a `blocking` one), that connects at its first
+    command; its commands give up after `timeout_s`, once: a store behind a cut link answers
+    nothing, and the client's defaults (5 s, or none, and retries) would hold a caller that long."""
     try:
-        import redis.asyncio as redis
-        from redis.asyncio.retry import Retry
+        if blocking:
+            import redis
+            from redis.retry import Retry
+        else:
+            import redis.asyncio as redis
+            from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
     except ImportError:
         raise SystemExit("shoal: --store needs the Redis client: pip install 'shoal[redis]'") from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 
+from shoal.fleet.admission.store import connect
 from shoal.fleet.batch.store import (
     ACTIVE,
     TIMES,
@@ -75,10 +76,9 @@ def _model_key(model: str | None) -> str:
 
 
 class RedisBatchStore:
-    def __init__(self, url: str, prefix: str):
-        import redis
-
-        self.r = redis.Redis.from_url(url)
+    def __init__(self, url: str, prefix: str, timeout_s: float):
+        """Commands fail after `timeout_s` (the caller's StoreCalls says so once)."""
+        self.r = connect(url, timeout_s, blocking=True)
         self.p = prefix  # e.g. "shoal:batch:"
         self._finish, self._claim, self._requeue, self._fail, self._move = (
             self.r.register_script(s) for s in (FINISH, CLAIM, REQUEUE, FAIL, MOVE)

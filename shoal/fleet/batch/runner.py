@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -13,8 +14,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
+from shoal.fleet.admission.store import shown
 from shoal.fleet.admission.tenants import Tenant
 from shoal.fleet.batch.store import BatchStore, Line, line_models, result_line
+from shoal.fleet.batch.store_calls import StoreCalls, StoreUnavailable
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.proxy.forward import usage_of
 from shoal.protocol.bodies import parse_json_object
@@ -155,6 +158,7 @@ class BatchService:
         self.by_model = by_model  # lines take turns by the model they name (a fleet of several)
         self.shared_store = shared_store
         self.store: BatchStore | None = None
+        self.db = StoreCalls(shown(config.store) if shared_store is not None else "batches.sqlite3")
         self._loop: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._inflight: dict[str | None, int] = {}  # by capacity key (model, or None)
@@ -162,10 +166,9 @@ class BatchService:
         self._retry_at: dict[str | None, float] = {}
         self._active: dict[str, list[str | None]] = {}  # batch id -> the models it names
         self._created: dict[str, list[str | None]] = {}  # batches created while a sweep ran
+        # Lines run whose outcome the store did not take (it was away): written when it answers.
+        self._unsaved: list[Callable[[], object]] = []
         self._wake = asyncio.Event()
-
-    async def db(self, fn, *args):
-        return await asyncio.to_thread(fn, *args)
 
     async def start(self, lead: bool = True) -> None:
         """Opens the store; runs the batches too when `lead` (else the fleet's leader does)."""
@@ -179,13 +182,16 @@ class BatchService:
             await self.lead()
 
     async def lead(self) -> None:
-        """Runs the batches from now: the lines a stopped (or dead) runner left running run again;
-        those that finished there meanwhile keep their one result (see the store's finish)."""
+        """Runs the batches from now (see _resume)."""
+        self._loop = asyncio.get_running_loop().create_task(self._run())
+
+    async def _resume(self) -> None:
+        """The lines a stopped (or dead) runner left running run again; those that finished there
+        meanwhile keep their one result (see the store's finish)."""
         resumed = await self.db(self.store.recover)
         self._active = await self.db(self.store.active)
         if self._active:
             log.warning("batch lane: resuming %d batches, %d lines run again", len(self._active), resumed)
-        self._loop = asyncio.get_running_loop().create_task(self._run())
 
     async def follow(self) -> None:
         """Stops running the batches (another gateway's runner does)."""
@@ -197,15 +203,18 @@ class BatchService:
                 await t
         self._loop, self._active = None, {}
         self._inflight.clear()
+        self._unsaved.clear()  # the next leader runs those lines again
 
     async def stop(self) -> None:
         running = self._loop is not None
         await self.follow()
         if self.store is not None:
             if running:
-                await self.db(self.store.recover)  # what was cut short runs at the next start
-            await self.db(self.store.close)
+                with contextlib.suppress(StoreUnavailable):  # then the next leader recovers them
+                    await self.db(self.store.recover)  # what was cut short runs at the next start
+            await asyncio.to_thread(self.store.close)
             self.store = None
+        self.db.close()
 
     # --- the API's side ------------------------------------------------------------------
 
@@ -241,17 +250,26 @@ class BatchService:
 
     async def _run(self) -> None:
         interval = self.config.batch_poll_interval_s
+        resumed = False
         while True:
             self._wake.clear()
             try:
+                if not resumed:
+                    await self._resume()
+                    resumed = True
                 await self._tick()
-            except Exception:  # a full disk, say: try again later, do not stop the lane
+            except StoreUnavailable:  # logged once by the store's calls: try again in a while
+                await asyncio.sleep(1.0)
+            except Exception:  # a bug: log it, try again later, do not stop the lane
                 log.exception("batch lane tick failed")
                 await asyncio.sleep(1.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
     async def _tick(self) -> None:
+        while self._unsaved:
+            await self.db(self._unsaved[0])
+            self._unsaved.pop(0)
         if not self._active and self.shared_store is None:  # a shared one's come from any gateway
             return
         self._created = {}
@@ -297,28 +315,34 @@ class BatchService:
 
     async def _run_line(self, line: Line, key: str | None) -> None:
         try:
-            status, body = await self._send(line)
-            code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
-            if status in RETRY_STATUSES and code not in NO_RETRY_CODES and line.attempts < MAX_ATTEMPTS:
-                # Transient (no replica, overloaded, a replica died): pause the model's lines a
-                # while, longer each time in a row, and run this one again.
-                fails = self._failures[key] = self._failures.get(key, 0) + 1
-                self._retry_at[key] = time.monotonic() + min(BACKOFF_MAX_S, 0.5 * 2**fails)
-                await self.db(self.store.requeue, line)
-                return
-            self._failures.pop(key, None)
-            self._retry_at.pop(key, None)
-            if status == 200:
-                result = result_line(line.custom_id, status, body)
-            else:
-                result = result_line(line.custom_id, status, body, _error_of(status, body))
-            await self.db(self.store.finish, line, status == 200, result, usage_of(body))
-        except Exception:  # the store failed: the line stays running and runs again after a restart
+            outcome = self._outcome(line, key, *await self._send(line))
+            try:
+                await self.db(outcome)
+            except StoreUnavailable:
+                self._unsaved.append(outcome)
+        except Exception:  # a bug: the line stays running and runs again after a restart
             log.exception("batch %s line %d", line.batch_id, line.line_no)
         finally:
             self._inflight[key] -= 1
             self._tasks.discard(asyncio.current_task())
             self._wake.set()
+
+    def _outcome(self, line: Line, key: str | None, status: int, body: dict) -> Callable[[], object]:
+        """What the store is to keep of a line answered `status`, `body`: its result, or (for a
+        transient failure: no replica, overloaded, a replica died) the line to run again, after a
+        pause of its model's lines, longer each time in a row."""
+        code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+        if status in RETRY_STATUSES and code not in NO_RETRY_CODES and line.attempts < MAX_ATTEMPTS:
+            fails = self._failures[key] = self._failures.get(key, 0) + 1
+            self._retry_at[key] = time.monotonic() + min(BACKOFF_MAX_S, 0.5 * 2**fails)
+            return functools.partial(self.store.requeue, line)
+        self._failures.pop(key, None)
+        self._retry_at.pop(key, None)
+        if status == 200:
+            result = result_line(line.custom_id, status, body)
+        else:
+            result = result_line(line.custom_id, status, body, _error_of(status, body))
+        return functools.partial(self.store.finish, line, status == 200, result, usage_of(body))
 
     async def _send(self, line: Line) -> tuple[int, dict]:
         tenant = self.tenants.get(line.tenant)
