@@ -41,10 +41,6 @@ class StoreCalls:
         self._next_try = 0.0
         self._trying = False
 
-    @property
-    def away(self) -> bool:
-        return self._away is not None
-
     async def __call__(self, fn, *args):
         """fn(*args) on the store's threads; StoreUnavailable if the store fails to answer, or is
         away and this call is not the one that tries it again."""
