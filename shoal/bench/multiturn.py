@@ -19,6 +19,7 @@ import httpx
 from shoal.bench.report import RequestRecord, format_summary, summarize
 from shoal.bench.workload import exact_length_text
 from shoal.models.checkpoint import load_tokenizer
+from shoal.protocol.sse import sse_lines
 
 
 @dataclass
@@ -58,7 +59,7 @@ async def chat_turn(
                 await resp.aread()
                 rec.error = f"HTTP {resp.status_code}"
                 return rec, text
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 obj = json.loads(line[6:])

@@ -18,6 +18,7 @@ from shoal.bench.arrivals import Burst, arrival_times
 from shoal.bench.report import RequestRecord, format_summary, plot, summarize
 from shoal.bench.workload import BenchRequest, check_length_range, from_dataset, synthetic
 from shoal.models.checkpoint import load_tokenizer
+from shoal.protocol.sse import sse_lines
 
 
 @dataclass
@@ -84,7 +85,7 @@ async def _one(
                 await resp.aread()
                 rec.error = f"HTTP {resp.status_code}"
                 return rec
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -15,7 +15,7 @@ import httpx
 from shoal.fleet.config import GatewayConfig
 from shoal.fleet.replicas.replica import Replica
 from shoal.protocol.errors import DRAINING_CODE, RANK_LOST_CODE
-from shoal.protocol.sse import DONE_DATA, event_data
+from shoal.protocol.sse import DONE_DATA, event_data, sse_lines
 
 ENCODE_INLINE_BYTES = 64 * 1024  # larger bodies are serialized on a thread
 
@@ -148,7 +148,7 @@ async def sse_events(
 ) -> AsyncIterator[dict]:
     """The JSON events of an SSE response up to [DONE]. Raises on a broken stream (no [DONE]),
     an in-band error, a gap past the timeouts, or the replica marked down."""
-    lines = resp.aiter_lines()
+    lines = sse_lines(resp.aiter_text())
     timeout = first_timeout
     while True:
         async with attempt.deadline(timeout):
