@@ -25,12 +25,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    # Two cores carry the surge replica beside the two old ones, the gateway and the clients: a
-    # version as fast as the old one has shown a p99 gap 1.7x the old's here, while the slow
-    # version below is 3.4x. The bounds are widened to 2x so that the tests of what an update
-    # does are not decided by that noise; the judge's 1.5x default has its own test.
+    # Two cores carry the surge replica beside the two old ones, the gateway and the clients, so
+    # the surge shares a core: a version as fast as the old one has shown p99 gaps 1.7x and 2.4x
+    # the old's here (the second holding the long streams moved off the drained replicas). The
+    # bounds are widened to 3x so that the tests of what an update does are not decided by that
+    # noise, and the slow version below is slower by far; the judge's 1.5x default has its own test.
     config = tmp_path_factory.mktemp("rollout") / "fleet.toml"
-    config.write_text("[rollout]\nmax_ttft_p99_ratio = 2.0\nmax_itl_p99_ratio = 2.0\n")
+    config.write_text("[rollout]\nmax_ttft_p99_ratio = 3.0\nmax_itl_p99_ratio = 3.0\n")
     gw = start_fleet(2, "--replica-args", REPLICA_ARGS, "--config", str(config))
     yield gw
     gw.stop()
@@ -238,11 +239,15 @@ def test_the_latency_rule_compares_p99s_over_enough_samples_with_a_floor():
 
 
 def test_a_canary_several_times_slower_is_rolled_back_with_the_figures_that_decided(fleet):
-    # A real version that loads, answers and fails nothing, but runs the weights unquantized:
-    # several times slower per token on this CPU than the int4 the fleet runs.
+    # A real version that loads, answers and fails nothing, but runs the weights unquantized
+    # (its p99 gap 2.1-3.4x the int4's here) one request at a time: the canary's share of three
+    # clients queues for its one place, so its first tokens wait for whole answers (5.5 s at p99
+    # against 0.13 s). It finishes 13 requests in 30 s, so the canary is watched long enough for
+    # the judge's 30 first tokens.
     version = pool(fleet)["version"]
-    slow = REPLICA_ARGS + " --quantization none"
-    out = shoal("fleet", "update", "--gateway", fleet.url, "--replica-args", slow, "--canary", "0.5")
+    slow = REPLICA_ARGS + " --quantization none --max-num-seqs 1"
+    canary = ("--canary", "0.5", "--canary-seconds", "120")
+    out = shoal("fleet", "update", "--gateway", fleet.url, "--replica-args", slow, *canary)
     assert out.returncode == 0, out.stderr
     deadline = time.monotonic() + 240
 
