@@ -128,9 +128,10 @@ def _trace_refused(path: str | None) -> bool:
 
 
 def _listen(cfg):
-    """The gateway's socket, bound (cfg.port set to the port it got: --port 0 picks one), or None
-    after saying the port is taken."""
-    from shoal.fleet.graceful import bind_listener
+    """The gateway's socket, bound before anything of the fleet picks a free port of its own (the
+    kernel would hand out the gateway's too, were it not held yet); cfg.port set to the port it got
+    (--port 0 picks one). None after saying the port is taken."""
+    from shoal.fleet.control.launchers.local import bind_listener
 
     sock = bind_listener(cfg.host, cfg.port)
     if sock is None:

@@ -6,23 +6,8 @@ unsent). A second Ctrl-C cuts the wait short."""
 from __future__ import annotations
 
 import signal
-import socket
 
 import uvicorn
-
-
-def bind_listener(host: str, port: int) -> socket.socket | None:
-    """The gateway's port, bound before anything else of the fleet picks a free port (a replica's
-    free port is any the kernel has free: the gateway's too, were it not held yet); None when it is
-    taken. Port 0: any free one (the socket says which)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind does
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        return None
-    return sock
 
 
 class GracefulServer(uvicorn.Server):

@@ -37,15 +37,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bind_listener(host: str, port: int) -> socket.socket | None:
+    """A TCP socket bound to `port` as servers bind (SO_REUSEADDR: a socket in TIME_WAIT does not
+    stand in the way, a listening one does), or None when it is taken. Port 0: any free one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether binding `port` would fail (SO_REUSEADDR as servers set it: a socket in TIME_WAIT
-    does not count, a listening one does)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
+    """Whether binding `port` would fail (see bind_listener)."""
+    sock = bind_listener(host, port)
+    if sock is None:
+        return True
+    sock.close()
     return False
 
 
