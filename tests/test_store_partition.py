@@ -20,6 +20,7 @@ import pytest
 from shoal.fleet.admission.tenants import key_digest
 from tests.cross_host_helpers import host_cluster
 from tests.fleet_helpers import auth, start_gateway, wait_until
+from tests.test_batch_api import jsonl
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-limited"
@@ -133,7 +134,7 @@ def batch_lines() -> bytes:
         }
         for i in range(LINES)
     ]
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+    return jsonl(rows)
 
 
 def big_chat(gw) -> tuple[int, float]:
