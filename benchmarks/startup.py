@@ -8,38 +8,18 @@ after).
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 import time
 
-import httpx
-
-from shoal.fleet.control.launchers.local import free_port
+from shoal.sim.servers import running
 
 
 def start_to_ready(env: dict, extra: list[str]) -> float:
-    port = free_port()
+    """Polled through one client (servers.wait_for): a client built per poll took half a core from
+    the start it timed."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port), *extra],
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit("shoal serve exited")
-            time.sleep(0.05)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with running(["serve", *extra], env, poll_s=0.05):
+        return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -48,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     extra = ["--quantization", args.quantization] if args.quantization else []
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "SHOAL_CACHE_DIR": cache}
+        env = {"SHOAL_CACHE_DIR": cache}
         cold = start_to_ready(env, extra)
         warm = [start_to_ready(env, extra) for _ in range(3)]
     print(f"start to ready, empty cache : {cold:.2f} s")

@@ -66,8 +66,8 @@ class SimPool:
     def of(cls, shape: ScalingShape, profile: NodeProfile) -> SimPool:
         """A pool whose cold start takes what the profile measured, unless the shape says: its
         second start (the caches warm, as a replacement's are), or its start beside a busy replica
-        while the pool has an active one (a scale-up under load: on this 2-core host a mean of 5.2 s
-        against 4.0 alone); each found ready at the gateway's next probe."""
+        while the pool has an active one (a scale-up under load); each found ready at the gateway's
+        next probe."""
         found = shape.probe_interval_s / 2
         start = shape.start_s
         if start is not None:

@@ -5,6 +5,7 @@ are busy, or it would not want another)."""
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 import time
 
@@ -18,12 +19,15 @@ STARTUP_POLL_S = 0.05  # how often a timed server start asks whether it is ready
 BUSY_CLIENTS = 8
 BUSY_PROMPT_TOKENS = 256
 BUSY_OUTPUT_TOKENS = 64
-BUSY_STARTS = 3  # starts timed beside it: one swings by 50 % with what the busy one computes then
+# Starts timed beside it, their median kept: on this 2-core host one start's own CPU went from 2.5
+# to 4.2 s within minutes (the host's speed), and the pool's TTFT p99 moves by half with 0.6 s of
+# its second replica's start; three starts' mean read 3.3 to 5.9 s over a week's profiles.
+BUSY_STARTS = 7
 
 
 def time_startup(serve_flags: list[str] | None, engine_options: dict) -> dict[str, float]:
     """Seconds until a new replica takes requests: "first" may read the weights from disk, "again"
-    finds them in the page cache, "busy" is the mean of starts beside a replica serving clients
+    finds them in the page cache, "busy" is the median of starts beside a replica serving clients
     (only where the flags pin a replica to fewer cores than the host has: the busy one takes the
     others). With `serve_flags`, a `shoal serve` process from its spawn to its first ready
     answer, which is what a fleet waits for before it routes to a replica it started (an
@@ -50,23 +54,21 @@ def engine_start_seconds(engine_options: dict) -> float:
 
 def server_start_seconds(serve_flags: list[str]) -> float:
     """A server's start as a fleet starts a replica of these flags: with `--threads N`, pinned to N
-    of this host's cores with that many threads (on one of two cores here a start took 5.9 s, and
-    7.9 s with the threads left to size themselves from the machine; 5.7 s free to use both)."""
+    of this host's cores with that many threads; polled as a gateway probes (servers.wait_for)."""
     env, pin, _ = fleet_placement(serve_flags)
     t0 = time.perf_counter()
     with running(["serve", *serve_flags], env, poll_s=STARTUP_POLL_S, cpus=pin):
         return time.perf_counter() - t0
 
 
-def busy_start_seconds(serve_flags: list[str]) -> float | None:
-    """The mean of BUSY_STARTS server starts on their cores (as server_start_seconds) while another
-    replica of the same flags, on the host's other cores, serves clients that never pause: a pool's
-    scale-up. On this 2-core host six such one-core starts took 4.4 to 6.8 s (mean 5.2) where
-    alone they took 4.0 to 4.3; an autoscaled pool's second replica, started in a burst, went
-    from its slot's start to ready in 4.8 to 6.1 s, the gateway's probe that found it included (its
-    model's load 3.3-4.2 s, against 2.6 alone, the busy replica computing beside it). None: no
-    other cores to run the busy replica on. RuntimeError: the busy replica streamed nothing while
-    the starts were timed (they were not timed beside a busy replica)."""
+def busy_start_seconds(serve_flags: list[str], starts: int = BUSY_STARTS) -> float | None:
+    """The median of `starts` server starts on their cores (as server_start_seconds) while
+    another replica of the same flags, on the host's other cores, serves clients that never pause:
+    a pool's scale-up. On this 2-core host twenty such one-core starts took 2.6 to 4.2 s (median
+    2.9), and alone 2.5 to 4.1; an autoscaled pool's second replica, started in a burst, ran its
+    first step 3.1 to 3.6 s after the autoscaler asked for it. None: no other cores to run the busy
+    replica on. RuntimeError: the busy replica streamed nothing while the starts were timed (they
+    were not timed beside a busy replica)."""
     env, pin, others = fleet_placement(serve_flags)
     if not others:
         return None
@@ -74,12 +76,12 @@ def busy_start_seconds(serve_flags: list[str]) -> float | None:
     with replica as (url, _), BusyClients(url) as clients:
         clients.wait_streaming()
         streamed = clients.streamed
-        total = sum(server_start_seconds(serve_flags) for _ in range(BUSY_STARTS))
+        timed = [server_start_seconds(serve_flags) for _ in range(starts)]
         # Not asked of each start: the clients' prompts, sent at once, can keep a start's few
         # seconds in one prefill that streams nothing.
         if clients.streamed == streamed:
             raise RuntimeError("the busy replica streamed nothing while the starts were timed beside it")
-    return total / BUSY_STARTS
+    return statistics.median(timed)
 
 
 class BusyClients:
