@@ -90,14 +90,16 @@ def load(url: str, headers: dict | None = None) -> dict:
 
 
 def wait_idle(url: str, timeout: float = 30.0, headers: dict | None = None) -> dict:
-    """Nothing running, waiting or held, no KV block in use."""
+    """Nothing running, waiting or held, no KV block in use (polled through one client, as
+    ServerProcess says why)."""
     deadline = time.monotonic() + timeout
-    while True:
-        now = load(url, headers)
-        if now["running"] == now["waiting"] == now.get("kv_held", 0) == 0 and now["kv_usage"] == 0:
-            return now
-        assert time.monotonic() < deadline, f"{url} not idle: {now}"
-        time.sleep(0.2)
+    with httpx.Client(timeout=5, headers=headers) as client:
+        while True:
+            now = client.get(url + "/load").json()
+            if now["running"] == now["waiting"] == now.get("kv_held", 0) == 0 and now["kv_usage"] == 0:
+                return now
+            assert time.monotonic() < deadline, f"{url} not idle: {now}"
+            time.sleep(0.2)
 
 
 def samples(text: str, name: str) -> dict[str, float]:

@@ -64,7 +64,7 @@ def wait_replicas_ready(
         if gw.proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {gw.log()}")
         try:
-            reps = httpx.get(gw.url + "/replicas", timeout=2, headers=auth(api_key)).json()["replicas"]
+            reps = gw.http.get(gw.url + "/replicas", timeout=2, headers=auth(api_key)).json()["replicas"]
             # Routable: its probes say ready, and the controller has taken it into traffic (a
             # replica is ready by probe a moment before its fleet promotes it from "starting").
             if sum(r["state"] == "ready" and r.get("lifecycle", "ready") == "ready" for r in reps) >= count:

@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
@@ -41,6 +41,10 @@ class ServerProcess:
     proc: subprocess.Popen
     log_path: str
     api_key: str | None = None  # sent on the internal routes this helper reads (/load)
+    # One client for the test's calls, as an SDK keeps one: httpx.get builds a client and its TLS
+    # context per call (50 ms of CPU here), and a poll's worth of those took a core's half from
+    # the servers under test on this 2-core host.
+    http: httpx.Client = field(default_factory=httpx.Client, repr=False, compare=False)
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -49,10 +53,10 @@ class ServerProcess:
     def get(self, path: str, **kw) -> httpx.Response:
         if self.api_key and "headers" not in kw:
             kw["headers"] = {"Authorization": f"Bearer {self.api_key}"}
-        return httpx.get(self.url + path, timeout=30, **kw)
+        return self.http.get(self.url + path, timeout=30, **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=60, **kw)
+        return self.http.post(self.url + path, timeout=60, **kw)
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Waits until no request runs or waits and every KV block is free again; returns /load."""
@@ -66,6 +70,7 @@ class ServerProcess:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        self.http.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -114,9 +119,9 @@ def wait_ready(server: ServerProcess, timeout: float) -> None:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.url} exited with {server.proc.returncode}: {server.log()[-3000:]}")
         try:
-            if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
+            if server.http.get(server.url + "/ready", timeout=2).status_code == 200:
                 return
-            health = httpx.get(server.url + "/health", timeout=2)
+            health = server.http.get(server.url + "/health", timeout=2)
             if health.status_code == 503 and health.json().get("status") == "failed":
                 raise RuntimeError(f"{server.url} failed to load: {health.json().get('reason')}")
         except httpx.HTTPError:

@@ -21,6 +21,7 @@ from shoal.engine.kv_connector.transports import ShmTransport, TcpTransport
 from shoal.protocol import kv_files
 from shoal.protocol.block_hash import hash_blocks, root_hash
 from shoal.protocol.secrets import KV_TRANSFER_KEY_HEADER, kv_salt
+from tests.cross_host_helpers import wait_idle
 from tests.fleet_helpers import metric, replicas, spawn, wait_replicas_ready
 from tests.helpers import PROMPTS
 from tests.otlp_collector import OTLPCollector
@@ -62,17 +63,6 @@ def workers(gw) -> tuple[dict, dict]:
 
 def decisions(gw, decision: str) -> float:
     return metric(gw.url, f'shoal:gateway_disagg_decisions_total{{decision="{decision}"}}')
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> dict:
-    """The worker's pool back at its idle level: nothing running, held or in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(url + "/load", timeout=5).json()
-        if load["running"] == load["waiting"] == load["kv_held"] == 0 and load["kv_usage"] == 0:
-            return load
-        assert time.monotonic() < deadline, f"{url} not idle: {load}"
-        time.sleep(0.2)
 
 
 def shm_left(*pids: int) -> list[str]:
