@@ -3,10 +3,12 @@ HTTP servers of the test's own) for the gateway tests that need a replica to mis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -141,6 +143,20 @@ async def stream_gaps(client: httpx.AsyncClient, url: str, body: dict, gaps: lis
                 if last is not None:
                     gaps.append(now - last)
                 last = now
+
+
+@contextlib.contextmanager
+def raw_post(url: str, path: str, body: dict, headers: dict[str, str] | None = None) -> Iterator[None]:
+    """A POST sent on a bare socket and left unread: the client leaves when the block ends (an
+    HTTP library would read or pool the connection instead of just closing it)."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    head = {"Host": host, "Content-Type": "application/json", "Content-Length": str(len(data))}
+    head.update(headers or {})
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\n".encode())
+        sock.sendall("".join(f"{k}: {v}\r\n" for k, v in head.items()).encode() + b"\r\n" + data)
+        yield
 
 
 def sse_objects(resp: httpx.Response) -> Iterator[dict]:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from tests.fleet_helpers import FLEET_KEY as KEY
 from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
-from tests.server_helpers import StandIn, stand_in_app
+from tests.server_helpers import StandIn, raw_post, stand_in_app
 
 LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in range(14))
 
@@ -243,6 +243,52 @@ def test_a_replica_answering_500_is_ejected_by_passive_checks(urls):
             assert metric(gw.url, "shoal:gateway_ejections_total") >= 1
         finally:
             gw.stop()
+
+
+@pytest.fixture(scope="module")
+def unfolded(urls, tmp_path_factory):
+    """A gateway that sends non-streamed requests on as they are, not as streams (fold.py)."""
+    config = tmp_path_factory.mktemp("unfolded") / "fleet.toml"
+    config.write_text("[gateway]\nfold_unary = false\n")
+    gw = start_gateway(list(urls.values()), "--config", str(config), api_key=KEY)
+    yield gw
+    gw.stop()
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "unfolded"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "A long tale:"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A long tale, please."}]}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_a_client_that_leaves_a_non_streamed_request_stops_it_on_its_replica(
+    fleet, unfolded, urls, path, body, fold
+):
+    gw = fleet if fold else unfolded
+    body = {"model": MODEL, **body, "max_tokens": 2000, "ignore_eos": True}
+    left = 'shoal:gateway_responses_total{status="499"'
+    left_before = metric(gw.url, left)
+    with httpx.Client(headers=auth(KEY), timeout=10) as c:
+
+        def load(url: str) -> dict:
+            return c.get(url + "/load").json()
+
+        with raw_post(gw.url, path, body, auth(KEY)):
+            deadline = time.monotonic() + 30
+            while not (running := [u for u in urls.values() if load(u)["running"]]):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        steps_at_close = load(running[0])["num_steps"]
+        deadline = time.monotonic() + 10
+        while (now := load(running[0]))["running"] or now["free_blocks"] < now["num_blocks"]:
+            assert time.monotonic() < deadline, now
+            time.sleep(0.02)
+    # The gateway closes its request to the replica, which aborts it as it would its own client's.
+    assert now["num_steps"] - steps_at_close <= 3
+    assert metric(gw.url, left) == left_before + 1
 
 
 def test_kill_9_mid_stream_loses_nothing(fleet, gateways):

@@ -37,6 +37,7 @@ from shoal.fleet.routing.tiers import TierConfig, TierRouter
 from shoal.fleet.workload_trace import WorkloadTrace
 from shoal.protocol import tracing
 from shoal.protocol.bodies import parse_json_object
+from shoal.protocol.disconnect import unless_client_leaves
 from shoal.protocol.errors import APIError
 
 # Bodies past this are parsed on a worker thread: a 4 MiB JSON body takes tens of milliseconds.
@@ -143,11 +144,11 @@ class Pipeline:
             route.priority = priority
             headers = self.upstream_headers(raw)
             if tier is None:
-                resp = await self.send(path, body, headers, route, ticket, len(data), settle=True)
+                sent = self.send(path, body, headers, route, ticket, len(data), settle=True)
             else:
-                resp = await self.send_tiered(
-                    tier, path, body, raw.headers, headers, route, ticket, len(data)
-                )
+                sent = self.send_tiered(tier, path, body, raw.headers, headers, route, ticket, len(data))
+            # Until its answer (or its stream) starts: after that, Starlette notices a client leaving.
+            resp = await unless_client_leaves(raw.receive, sent)
         except APIError as exc:
             resp = exc.response()
         if note is not None:

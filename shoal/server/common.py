@@ -19,15 +19,13 @@ from shoal.engine.request_checks import RequestRejectedError
 from shoal.engine.sampling_params import InvalidParamError, SamplingParams
 from shoal.models.tokenizer import Tokenizer
 from shoal.models.tool_formats import SMOLLM2, ToolFormat
+from shoal.protocol.disconnect import unless_client_leaves
 from shoal.protocol.errors import RANK_LOST_CODE, APIError, overloaded
 from shoal.protocol.resume import Resume
 from shoal.protocol.seeds import derive_seed
 from shoal.server.kv_connector import KVConnector
 from shoal.server.metrics import RequestTimer, ServerMetrics
 from shoal.server.protocol import KVTransferParams
-
-# How often a non-streaming handler checks that its client is still there.
-DISCONNECT_POLL_S = 0.05
 
 
 @dataclass
@@ -228,22 +226,13 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def collect_unless_disconnected(raw: Request, work) -> object:
-    """Runs `work` (a coroutine) but cancels it if the client goes away."""
-    task = asyncio.ensure_future(work)
+    """Runs `work` (a coroutine) but cancels it the moment the client goes away (a 499)."""
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                try:
-                    return task.result()
-                except Exception as exc:
-                    raise engine_error(exc) from exc
-            if await raw.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
+        return await unless_client_leaves(raw.receive, work)
+    except APIError:
+        raise
+    except Exception as exc:
+        raise engine_error(exc) from exc
 
 
 async def run_to_end(raw: Request, events: AsyncIterator, streams: list[RequestStream]) -> None:
