@@ -17,7 +17,7 @@ import pytest
 from fastapi.responses import JSONResponse
 
 from tests.fleet_helpers import FLEET_KEY as KEY
-from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready
+from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready, wait_until
 from tests.server_helpers import StandIn, raw_post, stand_in_app
 
 LONG_PREFIX = " ".join(f"Fact {i}: the river bends near stone {i * 7}." for i in range(14))
@@ -215,6 +215,30 @@ def test_gateway_backpressure_gives_503_with_retry_after(urls, tmp_path):
         assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
         assert metric(gw.url, "shoal:gateway_rejections_total") == codes.count(503)
     finally:
+        gw.stop()
+
+
+def test_a_client_that_leaves_while_queued_at_the_gateway_gives_its_place_back(urls, tmp_path):
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text("[gateway]\nmax_inflight_per_replica = 1\nmax_queue = 1\n")
+    gw = start_gateway(list(urls.values())[:1], "--config", str(cfg), api_key=KEY)
+    long = {"model": MODEL, "prompt": "A long tale:", "max_tokens": 2000, "ignore_eos": True}
+    queued = "shoal:gateway_queued_requests"
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        with raw_post(gw.url, "/v1/completions", long, auth(KEY)):  # the replica's one place
+            wait_until(gw, lambda: metric(gw.url, "shoal:gateway_inflight_requests") == 1, 30)
+            with raw_post(gw.url, "/v1/completions", {**long, "stream": True}, auth(KEY)):
+                wait_until(gw, lambda: metric(gw.url, queued) == 1, 30, every=0.05)
+            wait_until(gw, lambda: metric(gw.url, queued) == 0, 5, every=0.05)
+            # The queue's one place is free again: a third client waits in it (not a 503)...
+            third = pool.submit(post, gw, {"prompt": "Hi", "max_tokens": 4})
+            wait_until(gw, lambda: metric(gw.url, queued) == 1, 30, every=0.05)
+            assert not third.done()
+        # ...and is served once the first client leaves too.
+        assert third.result(timeout=60).json()["usage"]["completion_tokens"] == 4
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         gw.stop()
 
 

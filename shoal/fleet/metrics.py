@@ -44,6 +44,12 @@ class GatewayMetrics:
         self.inflight = Gauge(
             "shoal:gateway_inflight_requests", "Requests in flight.", ["replica"], registry=r
         )
+        self.queued = Gauge(
+            "shoal:gateway_queued_requests",
+            "Requests waiting at the gateway for a replica of their model (all at their cap).",
+            ["model"],
+            registry=r,
+        )
         self.replica_up = Gauge(
             "shoal:gateway_replica_ready", "1 when the replica takes traffic.", ["replica"], registry=r
         )

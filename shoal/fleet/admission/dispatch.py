@@ -182,6 +182,7 @@ class Dispatcher:
                     queued = True
                     self._waiters += 1
                     self.demand.waiting(model, +1)
+                    self.metrics.queued.labels(model or "default").inc()
                     if waiter._queue is None:
                         self.fair.join(waiter)
                 remaining = deadline - now
@@ -197,6 +198,7 @@ class Dispatcher:
             if queued:
                 self._waiters -= 1
                 self.demand.waiting(model, -1)
+                self.metrics.queued.labels(model or "default").dec()
 
     def _dispatch(self, choice: tuple[Replica, str], req: RouteRequest) -> Replica:
         replica, reason = choice
