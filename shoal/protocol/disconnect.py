@@ -8,7 +8,6 @@ listener at once: no polling interval to wait out, and no step of the engine spe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -45,6 +44,9 @@ async def unless_client_leaves(receive: Callable[[], Awaitable[dict[str, Any]]],
     if task in done:
         return task.result()
     listener.exception()  # (retrieved) a receive that failed: the connection is gone all the same
-    with contextlib.suppress(asyncio.CancelledError):
+    try:
         await task  # its cleanup, done before the handler returns
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise  # this handler's own cancel, not the one it gave its work
     raise client_left()
