@@ -279,14 +279,13 @@ def unfolded(urls, tmp_path_factory):
     gw.stop()
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["folded", "unfolded"])
 @pytest.mark.parametrize(
-    "path, body",
+    "fold, path, body",
     [
-        ("/v1/completions", {"prompt": "A long tale:"}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A long tale, please."}]}),
+        (True, "/v1/chat/completions", {"messages": [{"role": "user", "content": "A long tale, please."}]}),
+        (False, "/v1/completions", {"prompt": "A long tale:"}),
     ],
-    ids=["completions", "chat"],
+    ids=["folded-chat", "unfolded-completions"],
 )
 def test_a_client_that_leaves_a_non_streamed_request_stops_it_on_its_replica(
     fleet, unfolded, urls, path, body, fold
