@@ -23,6 +23,15 @@ class Connection:
         return {"type": "http.disconnect"}
 
 
+async def long_work(steps: list[str], cleanup_s: float) -> None:
+    """Work that would run a minute; its cleanup (an abort) takes `cleanup_s`, then is noted."""
+    try:
+        await asyncio.sleep(60)
+    finally:
+        await asyncio.sleep(cleanup_s)
+        steps.append("cleaned up")
+
+
 def test_work_that_ends_first_gives_its_result_and_its_errors():
     async def run():
         conn = Connection()
@@ -40,17 +49,9 @@ def test_work_that_ends_first_gives_its_result_and_its_errors():
 def test_a_client_that_leaves_cancels_the_work_and_its_cleanup_ends_before_the_499():
     async def run():
         conn, steps = Connection(), []
-
-        async def work():
-            try:
-                await asyncio.sleep(60)
-            finally:
-                await asyncio.sleep(0.01)  # an abort that takes a moment
-                steps.append("cleaned up")
-
         asyncio.get_running_loop().call_later(0.05, conn.gone.set)
         with pytest.raises(APIError) as err:
-            await unless_client_leaves(conn.receive, work())
+            await unless_client_leaves(conn.receive, long_work(steps, 0.01))
         assert err.value.status == CLIENT_CLOSED and steps == ["cleaned up"]
 
     asyncio.run(run())
@@ -59,31 +60,18 @@ def test_a_client_that_leaves_cancels_the_work_and_its_cleanup_ends_before_the_4
 def test_a_handler_cancelled_itself_is_cancelled_and_cancels_its_work():
     async def run():
         conn, steps = Connection(), []
-
-        async def work():
-            try:
-                await asyncio.sleep(60)
-            finally:
-                steps.append("cancelled")
-
-        handler = asyncio.ensure_future(unless_client_leaves(conn.receive, work()))
+        handler = asyncio.ensure_future(unless_client_leaves(conn.receive, long_work(steps, 0)))
         await asyncio.sleep(0.02)
         handler.cancel()
         with pytest.raises(asyncio.CancelledError):
             await handler
-        await asyncio.sleep(0)
-        assert steps == ["cancelled"]
+        await asyncio.sleep(0.01)
+        assert steps == ["cleaned up"]
 
         # Also while it waits for the cleanup of a client that left.
-        async def slow_cleanup():
-            try:
-                await asyncio.sleep(60)
-            finally:
-                await asyncio.sleep(0.2)
-
         conn = Connection()
         conn.gone.set()
-        handler = asyncio.ensure_future(unless_client_leaves(conn.receive, slow_cleanup()))
+        handler = asyncio.ensure_future(unless_client_leaves(conn.receive, long_work(steps, 0.2)))
         await asyncio.sleep(0.05)
         handler.cancel()
         with pytest.raises(asyncio.CancelledError):
