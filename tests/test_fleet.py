@@ -16,6 +16,7 @@ import openai
 import pytest
 from fastapi.responses import JSONResponse
 
+from tests.cross_host_helpers import wait_idle
 from tests.fleet_helpers import FLEET_KEY as KEY
 from tests.fleet_helpers import auth, metric, replicas, start_gateway, wait_replicas_ready, wait_until
 from tests.server_helpers import StandIn, raw_post, stand_in_app
@@ -300,15 +301,9 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_it_on_its_replica(
             return c.get(url + "/load").json()
 
         with raw_post(gw.url, path, body, auth(KEY)):
-            deadline = time.monotonic() + 30
-            while not (running := [u for u in urls.values() if load(u)["running"]]):
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            running = wait_until(gw, lambda: [u for u in urls.values() if load(u)["running"]], 30, 0.02)
         steps_at_close = load(running[0])["num_steps"]
-        deadline = time.monotonic() + 10
-        while (now := load(running[0]))["running"] or now["free_blocks"] < now["num_blocks"]:
-            assert time.monotonic() < deadline, now
-            time.sleep(0.02)
+    now = wait_idle(running[0], 10, auth(KEY))
     # The gateway closes its request to the replica, which aborts it as it would its own client's.
     assert now["num_steps"] - steps_at_close <= 3
     assert metric(gw.url, left) == left_before + 1
